@@ -1,0 +1,185 @@
+"""The public entry point: ``linear_cross_entropy``."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from mst_jax import backends, ce_math, chunked, config, inputs, reference
+
+IMPLEMENTATIONS = (None, "xla", "reference")
+
+
+def _resolve_backend(impl: str | None) -> backends.ChunkCE | None:
+  """The per-chunk backend for ``impl``; None means the full-logits reference."""
+  if impl == "reference":
+    return None
+  return backends.XlaChunkCE()
+
+
+@jax.jit(
+    static_argnames=(
+        "ignore_index",
+        "reduction",
+        "label_smoothing",
+        "z_loss",
+        "logit_softcap",
+        "shift",
+        "weight_layout",
+        "chunk_size",
+        "impl",
+        "accum_dtype",
+        "return_aux",
+    )
+)
+def linear_cross_entropy(
+    hidden: jax.Array,
+    weight: jax.Array,
+    labels: jax.Array,
+    bias: jax.Array | None = None,
+    *,
+    where: jax.Array | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    logit_softcap: float | None = None,
+    shift: bool = False,
+    weight_layout: str = "vd",
+    chunk_size: int | None = None,
+    impl: str | None = None,
+    accum_dtype: jax.typing.DTypeLike | None = None,
+    return_aux: bool = False,
+):
+  r"""Cross-entropy of ``hidden @ weight.T (+ bias)`` without the full logits.
+
+  For each token with logits ``z = hidden @ weight.T + bias`` (``[V]``, float32
+  accumulation) and label ``y``::
+
+    s    = logit_softcap * tanh(z / logit_softcap)   (s = z if no softcap)
+    lse  = logsumexp(s)
+    loss = (1 - eps) * (lse - s[y]) + eps * (lse - mean(s)) + z_loss * lse**2
+
+  with ``eps = label_smoothing`` (the torch / optax definition). The loss is
+  computed in row chunks: at most ``chunk_size x V`` logits exist at a time,
+  never ``N x V``; the backward recomputes each chunk's logits.
+
+  Args:
+    hidden: ``[N, D]`` or ``[..., T, D]`` float (float32, bfloat16, float16 or
+      float64).
+    weight: ``[V, D]`` (``weight_layout="vd"``: an embedding table or a torch
+      ``lm_head.weight``) or ``[D, V]`` (``"dv"``: a Flax Dense kernel).
+    labels: integer, ``hidden.shape[:-1]``.
+    bias: optional ``[V]`` float.
+    where: optional bool, shape of ``labels``; False excludes a token (on top
+      of ``ignore_index``).
+    ignore_index: label value that excludes a token.
+    reduction: ``"mean"`` over valid tokens (exactly 0.0 when none is valid),
+      ``"sum"``, or ``"none"`` (per token, shape of ``labels``, 0 at excluded
+      tokens).
+    label_smoothing: ``eps`` in ``[0, 1]``.
+    z_loss: adds ``z_loss * lse**2`` per valid token (PaLM).
+    logit_softcap: ``c > 0``: logits become ``c * tanh(logits / c)`` (Gemma 2).
+    shift: if True, position ``t`` predicts ``labels[..., t + 1]`` along the
+      token axis (unshifted Hugging Face style labels); the last position of
+      each sequence is excluded. ``hidden`` is not sliced or copied, and
+      per-token outputs keep the shape of ``labels``.
+    weight_layout: ``"vd"`` or ``"dv"``, see ``weight``.
+    chunk_size: rows per chunk; None picks one from a memory budget
+      (``config.default_rows_per_chunk``).
+    impl: None (automatic: ``"xla"``), ``"xla"`` (chunked, per-chunk math in
+      XLA) or ``"reference"`` (full logits; for tests and small problems).
+    accum_dtype: dtype of the ``dweight`` / ``dbias`` accumulators across
+      chunks; default float32 (float64 for float64 inputs).
+    return_aux: if True, also return a ``LossAux``.
+
+  Returns:
+    The loss, float32 (float64 for float64 inputs): a scalar, or the shape of
+    ``labels`` for ``reduction="none"``; with ``return_aux``, ``(loss, aux)``.
+    Gradients come back in each input's own dtype.
+
+    A valid token whose label is outside ``[0, V)`` has a NaN loss and NaN
+    gradients: such a label is an error and is never read as a valid class.
+
+  Raises:
+    ValueError: mismatched shapes, an unknown ``reduction`` /
+      ``weight_layout`` / ``impl``, or option values out of range.
+    TypeError: non-integer labels, non-float hidden / weight / bias, a
+      non-bool ``where``, or options of the wrong type.
+
+  Example:
+
+    >>> import jax, jax.numpy as jnp
+    >>> import mst_jax
+    >>> k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    >>> hidden = jax.random.normal(k1, (2, 16, 64), jnp.bfloat16)
+    >>> weight = jax.random.normal(k2, (1000, 64), jnp.bfloat16) * 0.05
+    >>> labels = jax.random.randint(k3, (2, 16), 0, 1000)
+    >>> loss, grads = jax.value_and_grad(
+    ...     mst_jax.linear_cross_entropy, argnums=(0, 1))(hidden, weight, labels)
+    >>> loss.dtype, grads[1].dtype
+    (dtype('float32'), dtype(bfloat16))
+  """
+  if impl not in IMPLEMENTATIONS:
+    raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {impl!r}.")
+  if not isinstance(return_aux, bool):
+    raise TypeError(f"return_aux must be a bool, got {return_aux!r}.")
+  options = ce_math.CEOptions(
+      label_smoothing=inputs.check_finite_float("label_smoothing", label_smoothing),
+      z_loss=inputs.check_finite_float("z_loss", z_loss),
+      logit_softcap=(
+          None
+          if logit_softcap is None
+          else inputs.check_finite_float("logit_softcap", logit_softcap)
+      ),
+  )
+  if chunk_size is not None:
+    chunk_size = inputs.check_int("chunk_size", chunk_size, minimum=1)
+  accum_dtype = inputs.as_dtype("accum_dtype", accum_dtype)
+  rows = inputs.prepare(
+      hidden,
+      weight,
+      labels,
+      bias,
+      where,
+      ignore_index=ignore_index,
+      shift=shift,
+      weight_layout=weight_layout,
+      reduction=reduction,
+  )
+
+  n_rows = rows.hidden.shape[0]
+  backend = _resolve_backend(impl)
+  if backend is None or n_rows == 0:
+    outputs = reference.row_losses(
+        rows.hidden,
+        rows.weight,
+        rows.bias,
+        rows.labels,
+        rows.valid,
+        options=options,
+        weight_layout=weight_layout,
+    )
+  else:
+    if chunk_size is None:
+      chunk_size = config.default_rows_per_chunk(
+          n_rows, rows.vocab_size, rows.hidden.dtype
+      )
+    driver = chunked.DriverConfig(
+        rows_per_chunk=min(chunk_size, n_rows),
+        weight_layout=weight_layout,
+        accum_dtype=accum_dtype
+        or jnp.promote_types(rows.hidden.dtype, jnp.float32),
+        options=options,
+        backend=backend,
+    )
+    outputs = chunked.row_losses(
+        driver, rows.hidden, rows.weight, rows.bias, rows.labels, rows.valid
+    )
+  return inputs.finalize(
+      rows,
+      *outputs,
+      reduction=reduction,
+      z_loss=options.z_loss,
+      return_aux=return_aux,
+  )

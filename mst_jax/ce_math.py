@@ -1,0 +1,216 @@
+"""The per-row cross-entropy math, written once.
+
+Every backend (the XLA one, the Pallas kernels) computes the same quantities
+from a chunk of float32 logits. Whole-row reductions (max, sum-exp, target
+logit, mean logit, argmax) are the backend's business because they are where a
+kernel loops over vocabulary blocks; everything else (the softcap, how the
+reductions combine into a loss, the gradient with respect to the logits) lives
+here as elementwise code on arrays of any block shape, and the kernels call
+these same functions on their blocks.
+
+For one token with logits ``z`` (``[V]``), label ``y`` and options
+``eps = label_smoothing``, ``zl = z_loss``, ``c = logit_softcap``::
+
+  s      = c * tanh(z / c)              (s = z without a softcap)
+  lse    = log(sum_j exp(s_j))
+  loss   = (1 - eps) * (lse - s_y) + eps * (lse - mean_j s_j) + zl * lse**2
+
+The first two terms are ``-(1 - eps) * log p_y - eps * mean_j log p_j`` with
+``p = softmax(s)`` (the torch / optax label-smoothing definition), written via
+``lse`` so a backend never forms ``log_softmax`` over the whole row: it needs
+only the row's max/sum-exp, the target logit and, with smoothing, the mean
+logit. The gradient with respect to ``s`` is::
+
+  dloss/ds_j = p_j * (1 + 2 * zl * lse) - (1 - eps) * [j == y] - eps / V
+
+and ``ds/dz = 1 - (s / c)**2``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class CEOptions:
+  """Static options of the per-row loss (hashable, so usable as jit statics).
+
+  Attributes:
+    label_smoothing: ``eps`` in ``[0, 1]``.
+    z_loss: coefficient of ``lse**2``, ``>= 0``.
+    logit_softcap: ``c > 0`` or ``None`` for no softcap.
+  """
+
+  label_smoothing: float = 0.0
+  z_loss: float = 0.0
+  logit_softcap: float | None = None
+
+  def __post_init__(self):
+    eps, zl, cap = self.label_smoothing, self.z_loss, self.logit_softcap
+    if not (math.isfinite(eps) and 0.0 <= eps <= 1.0):
+      raise ValueError(f"label_smoothing must be in [0, 1], got {eps!r}.")
+    if not (math.isfinite(zl) and zl >= 0.0):
+      raise ValueError(f"z_loss must be finite and >= 0, got {zl!r}.")
+    if cap is not None and not (math.isfinite(cap) and cap > 0.0):
+      raise ValueError(f"logit_softcap must be None or finite and > 0, got {cap!r}.")
+
+
+class RowStats(NamedTuple):
+  """Whole-row reductions of one chunk, each ``[rows]``; a backend's output.
+
+  Attributes:
+    lse: float32 log-sum-exp of the (softcapped) logits.
+    target: float32 (softcapped) logit at the label; any value where the label
+      is outside ``[0, V)`` (``row_outputs`` replaces it with NaN).
+    mean_logit: float32 mean of the (softcapped) logits over the vocabulary;
+      only read when ``label_smoothing > 0``, so a backend may return zeros
+      otherwise.
+    argmax: int32 index of the first maximum of the logits.
+  """
+
+  lse: jax.Array
+  target: jax.Array
+  mean_logit: jax.Array
+  argmax: jax.Array
+
+
+def softcap(logits: jax.Array, cap: float | None) -> jax.Array:
+  """``cap * tanh(logits / cap)`` (Gemma-2 style); identity when ``cap`` is None."""
+  if cap is None:
+    return logits
+  return cap * jnp.tanh(logits / cap)
+
+
+def label_in_range(labels: jax.Array, vocab_size: int) -> jax.Array:
+  return (labels >= 0) & (labels < vocab_size)
+
+
+def row_outputs(
+    stats: RowStats,
+    labels: jax.Array,
+    valid: jax.Array,
+    options: CEOptions,
+    vocab_size: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Combines a chunk's ``RowStats`` into per-row outputs.
+
+  Args:
+    stats: the backend's reductions, each ``[rows]``.
+    labels: int32 ``[rows]``.
+    valid: bool ``[rows]``; False rows give exactly zero in every output.
+    options: the loss options.
+    vocab_size: ``V``.
+
+  Returns:
+    ``(loss, lse, correct)``, each ``[rows]``: the float32 loss of each row
+    (NaN where a valid row's label is outside ``[0, V)``: such a label is an
+    error, and it must not be read as some valid class), its lse, and whether
+    the argmax equals the label.
+  """
+  eps, zl = options.label_smoothing, options.z_loss
+  lse = stats.lse
+  target = jnp.where(label_in_range(labels, vocab_size), stats.target, jnp.nan)
+  # lse - (1-eps)*s_y - eps*mean(s) == (1-eps)*(lse - s_y) + eps*(lse - mean(s)).
+  loss = lse - (1.0 - eps) * target
+  if eps:
+    loss = loss - eps * stats.mean_logit
+  if zl:
+    loss = loss + zl * lse * lse
+  zero = jnp.zeros_like(lse)
+  return (
+      jnp.where(valid, loss, zero),
+      jnp.where(valid, lse, zero),
+      valid & (stats.argmax == labels),
+  )
+
+
+class BackwardRows(NamedTuple):
+  """Per-row inputs of ``dlogits_block``, each float32 ``[rows]``.
+
+  ``dlogits = coef_softmax * p - coef_target * ((1 - eps) * onehot + eps / V)``
+  (times the softcap derivative), with ``p = exp(s - lse)``.
+
+  Attributes:
+    lse: the saved log-sum-exp; +inf at excluded rows, so that their
+      probabilities are exactly 0 whatever their logits (0 * exp(large) would
+      be NaN).
+    coef_softmax: ``g_loss * (1 + 2 * zl * lse) + g_lse``; 0 at excluded rows.
+      The lse output is differentiable, so its cotangent ``g_lse`` adds here.
+    coef_target: ``g_loss``; 0 at excluded rows and NaN where a valid row's
+      label is outside ``[0, V)``, so that row's gradient is NaN like its loss.
+  """
+
+  lse: jax.Array
+  coef_softmax: jax.Array
+  coef_target: jax.Array
+
+
+def backward_rows(
+    g_loss: jax.Array,
+    g_lse: jax.Array,
+    lse: jax.Array,
+    labels: jax.Array,
+    valid: jax.Array,
+    options: CEOptions,
+    vocab_size: int,
+) -> BackwardRows:
+  """Per-row coefficients of ``dlogits`` from the upstream cotangents.
+
+  Args:
+    g_loss: float32 ``[rows]`` cotangent of the per-row loss.
+    g_lse: float32 ``[rows]`` cotangent of the per-row lse.
+    lse: float32 ``[rows]`` saved log-sum-exp.
+    labels: int32 ``[rows]``.
+    valid: bool ``[rows]``.
+    options: the loss options.
+    vocab_size: ``V``.
+
+  Returns:
+    A ``BackwardRows``.
+  """
+  coef_softmax = g_loss * (1.0 + 2.0 * options.z_loss * lse) + g_lse
+  coef_target = jnp.where(label_in_range(labels, vocab_size), g_loss, jnp.nan)
+  zero = jnp.zeros_like(lse)
+  return BackwardRows(
+      lse=jnp.where(valid, lse, jnp.inf),
+      coef_softmax=jnp.where(valid, coef_softmax, zero),
+      coef_target=jnp.where(valid, coef_target, zero),
+  )
+
+
+def dlogits_block(
+    capped: jax.Array,
+    cols: jax.Array,
+    labels: jax.Array,
+    rows: BackwardRows,
+    options: CEOptions,
+    vocab_size: int,
+) -> jax.Array:
+  """Gradient of the loss with respect to a block of raw logits, in float32.
+
+  Args:
+    capped: float32 ``[rows, block]`` softcapped logits of the block.
+    cols: int32 ``[block]`` vocabulary index of each column of the block.
+    labels: int32 ``[rows]``.
+    rows: the block's rows of ``backward_rows``.
+    options: the loss options.
+    vocab_size: ``V``.
+
+  Returns:
+    float32 ``[rows, block]``.
+  """
+  eps, cap = options.label_smoothing, options.logit_softcap
+  probs = jnp.exp(capped - rows.lse[:, None])  # [rows, block]
+  onehot = cols[None, :] == labels[:, None]  # [rows, block]
+  target_weight = jnp.where(onehot, 1.0 - eps, 0.0)
+  if eps:
+    target_weight = target_weight + eps / vocab_size
+  grad = rows.coef_softmax[:, None] * probs - rows.coef_target[:, None] * target_weight
+  if cap is not None:
+    grad = grad * (1.0 - jnp.square(capped / cap))
+  return grad

@@ -1,0 +1,223 @@
+"""Validation and shaping shared by every implementation.
+
+Everything here runs at trace time on static shapes and dtypes: bad input
+raises before anything is computed. ``prepare`` turns the public arguments into
+rows (``[N, D]`` hidden, ``[N]`` labels and validity); ``finalize`` turns
+per-row outputs back into the reduced loss and its aux values. The
+implementations in between see only rows.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+REDUCTIONS = ("mean", "sum", "none")
+WEIGHT_LAYOUTS = ("vd", "dv")
+
+
+class LossAux(NamedTuple):
+  """Auxiliary outputs of ``linear_cross_entropy(..., return_aux=True)``.
+
+  Attributes:
+    lse: float32, shape of ``labels``: each token's log-sum-exp of the
+      (softcapped) logits; 0 at excluded tokens. Differentiable.
+    n_valid: int32 scalar, the number of tokens that count.
+    z_loss: float32, the z-loss term included in the loss, reduced like it.
+    n_correct: int32 scalar, valid tokens whose argmax equals the label.
+  """
+
+  lse: jax.Array
+  n_valid: jax.Array
+  z_loss: jax.Array
+  n_correct: jax.Array
+
+
+class Rows(NamedTuple):
+  """The public arguments as rows.
+
+  Attributes:
+    hidden: ``[N, D]`` in the compute dtype.
+    weight: the weight in the compute dtype, layout unchanged.
+    bias: ``[V]`` or None.
+    labels: int32 ``[N]``.
+    valid: bool ``[N]``: not ``ignore_index``, ``where`` True, and (with
+      ``shift``) not the last position of a sequence.
+    batch_shape: the shape of ``labels`` (per-token outputs take it back).
+    vocab_size: ``V``.
+  """
+
+  hidden: jax.Array
+  weight: jax.Array
+  bias: jax.Array | None
+  labels: jax.Array
+  valid: jax.Array
+  batch_shape: tuple[int, ...]
+  vocab_size: int
+
+
+def _check_float(name, x):
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"{name} must have a floating dtype, got {x.dtype}.")
+
+
+def _check_choice(name, value, choices):
+  if value not in choices:
+    raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
+
+
+def check_int(name: str, value, *, minimum: int | None = None) -> int:
+  """Returns ``value`` as a Python int, or raises ``TypeError``/``ValueError``."""
+  if isinstance(value, bool):
+    raise TypeError(f"{name} must be an int, got {value!r}.")
+  try:
+    value = operator.index(value)
+  except TypeError:
+    raise TypeError(f"{name} must be an int, got {value!r}.") from None
+  if minimum is not None and value < minimum:
+    raise ValueError(f"{name} must be >= {minimum}, got {value}.")
+  return value
+
+
+def check_finite_float(name: str, value) -> float:
+  try:
+    value = float(value)
+  except (TypeError, jax.errors.ConcretizationTypeError):
+    raise TypeError(f"{name} must be a Python float, got {value!r}.") from None
+  if not math.isfinite(value):
+    raise ValueError(f"{name} must be finite, got {value!r}.")
+  return value
+
+
+def prepare(
+    hidden: jax.Array,
+    weight: jax.Array,
+    labels: jax.Array,
+    bias: jax.Array | None,
+    where: jax.Array | None,
+    *,
+    ignore_index: int,
+    shift: bool,
+    weight_layout: str,
+    reduction: str,
+) -> Rows:
+  """Validates the public arguments and flattens them into rows."""
+  hidden, weight, labels = map(jnp.asarray, (hidden, weight, labels))
+  _check_choice("weight_layout", weight_layout, WEIGHT_LAYOUTS)
+  _check_choice("reduction", reduction, REDUCTIONS)
+  ignore_index = check_int("ignore_index", ignore_index)
+  if not isinstance(shift, bool):
+    raise TypeError(f"shift must be a bool, got {shift!r}.")
+  _check_float("hidden", hidden)
+  _check_float("weight", weight)
+  if not jnp.issubdtype(labels.dtype, jnp.integer):
+    raise TypeError(f"labels must have an integer dtype, got {labels.dtype}.")
+  if hidden.ndim < 2:
+    raise ValueError(f"hidden must be [N, D] or [..., T, D], got shape {hidden.shape}.")
+  if weight.ndim != 2:
+    raise ValueError(f"weight must be 2-D, got shape {weight.shape}.")
+  vocab_axis = 0 if weight_layout == "vd" else 1
+  vocab_size, dim = weight.shape[vocab_axis], weight.shape[1 - vocab_axis]
+  if hidden.shape[-1] != dim:
+    raise ValueError(
+        f"hidden's last axis ({hidden.shape[-1]}) must equal the weight's D axis:"
+        f" hidden {hidden.shape}, weight {weight.shape} with"
+        f" weight_layout={weight_layout!r} ({'[V, D]' if vocab_axis == 0 else '[D, V]'})."
+    )
+  if vocab_size == 0:
+    raise ValueError(f"the vocabulary is empty: weight {weight.shape}.")
+  if labels.shape != hidden.shape[:-1]:
+    raise ValueError(
+        f"labels shape {labels.shape} must equal hidden's leading shape"
+        f" {hidden.shape[:-1]} (hidden {hidden.shape})."
+    )
+  if bias is not None:
+    bias = jnp.asarray(bias)
+    _check_float("bias", bias)
+    if bias.shape != (vocab_size,):
+      raise ValueError(f"bias must have shape ({vocab_size},), got {bias.shape}.")
+  if where is not None:
+    where = jnp.asarray(where)
+    if where.dtype != jnp.bool_:
+      raise TypeError(f"where must be a bool array, got dtype {where.dtype}.")
+    if where.shape != labels.shape:
+      raise ValueError(
+          f"where shape {where.shape} must equal labels shape {labels.shape}."
+      )
+
+  dtype = jnp.result_type(hidden.dtype, weight.dtype)
+  hidden, weight = hidden.astype(dtype), weight.astype(dtype)
+  labels = labels.astype(jnp.int32)
+  valid = labels != ignore_index
+  if where is not None:
+    valid = valid & where
+  if shift:  # Position t predicts label t + 1; the last position predicts nothing.
+    labels = jnp.concatenate(
+        [labels[..., 1:], jnp.full_like(labels[..., :1], ignore_index)], axis=-1
+    )
+    valid = jnp.concatenate(
+        [valid[..., 1:], jnp.zeros_like(valid[..., :1])], axis=-1
+    )
+  batch_shape = labels.shape
+  return Rows(
+      hidden=hidden.reshape(-1, dim),
+      weight=weight,
+      bias=bias,
+      labels=labels.reshape(-1),
+      valid=valid.reshape(-1),
+      batch_shape=batch_shape,
+      vocab_size=vocab_size,
+  )
+
+
+def finalize(
+    rows: Rows,
+    loss: jax.Array,
+    lse: jax.Array,
+    correct: jax.Array,
+    *,
+    reduction: str,
+    z_loss: float,
+    return_aux: bool,
+):
+  """Reduces per-row outputs (each ``[N]``, zero at excluded rows)."""
+  n_valid = jnp.sum(rows.valid, dtype=jnp.int32)
+  out_dtype = jnp.promote_types(loss.dtype, jnp.float32)
+
+  def reduce(per_row):
+    per_row = per_row.astype(out_dtype)
+    if reduction == "none":
+      return per_row.reshape(rows.batch_shape)
+    total = jnp.sum(per_row)
+    if reduction == "sum":
+      return total
+    # Exactly 0 (not NaN) when no token is valid.
+    return total / jnp.maximum(n_valid, 1).astype(out_dtype)
+
+  reduced = reduce(loss)
+  if not return_aux:
+    return reduced
+  aux = LossAux(
+      lse=lse.astype(out_dtype).reshape(rows.batch_shape),
+      n_valid=n_valid,
+      z_loss=reduce(z_loss * jnp.square(lse)),
+      n_correct=jnp.sum(correct, dtype=jnp.int32),
+  )
+  return reduced, aux
+
+
+def as_dtype(name: str, dtype) -> np.dtype | None:
+  if dtype is None:
+    return None
+  try:
+    dtype = np.dtype(dtype)
+  except TypeError:
+    raise TypeError(f"{name} must be a dtype, got {dtype!r}.") from None
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(f"{name} must be a floating dtype, got {dtype}.")
+  return dtype
