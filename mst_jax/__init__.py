@@ -8,8 +8,8 @@ from mst_jax.inputs import LossAux
 __version__ = "0.1.0"
 
 __all__ = [
-    "CEOptions",
-    "LossAux",
-    "linear_cross_entropy",
-    "reference",
+  "CEOptions",
+  "LossAux",
+  "linear_cross_entropy",
+  "reference",
 ]

@@ -18,38 +18,38 @@ def _resolve_backend(impl: str | None) -> backends.ChunkCE | None:
 
 
 @jax.jit(
-    static_argnames=(
-        "ignore_index",
-        "reduction",
-        "label_smoothing",
-        "z_loss",
-        "logit_softcap",
-        "shift",
-        "weight_layout",
-        "chunk_size",
-        "impl",
-        "accum_dtype",
-        "return_aux",
-    )
+  static_argnames=(
+    "ignore_index",
+    "reduction",
+    "label_smoothing",
+    "z_loss",
+    "logit_softcap",
+    "shift",
+    "weight_layout",
+    "chunk_size",
+    "impl",
+    "accum_dtype",
+    "return_aux",
+  )
 )
 def linear_cross_entropy(
-    hidden: jax.Array,
-    weight: jax.Array,
-    labels: jax.Array,
-    bias: jax.Array | None = None,
-    *,
-    where: jax.Array | None = None,
-    ignore_index: int = -100,
-    reduction: str = "mean",
-    label_smoothing: float = 0.0,
-    z_loss: float = 0.0,
-    logit_softcap: float | None = None,
-    shift: bool = False,
-    weight_layout: str = "vd",
-    chunk_size: int | None = None,
-    impl: str | None = None,
-    accum_dtype: jax.typing.DTypeLike | None = None,
-    return_aux: bool = False,
+  hidden: jax.Array,
+  weight: jax.Array,
+  labels: jax.Array,
+  bias: jax.Array | None = None,
+  *,
+  where: jax.Array | None = None,
+  ignore_index: int = -100,
+  reduction: str = "mean",
+  label_smoothing: float = 0.0,
+  z_loss: float = 0.0,
+  logit_softcap: float | None = None,
+  shift: bool = False,
+  weight_layout: str = "vd",
+  chunk_size: int | None = None,
+  impl: str | None = None,
+  accum_dtype: jax.typing.DTypeLike | None = None,
+  return_aux: bool = False,
 ):
   r"""Cross-entropy of ``hidden @ weight.T (+ bias)`` without the full logits.
 
@@ -125,61 +125,65 @@ def linear_cross_entropy(
   if not isinstance(return_aux, bool):
     raise TypeError(f"return_aux must be a bool, got {return_aux!r}.")
   options = ce_math.CEOptions(
-      label_smoothing=inputs.check_finite_float("label_smoothing", label_smoothing),
-      z_loss=inputs.check_finite_float("z_loss", z_loss),
-      logit_softcap=(
-          None
-          if logit_softcap is None
-          else inputs.check_finite_float("logit_softcap", logit_softcap)
-      ),
+    label_smoothing=inputs.check_finite_float("label_smoothing", label_smoothing),
+    z_loss=inputs.check_finite_float("z_loss", z_loss),
+    logit_softcap=(
+      None
+      if logit_softcap is None
+      else inputs.check_finite_float("logit_softcap", logit_softcap)
+    ),
   )
   if chunk_size is not None:
     chunk_size = inputs.check_int("chunk_size", chunk_size, minimum=1)
   accum_dtype = inputs.as_dtype("accum_dtype", accum_dtype)
+  if impl == "reference" and (chunk_size, accum_dtype) != (None, None):
+    raise ValueError(
+      "chunk_size and accum_dtype apply to the chunked implementations, not"
+      " impl='reference' (which forms the full logits)."
+    )
   rows = inputs.prepare(
-      hidden,
-      weight,
-      labels,
-      bias,
-      where,
-      ignore_index=ignore_index,
-      shift=shift,
-      weight_layout=weight_layout,
-      reduction=reduction,
+    hidden,
+    weight,
+    labels,
+    bias,
+    where,
+    ignore_index=ignore_index,
+    shift=shift,
+    weight_layout=weight_layout,
+    reduction=reduction,
   )
 
   n_rows = rows.hidden.shape[0]
   backend = _resolve_backend(impl)
   if backend is None or n_rows == 0:
     outputs = reference.row_losses(
-        rows.hidden,
-        rows.weight,
-        rows.bias,
-        rows.labels,
-        rows.valid,
-        options=options,
-        weight_layout=weight_layout,
+      rows.hidden,
+      rows.weight,
+      rows.bias,
+      rows.labels,
+      rows.valid,
+      options=options,
+      weight_layout=weight_layout,
     )
   else:
     if chunk_size is None:
       chunk_size = config.default_rows_per_chunk(
-          n_rows, rows.vocab_size, rows.hidden.dtype
+        n_rows, rows.vocab_size, rows.hidden.dtype
       )
     driver = chunked.DriverConfig(
-        rows_per_chunk=min(chunk_size, n_rows),
-        weight_layout=weight_layout,
-        accum_dtype=accum_dtype
-        or jnp.promote_types(rows.hidden.dtype, jnp.float32),
-        options=options,
-        backend=backend,
+      rows_per_chunk=min(chunk_size, n_rows),
+      weight_layout=weight_layout,
+      accum_dtype=accum_dtype or jnp.promote_types(rows.hidden.dtype, jnp.float32),
+      options=options,
+      backend=backend,
     )
     outputs = chunked.row_losses(
-        driver, rows.hidden, rows.weight, rows.bias, rows.labels, rows.valid
+      driver, rows.hidden, rows.weight, rows.bias, rows.labels, rows.valid
     )
   return inputs.finalize(
-      rows,
-      *outputs,
-      reduction=reduction,
-      z_loss=options.z_loss,
-      return_aux=return_aux,
+    rows,
+    *outputs,
+    reduction=reduction,
+    z_loss=options.z_loss,
+    return_aux=return_aux,
   )

@@ -91,11 +91,11 @@ def label_in_range(labels: jax.Array, vocab_size: int) -> jax.Array:
 
 
 def row_outputs(
-    stats: RowStats,
-    labels: jax.Array,
-    valid: jax.Array,
-    options: CEOptions,
-    vocab_size: int,
+  stats: RowStats,
+  labels: jax.Array,
+  valid: jax.Array,
+  options: CEOptions,
+  vocab_size: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Combines a chunk's ``RowStats`` into per-row outputs.
 
@@ -123,9 +123,9 @@ def row_outputs(
     loss = loss + zl * lse * lse
   zero = jnp.zeros_like(lse)
   return (
-      jnp.where(valid, loss, zero),
-      jnp.where(valid, lse, zero),
-      valid & (stats.argmax == labels),
+    jnp.where(valid, loss, zero),
+    jnp.where(valid, lse, zero),
+    valid & (stats.argmax == labels),
   )
 
 
@@ -151,13 +151,13 @@ class BackwardRows(NamedTuple):
 
 
 def backward_rows(
-    g_loss: jax.Array,
-    g_lse: jax.Array,
-    lse: jax.Array,
-    labels: jax.Array,
-    valid: jax.Array,
-    options: CEOptions,
-    vocab_size: int,
+  g_loss: jax.Array,
+  g_lse: jax.Array,
+  lse: jax.Array,
+  labels: jax.Array,
+  valid: jax.Array,
+  options: CEOptions,
+  vocab_size: int,
 ) -> BackwardRows:
   """Per-row coefficients of ``dlogits`` from the upstream cotangents.
 
@@ -177,19 +177,19 @@ def backward_rows(
   coef_target = jnp.where(label_in_range(labels, vocab_size), g_loss, jnp.nan)
   zero = jnp.zeros_like(lse)
   return BackwardRows(
-      lse=jnp.where(valid, lse, jnp.inf),
-      coef_softmax=jnp.where(valid, coef_softmax, zero),
-      coef_target=jnp.where(valid, coef_target, zero),
+    lse=jnp.where(valid, lse, jnp.inf),
+    coef_softmax=jnp.where(valid, coef_softmax, zero),
+    coef_target=jnp.where(valid, coef_target, zero),
   )
 
 
 def dlogits_block(
-    capped: jax.Array,
-    cols: jax.Array,
-    labels: jax.Array,
-    rows: BackwardRows,
-    options: CEOptions,
-    vocab_size: int,
+  capped: jax.Array,
+  cols: jax.Array,
+  labels: jax.Array,
+  rows: BackwardRows,
+  options: CEOptions,
+  vocab_size: int,
 ) -> jax.Array:
   """Gradient of the loss with respect to a block of raw logits, in float32.
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -33,12 +34,12 @@ from mst_jax.backends import ChunkCE
 
 # lax.dot_general dimension numbers per weight layout.
 _LOGITS_DIMS = {  # hidden [C, D] x weight -> [C, V]
-    "vd": (((1,), (1,)), ((), ())),
-    "dv": (((1,), (0,)), ((), ())),
+  "vd": (((1,), (1,)), ((), ())),
+  "dv": (((1,), (0,)), ((), ())),
 }
 _DHIDDEN_DIMS = {  # dlogits [C, V] x weight -> [C, D]
-    "vd": (((1,), (0,)), ((), ())),
-    "dv": (((1,), (1,)), ((), ())),
+  "vd": (((1,), (0,)), ((), ())),
+  "dv": (((1,), (1,)), ((), ())),
 }
 
 
@@ -52,6 +53,10 @@ class DriverConfig:
     accum_dtype: dtype of the ``dweight`` / ``dbias`` accumulators.
     options: the per-row loss options.
     backend: the per-chunk cross-entropy implementation.
+    chunk_callback: if set, ``chunk_callback(pass_name, chunk_index)`` runs on
+      the host (``jax.debug.callback``) for every chunk that is computed rather
+      than skipped, with ``pass_name`` "forward" or "backward". For tests and
+      debugging; it costs a host round trip per chunk.
   """
 
   rows_per_chunk: int
@@ -59,6 +64,11 @@ class DriverConfig:
   accum_dtype: jnp.dtype
   options: ce_math.CEOptions
   backend: ChunkCE
+  chunk_callback: Callable[[str, jax.Array], None] | None = None
+
+  def announce(self, pass_name: str, chunk_index: jax.Array) -> None:
+    if self.chunk_callback is not None:
+      jax.debug.callback(self.chunk_callback, pass_name, chunk_index)
 
 
 @jax.tree_util.register_static
@@ -74,7 +84,7 @@ class _Differentiated:
 def _logits(hidden, weight, bias, layout):
   acc = jnp.promote_types(hidden.dtype, jnp.float32)
   logits = lax.dot_general(
-      hidden, weight, _LOGITS_DIMS[layout], preferred_element_type=acc
+    hidden, weight, _LOGITS_DIMS[layout], preferred_element_type=acc
   )
   return logits if bias is None else logits + bias.astype(acc)
 
@@ -82,7 +92,7 @@ def _logits(hidden, weight, bias, layout):
 def _dhidden(dlogits, weight, layout):
   acc = jnp.promote_types(dlogits.dtype, jnp.float32)
   return lax.dot_general(
-      dlogits, weight, _DHIDDEN_DIMS[layout], preferred_element_type=acc
+    dlogits, weight, _DHIDDEN_DIMS[layout], preferred_element_type=acc
   )
 
 
@@ -90,11 +100,11 @@ def _dweight(dlogits, hidden, layout, accum_dtype):
   contract_rows = (((0,), (0,)), ((), ()))
   if layout == "vd":  # dlogits^T @ hidden -> [V, D]
     return lax.dot_general(
-        dlogits, hidden, contract_rows, preferred_element_type=accum_dtype
+      dlogits, hidden, contract_rows, preferred_element_type=accum_dtype
     )
   # hidden^T @ dlogits -> [D, V]
   return lax.dot_general(
-      hidden, dlogits, contract_rows, preferred_element_type=accum_dtype
+    hidden, dlogits, contract_rows, preferred_element_type=accum_dtype
   )
 
 
@@ -130,14 +140,15 @@ def _forward(config, hidden, weight, bias, labels, valid):
   vocab_size = weight.shape[0 if config.weight_layout == "vd" else 1]
   stat_dtype = jnp.promote_types(hidden.dtype, jnp.float32)
 
-  def chunk_outputs(h, y, m):
+  def chunk_outputs(index, h, y, m):
+    config.announce("forward", index)
     h = jnp.where(m[:, None], h, jnp.zeros_like(h))  # masked rows never leak
     logits = _logits(h, weight, bias, config.weight_layout)  # [C, V]
     stats = config.backend.forward(logits, y, config.options)
     return ce_math.row_outputs(stats, y, m, config.options, vocab_size)
 
-  def skip(h, y, m):
-    del h, y
+  def skip(index, h, y, m):
+    del index, h, y
     zero = jnp.zeros(m.shape, stat_dtype)
     return zero, zero, jnp.zeros(m.shape, bool)
 
@@ -145,18 +156,18 @@ def _forward(config, hidden, weight, bias, labels, valid):
     start, owned = _chunk_rows(index, n_rows, chunk)
     h, y = _take(hidden, start, chunk), _take(labels, start, chunk)
     m = _take(valid, start, chunk) & owned
-    outs = lax.cond(jnp.any(m), chunk_outputs, skip, h, y, m)
-    carry = tuple(_put_owned(b, o, start, owned) for b, o in zip(carry, outs))
+    outs = lax.cond(jnp.any(m), chunk_outputs, skip, index, h, y, m)
+    carry = tuple(
+      _put_owned(b, o, start, owned) for b, o in zip(carry, outs, strict=True)
+    )
     return carry, None
 
   init = (
-      jnp.zeros((n_rows,), stat_dtype),
-      jnp.zeros((n_rows,), stat_dtype),
-      jnp.zeros((n_rows,), bool),
+    jnp.zeros((n_rows,), stat_dtype),
+    jnp.zeros((n_rows,), stat_dtype),
+    jnp.zeros((n_rows,), bool),
   )
-  (loss, lse, correct), _ = lax.scan(
-      body, init, jnp.arange(_num_chunks(n_rows, chunk))
-  )
+  (loss, lse, correct), _ = lax.scan(body, init, jnp.arange(_num_chunks(n_rows, chunk)))
   return loss, lse, correct
 
 
@@ -181,11 +192,12 @@ def row_losses(config, hidden, weight, bias, labels, valid):
 
 def _row_losses_fwd(config, hidden, weight, bias, labels, valid):
   differentiated = _Differentiated(
-      hidden=hidden.perturbed,
-      weight=weight.perturbed,
-      bias=bias.perturbed if bias.value is not None else False,
+    hidden=hidden.perturbed,
+    weight=weight.perturbed,
+    bias=bias is not None and bias.perturbed,  # None has no leaves to wrap
   )
-  hidden, weight, bias = hidden.value, weight.value, bias.value
+  hidden, weight = hidden.value, weight.value
+  bias = None if bias is None else bias.value
   labels, valid = labels.value, valid.value
   loss, lse, correct = _forward(config, hidden, weight, bias, labels, valid)
   residuals = (hidden, weight, bias, labels, valid, lse, differentiated)
@@ -208,18 +220,19 @@ def _row_losses_bwd(config, residuals, cotangents):
   vocab_size = weight.shape[0 if layout == "vd" else 1]
 
   @jax.checkpoint  # grad-of-grad recomputes the chunk instead of saving logits
-  def chunk_update(carry, start, owned, m):
+  def chunk_update(carry, index, start, owned, m):
+    config.announce("backward", index)
     dhidden, dweight, dbias = carry
     h = jnp.where(m[:, None], _take(hidden, start, chunk), 0)
     y = _take(labels, start, chunk)
     rows = ce_math.backward_rows(
-        _take(g_loss, start, chunk),
-        _take(g_lse, start, chunk),
-        _take(lse, start, chunk),
-        y,
-        m,
-        config.options,
-        vocab_size,
+      _take(g_loss, start, chunk),
+      _take(g_lse, start, chunk),
+      _take(lse, start, chunk),
+      y,
+      m,
+      config.options,
+      vocab_size,
     )
     logits = _logits(h, weight, bias, layout)  # recomputed, [C, V]
     dlogits = config.backend.backward(logits, y, rows, config.options, hidden.dtype)
@@ -236,23 +249,24 @@ def _row_losses_bwd(config, residuals, cotangents):
     start, owned = _chunk_rows(index, n_rows, chunk)
     m = _take(valid, start, chunk) & owned
     carry = lax.cond(
-        jnp.any(m),
-        chunk_update,
-        lambda carry, *_: carry,
-        carry,
-        start,
-        owned,
-        m,
+      jnp.any(m),
+      chunk_update,
+      lambda carry, *_: carry,
+      carry,
+      index,
+      start,
+      owned,
+      m,
     )
     return carry, None
 
   init = (
-      jnp.zeros_like(hidden) if differentiated.hidden else None,
-      jnp.zeros(weight.shape, config.accum_dtype) if differentiated.weight else None,
-      jnp.zeros(bias.shape, config.accum_dtype) if differentiated.bias else None,
+    jnp.zeros_like(hidden) if differentiated.hidden else None,
+    jnp.zeros(weight.shape, config.accum_dtype) if differentiated.weight else None,
+    jnp.zeros(bias.shape, config.accum_dtype) if differentiated.bias else None,
   )
   (dhidden, dweight, dbias), _ = lax.scan(
-      body, init, jnp.arange(_num_chunks(n_rows, chunk))
+    body, init, jnp.arange(_num_chunks(n_rows, chunk))
   )
   if dweight is not None:
     dweight = dweight.astype(weight.dtype)

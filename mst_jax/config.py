@@ -13,11 +13,11 @@ _ROW_ALIGN = 128
 
 
 def default_rows_per_chunk(
-    n_rows: int,
-    vocab_size: int,
-    dtype: np.dtype,
-    *,
-    budget_bytes: int = DEFAULT_CHUNK_BYTES,
+  n_rows: int,
+  vocab_size: int,
+  dtype: np.dtype,
+  *,
+  budget_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> int:
   """Rows per chunk whose temporaries fit ``budget_bytes``.
 

@@ -85,26 +85,26 @@ def check_int(name: str, value, *, minimum: int | None = None) -> int:
 
 
 def check_finite_float(name: str, value) -> float:
-  try:
-    value = float(value)
-  except (TypeError, jax.errors.ConcretizationTypeError):
-    raise TypeError(f"{name} must be a Python float, got {value!r}.") from None
+  """Returns ``value`` as a finite Python float, or raises."""
+  if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+    raise TypeError(f"{name} must be a Python float, got {value!r}.")
+  value = float(value)
   if not math.isfinite(value):
     raise ValueError(f"{name} must be finite, got {value!r}.")
   return value
 
 
 def prepare(
-    hidden: jax.Array,
-    weight: jax.Array,
-    labels: jax.Array,
-    bias: jax.Array | None,
-    where: jax.Array | None,
-    *,
-    ignore_index: int,
-    shift: bool,
-    weight_layout: str,
-    reduction: str,
+  hidden: jax.Array,
+  weight: jax.Array,
+  labels: jax.Array,
+  bias: jax.Array | None,
+  where: jax.Array | None,
+  *,
+  ignore_index: int,
+  shift: bool,
+  weight_layout: str,
+  reduction: str,
 ) -> Rows:
   """Validates the public arguments and flattens them into rows."""
   hidden, weight, labels = map(jnp.asarray, (hidden, weight, labels))
@@ -125,16 +125,16 @@ def prepare(
   vocab_size, dim = weight.shape[vocab_axis], weight.shape[1 - vocab_axis]
   if hidden.shape[-1] != dim:
     raise ValueError(
-        f"hidden's last axis ({hidden.shape[-1]}) must equal the weight's D axis:"
-        f" hidden {hidden.shape}, weight {weight.shape} with"
-        f" weight_layout={weight_layout!r} ({'[V, D]' if vocab_axis == 0 else '[D, V]'})."
+      f"hidden's last axis ({hidden.shape[-1]}) must equal the weight's D axis:"
+      f" hidden {hidden.shape}, weight {weight.shape} with"
+      f" weight_layout={weight_layout!r} ({'[V, D]' if vocab_axis == 0 else '[D, V]'})."
     )
   if vocab_size == 0:
     raise ValueError(f"the vocabulary is empty: weight {weight.shape}.")
   if labels.shape != hidden.shape[:-1]:
     raise ValueError(
-        f"labels shape {labels.shape} must equal hidden's leading shape"
-        f" {hidden.shape[:-1]} (hidden {hidden.shape})."
+      f"labels shape {labels.shape} must equal hidden's leading shape"
+      f" {hidden.shape[:-1]} (hidden {hidden.shape})."
     )
   if bias is not None:
     bias = jnp.asarray(bias)
@@ -147,7 +147,7 @@ def prepare(
       raise TypeError(f"where must be a bool array, got dtype {where.dtype}.")
     if where.shape != labels.shape:
       raise ValueError(
-          f"where shape {where.shape} must equal labels shape {labels.shape}."
+        f"where shape {where.shape} must equal labels shape {labels.shape}."
       )
 
   dtype = jnp.result_type(hidden.dtype, weight.dtype)
@@ -158,32 +158,30 @@ def prepare(
     valid = valid & where
   if shift:  # Position t predicts label t + 1; the last position predicts nothing.
     labels = jnp.concatenate(
-        [labels[..., 1:], jnp.full_like(labels[..., :1], ignore_index)], axis=-1
+      [labels[..., 1:], jnp.full_like(labels[..., :1], ignore_index)], axis=-1
     )
-    valid = jnp.concatenate(
-        [valid[..., 1:], jnp.zeros_like(valid[..., :1])], axis=-1
-    )
+    valid = jnp.concatenate([valid[..., 1:], jnp.zeros_like(valid[..., :1])], axis=-1)
   batch_shape = labels.shape
   return Rows(
-      hidden=hidden.reshape(-1, dim),
-      weight=weight,
-      bias=bias,
-      labels=labels.reshape(-1),
-      valid=valid.reshape(-1),
-      batch_shape=batch_shape,
-      vocab_size=vocab_size,
+    hidden=hidden.reshape(-1, dim),
+    weight=weight,
+    bias=bias,
+    labels=labels.reshape(-1),
+    valid=valid.reshape(-1),
+    batch_shape=batch_shape,
+    vocab_size=vocab_size,
   )
 
 
 def finalize(
-    rows: Rows,
-    loss: jax.Array,
-    lse: jax.Array,
-    correct: jax.Array,
-    *,
-    reduction: str,
-    z_loss: float,
-    return_aux: bool,
+  rows: Rows,
+  loss: jax.Array,
+  lse: jax.Array,
+  correct: jax.Array,
+  *,
+  reduction: str,
+  z_loss: float,
+  return_aux: bool,
 ):
   """Reduces per-row outputs (each ``[N]``, zero at excluded rows)."""
   n_valid = jnp.sum(rows.valid, dtype=jnp.int32)
@@ -203,10 +201,10 @@ def finalize(
   if not return_aux:
     return reduced
   aux = LossAux(
-      lse=lse.astype(out_dtype).reshape(rows.batch_shape),
-      n_valid=n_valid,
-      z_loss=reduce(z_loss * jnp.square(lse)),
-      n_correct=jnp.sum(correct, dtype=jnp.int32),
+    lse=lse.astype(out_dtype).reshape(rows.batch_shape),
+    n_valid=n_valid,
+    z_loss=reduce(z_loss * jnp.square(lse)),
+    n_correct=jnp.sum(correct, dtype=jnp.int32),
   )
   return reduced, aux
 

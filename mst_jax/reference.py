@@ -18,14 +18,14 @@ from mst_jax import ce_math
 
 
 def row_losses(
-    hidden: jax.Array,
-    weight: jax.Array,
-    bias: jax.Array | None,
-    labels: jax.Array,
-    valid: jax.Array,
-    *,
-    options: ce_math.CEOptions,
-    weight_layout: str,
+  hidden: jax.Array,
+  weight: jax.Array,
+  bias: jax.Array | None,
+  labels: jax.Array,
+  valid: jax.Array,
+  *,
+  options: ce_math.CEOptions,
+  weight_layout: str,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Per-row ``(loss, lse, correct)`` from the full logits.
 
@@ -45,7 +45,9 @@ def row_losses(
   """
   acc = jnp.promote_types(hidden.dtype, jnp.float32)
   w = weight if weight_layout == "dv" else weight.T
-  logits = jnp.dot(hidden, w, preferred_element_type=acc, precision=lax.Precision.HIGHEST)
+  logits = jnp.dot(
+    hidden, w, preferred_element_type=acc, precision=lax.Precision.HIGHEST
+  )
   if bias is not None:
     logits = logits + bias.astype(acc)
   cap = options.logit_softcap
@@ -76,5 +78,5 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, **kwargs):
   from mst_jax import api  # api dispatches back here; imported late (cycle).
 
   return api.linear_cross_entropy(
-      hidden, weight, labels, bias, impl="reference", **kwargs
+    hidden, weight, labels, bias, impl="reference", **kwargs
   )

@@ -19,18 +19,18 @@ class ChunkCE(Protocol):
   name: str
 
   def forward(
-      self, logits: jax.Array, labels: jax.Array, options: ce_math.CEOptions
+    self, logits: jax.Array, labels: jax.Array, options: ce_math.CEOptions
   ) -> ce_math.RowStats:
     """Reduces ``logits`` (float32 ``[rows, V]``) and ``labels`` (int32 ``[rows]``)."""
     ...
 
   def backward(
-      self,
-      logits: jax.Array,
-      labels: jax.Array,
-      rows: ce_math.BackwardRows,
-      options: ce_math.CEOptions,
-      out_dtype: jax.typing.DTypeLike,
+    self,
+    logits: jax.Array,
+    labels: jax.Array,
+    rows: ce_math.BackwardRows,
+    options: ce_math.CEOptions,
+    out_dtype: jax.typing.DTypeLike,
   ) -> jax.Array:
     """Returns ``dloss/dlogits`` (``[rows, V]`` in ``out_dtype``)."""
     ...

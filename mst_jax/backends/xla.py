@@ -17,7 +17,7 @@ class XlaChunkCE:
   name: str = "xla"
 
   def forward(
-      self, logits: jax.Array, labels: jax.Array, options: ce_math.CEOptions
+    self, logits: jax.Array, labels: jax.Array, options: ce_math.CEOptions
   ) -> ce_math.RowStats:
     vocab_size = logits.shape[-1]
     capped = ce_math.softcap(logits, options.logit_softcap)  # [rows, V]
@@ -33,12 +33,12 @@ class XlaChunkCE:
     return ce_math.RowStats(lse, target, mean_logit, argmax)
 
   def backward(
-      self,
-      logits: jax.Array,
-      labels: jax.Array,
-      rows: ce_math.BackwardRows,
-      options: ce_math.CEOptions,
-      out_dtype: jax.typing.DTypeLike,
+    self,
+    logits: jax.Array,
+    labels: jax.Array,
+    rows: ce_math.BackwardRows,
+    options: ce_math.CEOptions,
+    out_dtype: jax.typing.DTypeLike,
   ) -> jax.Array:
     vocab_size = logits.shape[-1]
     capped = ce_math.softcap(logits, options.logit_softcap)

@@ -1,0 +1,141 @@
+"""Properties of the chunked driver itself: skipping, frozen inputs, memory."""
+
+from __future__ import annotations
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import GRAD_RTOL, LOSS_RTOL, assert_close, make_problem, oracle
+
+import mst_jax
+from mst_jax import backends, ce_math, chunked
+
+
+def _driver(rows_per_chunk, callback=None, **options):
+  return chunked.DriverConfig(
+    rows_per_chunk=rows_per_chunk,
+    weight_layout="vd",
+    accum_dtype=jnp.float32,
+    options=ce_math.CEOptions(**options),
+    backend=backends.XlaChunkCE(),
+    chunk_callback=callback,
+  )
+
+
+def test_fully_masked_chunks_are_skipped(rng):
+  """Only chunks with a valid row run, in the forward and in the backward.
+
+  60 rows in chunks of 8: chunk 7 is clamped to rows 52..59 and owns 56..59
+  only, so its valid row 53 (owned by chunk 6) must not make it run.
+  """
+  problem = make_problem(rng, (60,), mask="none", bias=True)
+  valid = np.zeros(60, bool)
+  valid[[17, 20, 40, 53]] = True  # chunks 2, 2, 5, 6
+  problem.where = jnp.asarray(valid)
+  computed = {"forward": [], "backward": []}
+  driver = _driver(
+    8, lambda name, index: computed[name].append(int(index)), z_loss=1e-3
+  )
+
+  def loss_fn(hidden, weight, labels, bias, where):
+    loss, _, _ = chunked.row_losses(driver, hidden, weight, bias, labels, where)
+    return jnp.sum(loss) / jnp.sum(where)
+
+  loss, grads = jax.value_and_grad(loss_fn, argnums=(0, 1, 3))(
+    *problem.args, problem.where
+  )
+  jax.effects_barrier()
+  assert sorted(computed["forward"]) == [2, 5, 6]
+  assert sorted(computed["backward"]) == [2, 5, 6]
+  ref_loss, ref_grads = oracle(problem, z_loss=1e-3)
+  assert_close(loss, ref_loss, LOSS_RTOL["float32"], "loss")
+  for g, r in zip(grads, ref_grads, strict=True):
+    assert_close(g, r, GRAD_RTOL["float32"], "grad")
+  np.testing.assert_array_equal(np.asarray(grads[0])[~valid], 0.0)
+
+
+def _eqns(jaxpr):
+  """Every equation of a jaxpr, recursing into sub-jaxprs (scan, cond, jit...)."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          yield from _eqns(sub.jaxpr)
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          yield from _eqns(sub)
+
+
+def _output_shapes(fn, *args, primitive):
+  jaxpr = jax.make_jaxpr(fn)(*args)
+  return [
+    tuple(v.aval.shape)
+    for eqn in _eqns(jaxpr.jaxpr)
+    if eqn.primitive.name == primitive
+    for v in eqn.outvars
+  ]
+
+
+@pytest.mark.parametrize("weight_layout", ["vd", "dv"])
+def test_frozen_inputs_skip_their_gradient_work(rng, weight_layout):
+  problem = make_problem(rng, (37,), bias=True, weight_layout=weight_layout)
+  chunk = 8
+  dweight_shape = problem.weight.shape
+  dhidden_shape = (chunk, problem.hidden.shape[-1])
+
+  def loss(hidden, weight, bias):
+    return mst_jax.linear_cross_entropy(
+      hidden,
+      weight,
+      problem.labels,
+      bias,
+      where=problem.where,
+      impl="xla",
+      chunk_size=chunk,
+      weight_layout=weight_layout,
+    )
+
+  def shapes(argnums, primitive="dot_general"):
+    fn = jax.grad(loss, argnums=argnums)
+    return _output_shapes(
+      fn, problem.hidden, problem.weight, problem.bias, primitive=primitive
+    )
+
+  everything = shapes((0, 1, 2))
+  assert dweight_shape in everything and dhidden_shape in everything
+  assert (problem.weight.shape[0 if weight_layout == "vd" else 1],) in shapes(
+    (0, 1, 2), "reduce_sum"
+  )
+  frozen_weight = shapes((0,))
+  assert dweight_shape not in frozen_weight and dhidden_shape in frozen_weight
+  frozen_hidden = shapes((1,))
+  assert dhidden_shape not in frozen_hidden and dweight_shape in frozen_hidden
+  vocab = problem.bias.shape
+  assert vocab not in shapes((0, 1), "reduce_sum")
+
+
+def _temp_bytes(fn, *args):
+  return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_temporaries_grow_with_chunk_not_with_tokens(rng):
+  """Compiled temporaries: O(chunk x V + V x D + N x D), never O(N x V)."""
+  vocab, dim, chunk = 4099, 16, 64
+
+  def step_bytes(n_rows):
+    problem = make_problem(rng, (n_rows,), dim=dim, vocab=vocab, mask="none")
+    fn = jax.value_and_grad(
+      lambda h, w: mst_jax.linear_cross_entropy(
+        h, w, problem.labels, impl="xla", chunk_size=chunk
+      ),
+      argnums=(0, 1),
+    )
+    return _temp_bytes(fn, problem.hidden, problem.weight)
+
+  small, large = step_bytes(1024), step_bytes(4096)
+  full_logits = 4096 * vocab * 4
+  assert large < full_logits / 8, (large, full_logits)
+  # 3072 more rows may add O(rows x D) bytes, not O(rows x V).
+  assert large - small < 3072 * (vocab * 4) / 16, (small, large)

@@ -1,0 +1,290 @@
+"""The shared suite: every chunked implementation against the float64 oracle."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import jax.test_util
+import numpy as np
+import pytest
+from conftest import (
+  GRAD_RTOL,
+  LOSS_RTOL,
+  assert_close,
+  check_against_oracle,
+  make_problem,
+  oracle,
+  to64,
+  value_and_grads,
+)
+
+import mst_jax
+
+IMPLS = ["xla"]
+
+ALL_OPTIONS = dict(label_smoothing=0.1, z_loss=1e-3, logit_softcap=4.0)
+SINGLE_OPTIONS = {
+  "plain": {},
+  "label_smoothing": dict(label_smoothing=0.2),
+  "z_loss": dict(z_loss=1e-2),
+  "logit_softcap": dict(logit_softcap=2.5),
+  "bias": {},
+  "all": ALL_OPTIONS,
+}
+
+
+@pytest.fixture(params=IMPLS)
+def impl(request):
+  return request.param
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("option", list(SINGLE_OPTIONS))
+def test_each_option_and_all_together(rng, impl, option, dtype):
+  problem = make_problem(
+    rng, (3, 13), dtype=dtype, bias=option in ("bias", "all"), mask="scattered"
+  )
+  check_against_oracle(
+    problem, dtype, impl=impl, chunk_size=8, **SINGLE_OPTIONS[option]
+  )
+
+
+@pytest.mark.parametrize("batch_shape", [(37,), (3, 13)], ids=["N_D", "B_T_D"])
+@pytest.mark.parametrize("mask", ["none", "prefix", "scattered"])
+def test_mask_kinds(rng, impl, batch_shape, mask):
+  problem = make_problem(rng, batch_shape, mask=mask, bias=True)
+  check_against_oracle(problem, "float32", impl=impl, chunk_size=8, **ALL_OPTIONS)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 16, 36, 37, 1000, None])
+def test_chunk_sizes(rng, impl, chunk_size):
+  """Chunks of 1 row, unaligned ones, exactly N, and larger than N."""
+  problem = make_problem(rng, (37,), mask="scattered")
+  check_against_oracle(problem, "float32", impl=impl, chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("weight_layout", ["vd", "dv"])
+def test_weight_layouts(rng, impl, weight_layout):
+  problem = make_problem(rng, (2, 11), weight_layout=weight_layout, bias=True)
+  check_against_oracle(
+    problem, "float32", impl=impl, chunk_size=6, weight_layout=weight_layout
+  )
+
+
+def test_float16(rng, impl):
+  problem = make_problem(rng, (3, 13), dtype="float16", bias=True)
+  check_against_oracle(problem, "float16", impl=impl, chunk_size=8, **ALL_OPTIONS)
+
+
+def test_mixed_input_dtypes(rng, impl):
+  """bfloat16 hidden with a float32 weight: each gradient in its input's dtype."""
+  problem = make_problem(rng, (29,), dtype="float32")
+  problem.hidden = problem.hidden.astype(jnp.bfloat16)
+  check_against_oracle(problem, "bfloat16", impl=impl, chunk_size=8)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_reductions(rng, impl, reduction):
+  problem = make_problem(rng, (3, 13), bias=True)
+  kwargs = dict(impl=impl, chunk_size=8, reduction=reduction, **ALL_OPTIONS)
+  check_against_oracle(problem, "float32", **kwargs)
+  per_token = mst_jax.linear_cross_entropy(*problem.args, where=problem.where, **kwargs)
+  ref = mst_jax.reference.linear_cross_entropy(
+    *problem.args, where=problem.where, reduction=reduction, **ALL_OPTIONS
+  )
+  assert per_token.shape == ref.shape == ((3, 13) if reduction == "none" else ())
+  assert_close(per_token, ref, LOSS_RTOL["float32"], reduction)
+
+
+def test_shift(rng, impl):
+  problem = make_problem(rng, (3, 13), mask="prefix", bias=True)
+  check_against_oracle(problem, "float32", impl=impl, chunk_size=8, shift=True)
+
+
+def test_shift_matches_shifted_inputs(rng, impl):
+  """shift=True equals slicing hidden[..., :-1] and labels[..., 1:] by hand."""
+  problem = make_problem(rng, (2, 9), mask="none")
+  shifted = mst_jax.linear_cross_entropy(
+    problem.hidden,
+    problem.weight,
+    problem.labels,
+    impl=impl,
+    shift=True,
+    reduction="none",
+  )
+  by_hand = mst_jax.linear_cross_entropy(
+    problem.hidden[:, :-1],
+    problem.weight,
+    problem.labels[:, 1:],
+    impl=impl,
+    reduction="none",
+  )
+  assert shifted.shape == (2, 9)
+  np.testing.assert_array_equal(shifted[:, -1], 0.0)
+  assert_close(shifted[:, :-1], np.asarray(by_hand, np.float64), 1e-6, "shift")
+
+
+def test_all_masked_gives_exact_zeros(rng, impl):
+  problem = make_problem(rng, (3, 13), mask="all", bias=True)
+  for reduction in ("mean", "sum", "none"):
+    loss, grads = value_and_grads(
+      mst_jax.linear_cross_entropy,
+      problem,
+      impl=impl,
+      chunk_size=8,
+      reduction=reduction,
+      **ALL_OPTIONS,
+    )
+    np.testing.assert_array_equal(loss, 0.0)
+    for g in grads:
+      np.testing.assert_array_equal(g, 0.0)
+
+
+def test_excluded_rows_get_exactly_zero_gradient(rng, impl):
+  problem = make_problem(rng, (37,), mask="scattered")
+  _, (dhidden, _) = value_and_grads(
+    mst_jax.linear_cross_entropy, problem, impl=impl, chunk_size=8
+  )
+  excluded = ~np.asarray(problem.where)
+  np.testing.assert_array_equal(np.asarray(dhidden)[excluded], 0.0)
+  assert np.all(np.any(np.asarray(dhidden)[~excluded] != 0, axis=-1))
+
+
+def test_ignore_index_and_where_combine(rng, impl):
+  problem = make_problem(rng, (4, 10), mask="prefix", ignore_index=7)
+  problem.where = jnp.asarray(rng.random((4, 10)) > 0.3)
+  check_against_oracle(problem, "float32", impl=impl, chunk_size=8, ignore_index=7)
+
+
+def test_return_aux(rng, impl):
+  problem = make_problem(rng, (3, 13), bias=True)
+  logits = to64(problem.hidden) @ to64(problem.weight).T + to64(problem.bias)
+  labels = np.asarray(problem.labels).copy()
+  labels[:, ::2] = np.argmax(logits, axis=-1)[:, ::2]  # softcap keeps the argmax
+  problem.labels = jnp.asarray(labels)
+  kwargs = dict(where=problem.where, **ALL_OPTIONS)
+  loss, aux = mst_jax.linear_cross_entropy(
+    *problem.args, impl=impl, chunk_size=8, return_aux=True, **kwargs
+  )
+  ref_loss, ref_aux = mst_jax.reference.linear_cross_entropy(
+    *problem.args, return_aux=True, **kwargs
+  )
+  assert isinstance(aux, mst_jax.LossAux)
+  assert_close(loss, np.asarray(ref_loss), 1e-6, "loss")
+  assert aux.lse.shape == (3, 13)
+  assert_close(aux.lse, np.asarray(ref_aux.lse), 1e-6, "lse")
+  assert_close(aux.z_loss, np.asarray(ref_aux.z_loss), 1e-5, "z_loss")
+  assert int(aux.n_valid) == int(np.sum(problem.where)) == int(ref_aux.n_valid)
+  expected = np.sum((np.argmax(logits, axis=-1) == labels) & np.asarray(problem.where))
+  assert int(aux.n_correct) == int(ref_aux.n_correct) == expected > 0
+
+
+def test_aux_lse_is_differentiable(rng, impl):
+  problem = make_problem(rng, (29,), bias=True)
+
+  def lse_sum(fn, **kw):
+    def f(hidden, weight, bias):
+      _, aux = fn(
+        hidden,
+        weight,
+        problem.labels,
+        bias,
+        where=problem.where,
+        return_aux=True,
+        z_loss=1e-2,
+        **kw,
+      )
+      return jnp.sum(aux.lse)
+
+    return jax.grad(f, argnums=(0, 1, 2))(problem.hidden, problem.weight, problem.bias)
+
+  grads = lse_sum(mst_jax.linear_cross_entropy, impl=impl, chunk_size=8)
+  refs = lse_sum(mst_jax.reference.linear_cross_entropy)
+  for g, r in zip(grads, refs, strict=True):
+    assert_close(g, np.asarray(r), 1e-5, "dlse")
+
+
+def test_out_of_range_labels_give_nan(rng, impl):
+  """A label outside [0, V) that is not ignore_index is an error: NaN, loudly."""
+  problem = make_problem(rng, (20,), mask="none", vocab=101)
+  labels = np.asarray(problem.labels).copy()
+  labels[[3, 11]] = [101, -5]
+  per_token = mst_jax.linear_cross_entropy(
+    problem.hidden,
+    problem.weight,
+    jnp.asarray(labels),
+    impl=impl,
+    chunk_size=8,
+    reduction="none",
+  )
+  nan_rows = np.isnan(np.asarray(per_token))
+  np.testing.assert_array_equal(np.flatnonzero(nan_rows), [3, 11])
+  grads = jax.grad(
+    lambda h: mst_jax.linear_cross_entropy(
+      h, problem.weight, jnp.asarray(labels), impl=impl, chunk_size=8
+    )
+  )(problem.hidden)
+  assert np.isnan(np.asarray(grads)[[3, 11]]).all()
+  # Excluded by where, the same labels are harmless.
+  where = ~nan_rows
+  loss = mst_jax.linear_cross_entropy(
+    problem.hidden,
+    problem.weight,
+    jnp.asarray(labels),
+    where=jnp.asarray(where),
+    impl=impl,
+    chunk_size=8,
+  )
+  assert np.isfinite(float(loss))
+
+
+def test_under_user_jit_and_grad(rng, impl):
+  problem = make_problem(rng, (3, 13), bias=True)
+  kwargs = dict(impl=impl, chunk_size=8, **ALL_OPTIONS)
+
+  @jax.jit
+  def step(hidden, weight, bias):
+    return jax.value_and_grad(
+      lambda h, w, b: mst_jax.linear_cross_entropy(
+        h, w, problem.labels, b, where=problem.where, **kwargs
+      ),
+      argnums=(0, 1, 2),
+    )(hidden, weight, bias)
+
+  loss, grads = step(problem.hidden, problem.weight, problem.bias)
+  grad_only = jax.jit(
+    jax.grad(
+      lambda w: mst_jax.linear_cross_entropy(
+        problem.hidden, w, problem.labels, problem.bias, where=problem.where, **kwargs
+      )
+    )
+  )(problem.weight)
+  ref_loss, ref_grads = oracle(problem, **kwargs)
+  assert_close(loss, ref_loss, LOSS_RTOL["float32"], "loss")
+  for g, r in zip(grads, ref_grads, strict=True):
+    assert_close(g, r, GRAD_RTOL["float32"], "grad")
+  assert_close(grad_only, ref_grads[1], GRAD_RTOL["float32"], "grad only")
+
+
+def test_check_grads_float64(rng, impl):
+  """Finite differences against the hand-written VJP, float64, orders 1 and 2."""
+  problem = make_problem(rng, (11,), dim=5, vocab=23, bias=True)
+  with jax.enable_x64(True):
+    hidden, weight, bias = (
+      jnp.asarray(np.asarray(x, np.float64))
+      for x in (problem.hidden, problem.weight, problem.bias)
+    )
+
+    def f(hidden, weight, bias):
+      return mst_jax.linear_cross_entropy(
+        hidden,
+        weight,
+        problem.labels,
+        bias,
+        where=problem.where,
+        impl=impl,
+        chunk_size=4,
+        **ALL_OPTIONS,
+      )
+
+    jax.test_util.check_grads(f, (hidden, weight, bias), order=2, modes=["rev"])

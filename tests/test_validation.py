@@ -1,0 +1,102 @@
+"""Bad input raises at trace time with a message that names the problem."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mst_jax
+
+N, D, V = 6, 4, 11
+
+
+def _args(**overrides):
+  args = dict(
+    hidden=jnp.ones((N, D)),
+    weight=jnp.ones((V, D)),
+    labels=jnp.zeros((N,), jnp.int32),
+    bias=None,
+  )
+  args.update(overrides)
+  return args
+
+
+def _call(overrides=(), **kwargs):
+  return mst_jax.linear_cross_entropy(**_args(**dict(overrides)), **kwargs)
+
+
+@pytest.mark.parametrize(
+  "overrides, kwargs, error, match",
+  [
+    (dict(weight=jnp.ones((V, D + 1))), {}, ValueError, r"\(6, 4\).*\(11, 5\)"),
+    (
+      dict(weight=jnp.ones((V, D))),
+      dict(weight_layout="dv"),
+      ValueError,
+      "weight_layout='dv'",
+    ),
+    (dict(weight=jnp.ones((V, D, 1))), {}, ValueError, "2-D"),
+    (dict(hidden=jnp.ones((D,))), {}, ValueError, r"\[N, D\]"),
+    (
+      dict(labels=jnp.zeros((N + 1,), jnp.int32)),
+      {},
+      ValueError,
+      r"labels shape \(7,\).*\(6,\)",
+    ),
+    (dict(labels=jnp.zeros((N,), jnp.float32)), {}, TypeError, "integer"),
+    (dict(hidden=jnp.ones((N, D), jnp.int32)), {}, TypeError, "hidden.*int32"),
+    (dict(weight=jnp.ones((V, D), jnp.int32)), {}, TypeError, "weight.*int32"),
+    (dict(bias=jnp.ones((V + 1,))), {}, ValueError, r"bias.*\(11,\).*\(12,\)"),
+    (dict(bias=jnp.ones((V,), jnp.int32)), {}, TypeError, "bias"),
+    ({}, dict(where=jnp.ones((N,), jnp.int32)), TypeError, "where.*int32"),
+    ({}, dict(where=jnp.ones((N, 1), bool)), ValueError, r"where shape \(6, 1\)"),
+    ({}, dict(reduction="avg"), ValueError, "reduction.*'avg'"),
+    ({}, dict(weight_layout="VD"), ValueError, "weight_layout.*'VD'"),
+    ({}, dict(impl="cuda"), ValueError, "impl.*'cuda'"),
+    ({}, dict(label_smoothing=-0.1), ValueError, "label_smoothing.*-0.1"),
+    ({}, dict(label_smoothing=1.5), ValueError, "label_smoothing.*1.5"),
+    ({}, dict(label_smoothing=float("nan")), ValueError, "label_smoothing.*nan"),
+    ({}, dict(z_loss=-1.0), ValueError, "z_loss.*-1.0"),
+    ({}, dict(z_loss=float("inf")), ValueError, "z_loss.*inf"),
+    ({}, dict(logit_softcap=0.0), ValueError, "logit_softcap.*0.0"),
+    ({}, dict(logit_softcap=-3.0), ValueError, "logit_softcap.*-3.0"),
+    ({}, dict(logit_softcap="30"), TypeError, "logit_softcap"),
+    ({}, dict(chunk_size=0), ValueError, "chunk_size.*0"),
+    ({}, dict(chunk_size=2.5), TypeError, "chunk_size.*2.5"),
+    ({}, dict(ignore_index=1.5), TypeError, "ignore_index"),
+    ({}, dict(shift=1), TypeError, "shift"),
+    ({}, dict(return_aux="yes"), TypeError, "return_aux"),
+    ({}, dict(accum_dtype=jnp.int32), TypeError, "accum_dtype.*int32"),
+    ({}, dict(impl="reference", chunk_size=4), ValueError, "impl='reference'"),
+  ],
+)
+def test_bad_input_raises(overrides, kwargs, error, match):
+  with pytest.raises(error, match=match):
+    _call(overrides, **kwargs)
+
+
+def test_error_is_raised_at_trace_time():
+  """Shapes are checked while tracing: no device work, not even under jit."""
+  import jax
+
+  with pytest.raises(ValueError, match="labels shape"):
+    jax.jit(
+      lambda h: mst_jax.linear_cross_entropy(
+        h, jnp.ones((V, D)), jnp.zeros((N + 1,), jnp.int32)
+      )
+    ).lower(jax.ShapeDtypeStruct((N, D), jnp.float32))
+
+
+def test_empty_batch_gives_zero_loss_and_gradients():
+  hidden = jnp.ones((0, D))
+  labels = jnp.zeros((0,), jnp.int32)
+  weight = jnp.ones((V, D))
+  import jax
+
+  loss, grads = jax.value_and_grad(
+    lambda h, w: mst_jax.linear_cross_entropy(h, w, labels), argnums=(0, 1)
+  )(hidden, weight)
+  assert float(loss) == 0.0 and loss.dtype == jnp.float32
+  assert grads[0].shape == (0, D)
+  np.testing.assert_array_equal(grads[1], 0.0)
