@@ -7,14 +7,14 @@ import jax.numpy as jnp
 
 from mst_jax import backends, ce_math, chunked, config, inputs, reference
 
-IMPLEMENTATIONS = (None, "xla", "reference")
+IMPLEMENTATIONS = (None, "xla", "pallas", "reference")
 
 
 def _resolve_backend(impl: str | None) -> backends.ChunkCE | None:
   """The per-chunk backend for ``impl``; None means the full-logits reference."""
   if impl == "reference":
     return None
-  return backends.XlaChunkCE()
+  return backends.select(impl, jax.default_backend())
 
 
 @jax.jit(
@@ -87,8 +87,12 @@ def linear_cross_entropy(
     weight_layout: ``"vd"`` or ``"dv"``, see ``weight``.
     chunk_size: rows per chunk; None picks one from a memory budget
       (``config.default_rows_per_chunk``).
-    impl: None (automatic: ``"xla"``), ``"xla"`` (chunked, per-chunk math in
-      XLA) or ``"reference"`` (full logits; for tests and small problems).
+    impl: None (automatic: ``"pallas"`` on a GPU, ``"xla"`` elsewhere),
+      ``"xla"`` (chunked, per-chunk math in XLA), ``"pallas"`` (chunked,
+      per-chunk math in Pallas kernels; on a CPU they run in interpret mode,
+      slowly: for tests) or ``"reference"`` (full logits; for tests and small
+      problems). If the Pallas Triton lowering is unavailable, ``"pallas"``
+      falls back to ``"xla"`` with one warning.
     accum_dtype: dtype of the ``dweight`` / ``dbias`` accumulators across
       chunks; default float32 (float64 for float64 inputs).
     return_aux: if True, also return a ``LossAux``.

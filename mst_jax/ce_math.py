@@ -63,8 +63,14 @@ class CEOptions:
 class RowStats(NamedTuple):
   """Whole-row reductions of one chunk, each ``[rows]``; a backend's output.
 
+  ``lse = row_max + log_sum_exp``; the two are kept apart because the loss
+  subtracts logits of the row's own magnitude from lse: ``row_max - target`` is
+  exact where ``lse - target`` would lose the digits of ``log_sum_exp`` (logits
+  of magnitude 1e4 in float32 have an ulp of 1e-3).
+
   Attributes:
-    lse: float32 log-sum-exp of the (softcapped) logits.
+    row_max: float32 max of the (softcapped) logits.
+    log_sum_exp: float32 ``log(sum(exp(s - row_max)))``.
     target: float32 (softcapped) logit at the label; any value where the label
       is outside ``[0, V)`` (``row_outputs`` replaces it with NaN).
     mean_logit: float32 mean of the (softcapped) logits over the vocabulary;
@@ -73,10 +79,15 @@ class RowStats(NamedTuple):
     argmax: int32 index of the first maximum of the logits.
   """
 
-  lse: jax.Array
+  row_max: jax.Array
+  log_sum_exp: jax.Array
   target: jax.Array
   mean_logit: jax.Array
   argmax: jax.Array
+
+  @property
+  def lse(self) -> jax.Array:
+    return self.row_max + self.log_sum_exp
 
 
 def softcap(logits: jax.Array, cap: float | None) -> jax.Array:
@@ -115,10 +126,11 @@ def row_outputs(
   eps, zl = options.label_smoothing, options.z_loss
   lse = stats.lse
   target = jnp.where(label_in_range(labels, vocab_size), stats.target, jnp.nan)
-  # lse - (1-eps)*s_y - eps*mean(s) == (1-eps)*(lse - s_y) + eps*(lse - mean(s)).
-  loss = lse - (1.0 - eps) * target
+  # (1-eps)*(lse - s_y) + eps*(lse - mean(s)), with lse = max + log_sum_exp and
+  # the max subtracted first: differences of same-magnitude logits are exact.
+  loss = (1.0 - eps) * (stats.row_max - target) + stats.log_sum_exp
   if eps:
-    loss = loss - eps * stats.mean_logit
+    loss = loss + eps * (stats.row_max - stats.mean_logit)
   if zl:
     loss = loss + zl * lse * lse
   zero = jnp.zeros_like(lse)

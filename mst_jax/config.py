@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 # The per-chunk temporaries (float32 logits, a float32 elementwise temporary and
@@ -36,3 +38,52 @@ def default_rows_per_chunk(
   align = _ROW_ALIGN if rows >= _ROW_ALIGN else 8
   rows = max(align, rows // align * align)
   return max(1, min(rows, n_rows))
+
+
+def _is_power_of_2(value: int) -> bool:
+  return isinstance(value, int) and value > 0 and value & (value - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelBlocks:
+  """Block sizes of the Pallas cross-entropy kernels.
+
+  Each program of the row-reduction kernels owns ``block_rows`` rows and walks
+  the vocabulary ``block_v`` columns at a time; the elementwise ``dlogits``
+  kernel tiles ``[block_rows, block_v]``.
+
+  Attributes:
+    block_rows: rows per program, a power of 2.
+    block_v: vocabulary columns per step, a power of 2.
+    num_warps: warps per program (Triton), a power of 2.
+    num_stages: software-pipelining depth of the vocabulary loop (Triton).
+  """
+
+  block_rows: int = 1
+  block_v: int = 4096
+  num_warps: int = 8
+  num_stages: int = 2
+
+  def __post_init__(self):
+    for name in ("block_rows", "block_v", "num_warps"):
+      value = getattr(self, name)
+      if not _is_power_of_2(value):
+        raise ValueError(f"KernelBlocks.{name} must be a power of 2, got {value!r}.")
+    if not (isinstance(self.num_stages, int) and self.num_stages >= 1):
+      raise ValueError(
+        f"KernelBlocks.num_stages must be >= 1, got {self.num_stages!r}."
+      )
+
+
+def default_kernel_blocks(vocab_size: int) -> KernelBlocks:
+  """Heuristic kernel blocks for a vocabulary of ``vocab_size``.
+
+  One row per program gives a chunk of ``R`` rows ``R`` independent programs
+  (enough to fill the GPU at the chunk sizes we use) and keeps each program's
+  reductions in registers; the vocabulary step is capped by the (power-of-2)
+  vocabulary so small vocabularies do not load mostly padding.
+  """
+  block_v = min(4096, max(128, 1 << max(vocab_size - 1, 1).bit_length()))
+  return KernelBlocks(
+    block_rows=1, block_v=block_v, num_warps=8 if block_v >= 2048 else 4
+  )

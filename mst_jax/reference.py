@@ -50,6 +50,17 @@ def row_losses(
   )
   if bias is not None:
     logits = logits + bias.astype(acc)
+  return losses_from_logits(logits, labels, valid, options=options)
+
+
+def losses_from_logits(
+  logits: jax.Array,
+  labels: jax.Array,
+  valid: jax.Array,
+  *,
+  options: ce_math.CEOptions,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Per-row ``(loss, lse, correct)`` from ``[N, V]`` logits; see ``row_losses``."""
   cap = options.logit_softcap
   if cap is not None:
     logits = cap * jnp.tanh(logits / cap)

@@ -20,7 +20,7 @@ from conftest import (
 
 import mst_jax
 
-IMPLS = ["xla"]
+IMPLS = ["xla", "pallas"]
 
 ALL_OPTIONS = dict(label_smoothing=0.1, z_loss=1e-3, logit_softcap=4.0)
 SINGLE_OPTIONS = {
@@ -267,7 +267,10 @@ def test_under_user_jit_and_grad(rng, impl):
 
 
 def test_check_grads_float64(rng, impl):
-  """Finite differences against the hand-written VJP, float64, orders 1 and 2."""
+  """Finite differences against the hand-written VJP, float64.
+
+  Second order only for XLA: a pallas_call has no derivative of its own.
+  """
   problem = make_problem(rng, (11,), dim=5, vocab=23, bias=True)
   with jax.enable_x64(True):
     hidden, weight, bias = (
@@ -287,4 +290,5 @@ def test_check_grads_float64(rng, impl):
         **ALL_OPTIONS,
       )
 
-    jax.test_util.check_grads(f, (hidden, weight, bias), order=2, modes=["rev"])
+    order = 2 if impl == "xla" else 1
+    jax.test_util.check_grads(f, (hidden, weight, bias), order=order, modes=["rev"])

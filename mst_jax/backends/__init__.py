@@ -1,6 +1,61 @@
-"""Per-chunk cross-entropy backends behind one interface (``base.ChunkCE``)."""
+"""Per-chunk cross-entropy backends behind one interface (``base.ChunkCE``).
+
+``select`` is the one place that maps ``impl`` and the platform to a backend.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
 
 from mst_jax.backends.base import ChunkCE
 from mst_jax.backends.xla import XlaChunkCE
 
-__all__ = ["ChunkCE", "XlaChunkCE"]
+__all__ = ["ChunkCE", "XlaChunkCE", "pallas_unavailable_reason", "select"]
+
+
+@functools.cache
+def pallas_unavailable_reason(platform: str) -> str | None:
+  """Why the Pallas Triton kernels cannot run on ``platform``, or None.
+
+  On a GPU this compiles a tiny kernel once per process: a jax without the
+  Triton lowering fails here, not in the middle of a user's trace.
+  """
+  try:
+    from mst_jax.backends import pallas_triton
+  except ImportError as e:
+    return f"jax.experimental.pallas.triton is not importable ({e})"
+  if platform != "gpu":
+    return None  # interpret mode needs no lowering
+  try:
+    pallas_triton.smoke_test()
+  except Exception as e:  # noqa: BLE001 -- any lowering failure means "unavailable"
+    return f"the Pallas Triton lowering failed on this jax ({type(e).__name__}: {e})"
+  return None
+
+
+def select(impl: str | None, platform: str) -> ChunkCE:
+  """The per-chunk backend for ``impl`` (None, "xla" or "pallas") on ``platform``.
+
+  ``impl=None`` picks the Pallas kernels on a GPU and XLA elsewhere;
+  ``impl="pallas"`` on a CPU runs the kernels in interpret mode. If the Triton
+  lowering is unavailable, a Pallas request falls back to XLA with one warning.
+  """
+  if impl == "xla" or (impl is None and platform != "gpu"):
+    return XlaChunkCE()
+  reason = pallas_unavailable_reason(platform)
+  if reason is not None:
+    _warn_fallback(reason)
+    return XlaChunkCE()
+  from mst_jax.backends import pallas_triton
+
+  return pallas_triton.PallasTritonChunkCE(interpret=platform != "gpu")
+
+
+@functools.cache
+def _warn_fallback(reason: str) -> None:
+  warnings.warn(
+    f"mst_jax: using the XLA per-chunk backend instead of Pallas: {reason}.",
+    RuntimeWarning,
+    stacklevel=4,
+  )

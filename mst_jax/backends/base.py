@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import jax
+import jax.numpy as jnp
 
 from mst_jax import ce_math
 
@@ -34,3 +35,36 @@ class ChunkCE(Protocol):
   ) -> jax.Array:
     """Returns ``dloss/dlogits`` (``[rows, V]`` in ``out_dtype``)."""
     ...
+
+  def forward_backward(
+    self,
+    logits: jax.Array,
+    labels: jax.Array,
+    valid: jax.Array,
+    g_loss: jax.Array,
+    options: ce_math.CEOptions,
+    out_dtype: jax.typing.DTypeLike,
+  ) -> tuple[ce_math.RowStats, jax.Array]:
+    """``forward`` and ``backward`` in one sweep, for a known loss cotangent.
+
+    ``g_loss`` (float32 ``[rows]``) is the cotangent of each row's loss; the lse
+    cotangent is taken as zero. Returns the row statistics and ``dlogits``.
+    """
+    ...
+
+
+def unfused_forward_backward(
+  backend, logits, labels, valid, g_loss, options, out_dtype
+):
+  """``forward_backward`` as a ``forward`` then a ``backward``."""
+  stats = backend.forward(logits, labels, options)
+  rows = ce_math.backward_rows(
+    g_loss,
+    jnp.zeros_like(stats.lse),
+    stats.lse,
+    labels,
+    valid,
+    options,
+    logits.shape[-1],
+  )
+  return stats, backend.backward(logits, labels, rows, options, out_dtype)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from mst_jax import ce_math
+from mst_jax.backends import base
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,15 +23,15 @@ class XlaChunkCE:
     vocab_size = logits.shape[-1]
     capped = ce_math.softcap(logits, options.logit_softcap)  # [rows, V]
     row_max = jnp.max(capped, axis=-1)
-    lse = row_max + jnp.log(jnp.sum(jnp.exp(capped - row_max[:, None]), axis=-1))
+    log_sum_exp = jnp.log(jnp.sum(jnp.exp(capped - row_max[:, None]), axis=-1))
     safe_labels = jnp.clip(labels, 0, vocab_size - 1)
     target = jnp.take_along_axis(capped, safe_labels[:, None], axis=-1)[:, 0]
     if options.label_smoothing:
       mean_logit = jnp.mean(capped, axis=-1)
     else:
-      mean_logit = jnp.zeros_like(lse)
+      mean_logit = jnp.zeros_like(row_max)
     argmax = jnp.argmax(capped, axis=-1).astype(jnp.int32)
-    return ce_math.RowStats(lse, target, mean_logit, argmax)
+    return ce_math.RowStats(row_max, log_sum_exp, target, mean_logit, argmax)
 
   def backward(
     self,
@@ -45,3 +46,8 @@ class XlaChunkCE:
     cols = jnp.arange(vocab_size, dtype=jnp.int32)
     grad = ce_math.dlogits_block(capped, cols, labels, rows, options, vocab_size)
     return grad.astype(out_dtype)
+
+  def forward_backward(self, logits, labels, valid, g_loss, options, out_dtype):
+    return base.unfused_forward_backward(
+      self, logits, labels, valid, g_loss, options, out_dtype
+    )

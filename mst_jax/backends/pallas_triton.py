@@ -1,0 +1,333 @@
+"""Per-chunk cross-entropy as Pallas kernels lowered through Triton.
+
+Three kernels over a chunk's float32 logits ``[R, V]``, read top to bottom:
+
+1. ``_stats_kernel``: one pass over each row with an online max / sum-exp,
+   producing lse, the target logit, the mean logit and the argmax
+   (``ce_math.RowStats``). One read of the logits.
+2. ``_dlogits_kernel``: elementwise ``dlogits`` from the saved lse and per-row
+   coefficients (``ce_math.dlogits_block``). One read, one write.
+3. ``_fused_kernel``: both in one launch, for when the gradient is formed in
+   the same sweep as the loss: a first pass for the statistics, then a second
+   that writes ``dlogits``. Two reads (the second mostly from L2), one write.
+
+The math on each block is ``ce_math``'s: the same functions the XLA backend
+applies to whole rows. Every ``pallas_call`` takes ``interpret`` from the
+backend; on a CPU the kernels run in interpret mode.
+
+The Triton lowering is deprecated from jax 0.11 in favour of Mosaic GPU. The
+backend is selected in one place (``mst_jax.backends.select``), so a Mosaic GPU
+version can sit beside this one; the deprecation warning is shown once per
+process rather than on every trace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from mst_jax import ce_math
+from mst_jax.config import KernelBlocks, default_kernel_blocks
+
+warnings.filterwarnings(
+  "once", message=".*Pallas Triton backend is deprecated.*", category=DeprecationWarning
+)
+
+
+def _row_block(row_block_index, block_rows, n_rows):
+  rows = row_block_index * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
+  return pl.ds(row_block_index * block_rows, block_rows), rows < n_rows
+
+
+def _load_rows(ref, row_slice, row_mask, other):
+  return plgpu.load(ref.at[row_slice], mask=row_mask, other=other)
+
+
+def _load_logits(logits_ref, row_slice, row_mask, col_block_index, block_v):
+  """Block ``[block_rows, block_v]`` of logits, its columns and their mask."""
+  n_cols = logits_ref.shape[1]
+  cols = col_block_index * block_v + jnp.arange(block_v, dtype=jnp.int32)
+  col_mask = cols < n_cols
+  mask = row_mask[:, None] & col_mask[None, :]
+  block = plgpu.load(
+    logits_ref.at[row_slice, pl.ds(col_block_index * block_v, block_v)],
+    mask=mask,
+    other=0.0,
+  )
+  return block, cols, col_mask
+
+
+def _row_stats(logits_ref, labels, row_slice, row_mask, *, options, block_v):
+  """One pass over a row block: ``RowStats`` with an online max / sum-exp."""
+  n_cols = logits_ref.shape[1]
+  block_rows = labels.shape[0]
+  smoothing = bool(options.label_smoothing)
+
+  def body(col_block_index, carry):
+    row_max, sum_exp, target, total, best, best_index = carry
+    z, cols, col_mask = _load_logits(
+      logits_ref, row_slice, row_mask, col_block_index, block_v
+    )
+    capped = ce_math.softcap(z, options.logit_softcap)  # [block_rows, block_v]
+    live = jnp.where(col_mask[None, :], capped, -jnp.inf)
+    block_max = jnp.max(live, axis=1)
+    new_max = jnp.maximum(row_max, block_max)
+    sum_exp = sum_exp * jnp.exp(row_max - new_max) + jnp.sum(
+      jnp.exp(live - new_max[:, None]), axis=1
+    )
+    is_label = cols[None, :] == labels[:, None]
+    target = target + jnp.sum(jnp.where(is_label, capped, 0.0), axis=1)
+    if smoothing:
+      total = total + jnp.sum(jnp.where(col_mask[None, :], capped, 0.0), axis=1)
+    # First index of the block's max; a later block wins only if strictly
+    # larger, so ties resolve to the first index like jnp.argmax.
+    first = jnp.min(
+      jnp.where(live == block_max[:, None], cols[None, :], n_cols), axis=1
+    )
+    better = block_max > best
+    best_index = jnp.where(better, first, best_index)
+    best = jnp.where(better, block_max, best)
+    return new_max, sum_exp, target, total, best, best_index
+
+  dtype = logits_ref.dtype  # float32 (float64 for float64 inputs)
+  zeros = jnp.zeros((block_rows,), dtype)
+  neg_inf = jnp.full((block_rows,), -jnp.inf, dtype)
+  init = (neg_inf, zeros, zeros, zeros, neg_inf, jnp.zeros((block_rows,), jnp.int32))
+  row_max, sum_exp, target, total, _, best_index = lax.fori_loop(
+    0, pl.cdiv(n_cols, block_v), body, init
+  )
+  return ce_math.RowStats(
+    row_max=row_max,
+    log_sum_exp=jnp.log(sum_exp),
+    target=target,
+    mean_logit=total / n_cols,
+    argmax=best_index,
+  )
+
+
+def _store_stats(stats, refs, row_slice, row_mask):
+  for value, ref in zip(stats, refs, strict=True):
+    plgpu.store(ref.at[row_slice], value.astype(ref.dtype), mask=row_mask)
+
+
+def _stats_kernel(
+  logits_ref,  # [R, V] float32 (float64 for float64 inputs)
+  labels_ref,  # [R] int32
+  *stats_refs,  # the RowStats fields, each [R]
+  options: ce_math.CEOptions,
+  block_rows: int,
+  block_v: int,
+):
+  row_slice, row_mask = _row_block(pl.program_id(0), block_rows, logits_ref.shape[0])
+  labels = _load_rows(labels_ref, row_slice, row_mask, 0)
+  stats = _row_stats(
+    logits_ref, labels, row_slice, row_mask, options=options, block_v=block_v
+  )
+  _store_stats(stats, stats_refs, row_slice, row_mask)
+
+
+def _write_dlogits(
+  logits_ref,
+  labels,
+  rows,
+  dlogits_ref,
+  row_slice,
+  row_mask,
+  col_block_index,
+  *,
+  options,
+  block_v,
+):
+  """Writes one ``[block_rows, block_v]`` block of ``dlogits``."""
+  n_cols = logits_ref.shape[1]
+  z, cols, col_mask = _load_logits(
+    logits_ref, row_slice, row_mask, col_block_index, block_v
+  )
+  capped = ce_math.softcap(z, options.logit_softcap)
+  grad = ce_math.dlogits_block(capped, cols, labels, rows, options, n_cols)
+  plgpu.store(
+    dlogits_ref.at[row_slice, pl.ds(col_block_index * block_v, block_v)],
+    grad.astype(dlogits_ref.dtype),
+    mask=row_mask[:, None] & col_mask[None, :],
+  )
+
+
+def _dlogits_kernel(
+  logits_ref,  # [R, V] float32 (float64 for float64 inputs)
+  labels_ref,  # [R] int32
+  lse_ref,
+  coef_softmax_ref,
+  coef_target_ref,  # each [R] float32, see ce_math.BackwardRows
+  dlogits_ref,  # [R, V] out dtype
+  *,
+  options: ce_math.CEOptions,
+  block_rows: int,
+  block_v: int,
+):
+  row_slice, row_mask = _row_block(pl.program_id(0), block_rows, logits_ref.shape[0])
+  labels = _load_rows(labels_ref, row_slice, row_mask, 0)
+  rows = ce_math.BackwardRows(
+    # Padded rows: lse=+inf and zero coefficients give exactly 0, never NaN.
+    lse=_load_rows(lse_ref, row_slice, row_mask, jnp.inf),
+    coef_softmax=_load_rows(coef_softmax_ref, row_slice, row_mask, 0.0),
+    coef_target=_load_rows(coef_target_ref, row_slice, row_mask, 0.0),
+  )
+  _write_dlogits(
+    logits_ref,
+    labels,
+    rows,
+    dlogits_ref,
+    row_slice,
+    row_mask,
+    pl.program_id(1),
+    options=options,
+    block_v=block_v,
+  )
+
+
+def _fused_kernel(
+  logits_ref,  # [R, V] float32 (float64 for float64 inputs)
+  labels_ref,  # [R] int32
+  valid_ref,  # [R] int32 (0 or 1)
+  g_loss_ref,  # [R] float32, cotangent of each row's loss
+  *refs,  # outputs: the RowStats fields (each [R]), then dlogits [R, V]
+  options: ce_math.CEOptions,
+  block_rows: int,
+  block_v: int,
+):
+  *stats_refs, dlogits_ref = refs
+  n_rows, n_cols = logits_ref.shape
+  row_slice, row_mask = _row_block(pl.program_id(0), block_rows, n_rows)
+  labels = _load_rows(labels_ref, row_slice, row_mask, 0)
+  stats = _row_stats(
+    logits_ref, labels, row_slice, row_mask, options=options, block_v=block_v
+  )
+  _store_stats(stats, stats_refs, row_slice, row_mask)
+  rows = ce_math.backward_rows(
+    _load_rows(g_loss_ref, row_slice, row_mask, 0.0),
+    jnp.zeros_like(stats.lse),
+    stats.lse,
+    labels,
+    _load_rows(valid_ref, row_slice, row_mask, 0) != 0,
+    options,
+    n_cols,
+  )
+
+  @pl.loop(0, pl.cdiv(n_cols, block_v))
+  def _(col_block_index):
+    _write_dlogits(
+      logits_ref,
+      labels,
+      rows,
+      dlogits_ref,
+      row_slice,
+      row_mask,
+      col_block_index,
+      options=options,
+      block_v=block_v,
+    )
+
+
+def _row_shapes(logits):
+  """Output shapes of ``RowStats`` for ``logits``: four float rows, an int row."""
+  n_rows = logits.shape[0]
+  return (
+    *(jax.ShapeDtypeStruct((n_rows,), logits.dtype) for _ in range(4)),
+    jax.ShapeDtypeStruct((n_rows,), jnp.int32),
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasTritonChunkCE:
+  """``ChunkCE`` as Pallas kernels lowered through Triton.
+
+  Attributes:
+    blocks: kernel block sizes; None picks ``default_kernel_blocks(V)``.
+    interpret: run the kernels in Pallas interpret mode (on any backend,
+      including a CPU); slow, for tests.
+  """
+
+  name: str = "pallas"
+  blocks: KernelBlocks | None = None
+  interpret: bool = False
+
+  def _call(self, kernel, name, grid, out_shape, vocab_size, options, n_inputs):
+    blocks = self.blocks or default_kernel_blocks(vocab_size)
+    return pl.pallas_call(
+      functools.partial(
+        kernel,
+        options=options,
+        block_rows=blocks.block_rows,
+        block_v=blocks.block_v,
+      ),
+      out_shape=out_shape,
+      grid=grid(blocks),
+      in_specs=[pl.no_block_spec] * n_inputs,
+      out_specs=jax.tree.map(lambda _: pl.no_block_spec, out_shape),
+      compiler_params=plgpu.CompilerParams(
+        num_warps=blocks.num_warps, num_stages=blocks.num_stages
+      ),
+      interpret=self.interpret,
+      name=name,
+    )
+
+  def forward(self, logits, labels, options):
+    n_rows, vocab_size = logits.shape
+    call = self._call(
+      _stats_kernel,
+      "mst_ce_stats",
+      lambda b: (pl.cdiv(n_rows, b.block_rows),),
+      _row_shapes(logits),
+      vocab_size,
+      options,
+      n_inputs=2,
+    )
+    return ce_math.RowStats(*call(logits, labels))
+
+  def backward(self, logits, labels, rows, options, out_dtype):
+    n_rows, vocab_size = logits.shape
+    call = self._call(
+      _dlogits_kernel,
+      "mst_ce_dlogits",
+      lambda b: (pl.cdiv(n_rows, b.block_rows), pl.cdiv(vocab_size, b.block_v)),
+      jax.ShapeDtypeStruct(logits.shape, out_dtype),
+      vocab_size,
+      options,
+      n_inputs=5,
+    )
+    return call(logits, labels, *rows)
+
+  def forward_backward(self, logits, labels, valid, g_loss, options, out_dtype):
+    n_rows, vocab_size = logits.shape
+    call = self._call(
+      _fused_kernel,
+      "mst_ce_fused",
+      lambda b: (pl.cdiv(n_rows, b.block_rows),),
+      (*_row_shapes(logits), jax.ShapeDtypeStruct(logits.shape, out_dtype)),
+      vocab_size,
+      options,
+      n_inputs=4,
+    )
+    *stats, dlogits = call(logits, labels, valid.astype(jnp.int32), g_loss)
+    return ce_math.RowStats(*stats), dlogits
+
+
+def smoke_test() -> None:
+  """Lowers and compiles the statistics kernel for the default device.
+
+  Only lowers and compiles (no execution), so it is safe to call while a
+  caller's function is being traced.
+  """
+  logits = jax.ShapeDtypeStruct((3, 130), jnp.float32)
+  labels = jax.ShapeDtypeStruct((3,), jnp.int32)
+  forward = functools.partial(
+    PallasTritonChunkCE().forward, options=ce_math.CEOptions()
+  )
+  jax.jit(forward).lower(logits, labels).compile()

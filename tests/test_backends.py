@@ -1,0 +1,186 @@
+"""Each per-chunk backend against the float64 reference, kernel by kernel.
+
+The oracle is ``reference.losses_from_logits`` run in float64, differentiated
+by autodiff for ``dlogits``; the backends share only ``ce_math`` with each
+other, not with it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_close, has_gpu
+
+from mst_jax import backends, ce_math, reference
+from mst_jax.backends.pallas_triton import PallasTritonChunkCE
+from mst_jax.config import KernelBlocks
+
+ALL_OPTIONS = ce_math.CEOptions(label_smoothing=0.1, z_loss=1e-3, logit_softcap=30.0)
+PLAIN = ce_math.CEOptions()
+
+CPU_BACKENDS = {
+  "xla": backends.XlaChunkCE(),
+  # Blocks smaller than V so that the vocabulary loop and its tail run.
+  "pallas_interpret": PallasTritonChunkCE(
+    blocks=KernelBlocks(block_rows=2, block_v=256, num_warps=4), interpret=True
+  ),
+  "pallas_interpret_default_blocks": PallasTritonChunkCE(interpret=True),
+}
+
+
+def _logits_case(rng, case, n_rows, vocab):
+  """Float32 logits ``[n_rows, vocab]``, int32 labels and bool validity."""
+  logits = rng.standard_normal((n_rows, vocab)) * 3.0
+  labels = rng.integers(0, vocab, n_rows)
+  valid = rng.random(n_rows) > 0.25
+  tail = vocab - vocab % 256 if vocab % 256 else vocab - 256
+  if case == "label_in_tail":
+    labels[: n_rows // 2] = rng.integers(tail, vocab, n_rows // 2)
+  elif case == "very_negative":
+    logits[::2] = -1e4 + rng.standard_normal((len(logits[::2]), vocab))
+  elif case == "large":
+    logits = rng.standard_normal((n_rows, vocab)) * 1e4
+  elif case == "all_excluded":
+    valid[:] = False
+  elif case != "normal":
+    raise ValueError(case)
+  labels[0] = vocab - 1  # always one label in the last (padded) block
+  return (
+    jnp.asarray(logits, jnp.float32),
+    jnp.asarray(labels, jnp.int32),
+    jnp.asarray(valid),
+  )
+
+
+def _oracle(logits, labels, valid, g_loss, g_lse, options):
+  """float64 ``(loss, lse, correct)`` and ``dlogits`` for cotangents g."""
+  with jax.enable_x64(True):
+    logits64 = jnp.asarray(np.asarray(logits, np.float64))
+    g_loss64, g_lse64 = (
+      jnp.asarray(np.asarray(g, np.float64)) for g in (g_loss, g_lse)
+    )
+
+    def weighted(x):
+      loss, lse, _ = reference.losses_from_logits(x, labels, valid, options=options)
+      return jnp.sum(g_loss64 * loss + g_lse64 * lse)
+
+    outputs = reference.losses_from_logits(logits64, labels, valid, options=options)
+    dlogits = jax.grad(weighted)(logits64)
+    return [np.asarray(o) for o in outputs], np.asarray(dlogits)
+
+
+def check_backend(backend, logits, labels, valid, options, rng, out_dtype=jnp.float32):
+  n_rows, vocab = logits.shape
+  g_loss = jnp.asarray(rng.random(n_rows) + 0.5, jnp.float32)
+  g_lse = jnp.asarray(rng.standard_normal(n_rows), jnp.float32)
+  (ref_loss, ref_lse, ref_correct), ref_dlogits = _oracle(
+    logits, labels, valid, g_loss, g_lse, options
+  )
+  # p = exp(s - lse) inherits lse's float32 rounding, ulp(|logits|): 1e-3 at 1e4.
+  magnitude = float(np.max(np.abs(np.asarray(logits))))
+  grad_rtol = max(1e-5, 4 * magnitude * 2.0**-24)
+  if out_dtype != jnp.float32:
+    grad_rtol = max(grad_rtol, 8e-3)
+
+  stats = backend.forward(logits, labels, options)
+  loss, lse, correct = ce_math.row_outputs(stats, labels, valid, options, vocab)
+  assert_close(loss, ref_loss, 1e-6, "loss")
+  assert_close(lse, ref_lse, 1e-6, "lse")
+  np.testing.assert_array_equal(correct, ref_correct)
+  if options.logit_softcap is None:  # a softcap saturates very large logits to ties
+    np.testing.assert_array_equal(stats.argmax, np.argmax(np.asarray(logits), axis=-1))
+
+  rows = ce_math.backward_rows(g_loss, g_lse, stats.lse, labels, valid, options, vocab)
+  dlogits = backend.backward(logits, labels, rows, options, out_dtype)
+  assert dlogits.dtype == out_dtype
+  assert_close(dlogits, ref_dlogits, grad_rtol, "dlogits")
+  np.testing.assert_array_equal(np.asarray(dlogits, np.float32)[~np.asarray(valid)], 0)
+
+  (_, ref_fused_dlogits) = _oracle(
+    logits, labels, valid, g_loss, jnp.zeros_like(g_lse), options
+  )
+  fused_stats, fused = backend.forward_backward(
+    logits, labels, valid, g_loss, options, out_dtype
+  )
+  assert_close(fused_stats.lse, np.asarray(stats.lse, np.float64), 1e-6, "fused lse")
+  np.testing.assert_array_equal(fused_stats.argmax, stats.argmax)
+  assert_close(fused, ref_fused_dlogits, grad_rtol, "fused dlogits")
+
+
+@pytest.mark.parametrize("backend", list(CPU_BACKENDS))
+@pytest.mark.parametrize(
+  "case", ["normal", "label_in_tail", "very_negative", "large", "all_excluded"]
+)
+@pytest.mark.parametrize("options", [PLAIN, ALL_OPTIONS], ids=["plain", "all"])
+def test_backend_matches_oracle(rng, backend, case, options):
+  logits, labels, valid = _logits_case(rng, case, 9, 1031)
+  check_backend(CPU_BACKENDS[backend], logits, labels, valid, options, rng)
+
+
+@pytest.mark.parametrize("backend", list(CPU_BACKENDS))
+def test_backend_bfloat16_dlogits(rng, backend):
+  logits, labels, valid = _logits_case(rng, "normal", 5, 1031)
+  check_backend(
+    CPU_BACKENDS[backend],
+    logits,
+    labels,
+    valid,
+    ALL_OPTIONS,
+    rng,
+    out_dtype=jnp.bfloat16,
+  )
+
+
+def test_vocab_smaller_than_one_block(rng):
+  logits, labels, valid = _logits_case(rng, "normal", 3, 37)
+  backend = PallasTritonChunkCE(
+    blocks=KernelBlocks(block_rows=4, block_v=128, num_warps=4), interpret=True
+  )
+  check_backend(backend, logits, labels, valid, ALL_OPTIONS, rng)
+
+
+def test_select_picks_backends():
+  assert isinstance(backends.select(None, "cpu"), backends.XlaChunkCE)
+  assert isinstance(backends.select("xla", "gpu"), backends.XlaChunkCE)
+  pallas = backends.select("pallas", "cpu")
+  assert isinstance(pallas, PallasTritonChunkCE) and pallas.interpret
+
+
+def test_kernel_blocks_are_validated():
+  with pytest.raises(ValueError, match="block_v must be a power of 2, got 1000"):
+    KernelBlocks(block_v=1000)
+  with pytest.raises(ValueError, match="num_stages"):
+    KernelBlocks(num_stages=0)
+
+
+# ---- On the GPU: compiled Triton kernels at unaligned and real sizes. ----
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize(
+  "n_rows, vocab", [(37, 1031), (1000, 50257), (1024, 128256), (1024, 256000)]
+)
+def test_pallas_gpu_matches_oracle(rng, n_rows, vocab, out_dtype):
+  assert has_gpu()
+  logits, labels, valid = _logits_case(rng, "normal", n_rows, vocab)
+  check_backend(
+    PallasTritonChunkCE(), logits, labels, valid, ALL_OPTIONS, rng, out_dtype=out_dtype
+  )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+  "case", ["label_in_tail", "very_negative", "large", "all_excluded"]
+)
+def test_pallas_gpu_edge_cases(rng, case):
+  logits, labels, valid = _logits_case(rng, case, 67, 4099)
+  check_backend(PallasTritonChunkCE(), logits, labels, valid, ALL_OPTIONS, rng)
+
+
+@pytest.mark.gpu
+def test_select_uses_pallas_on_gpu():
+  assert backends.pallas_unavailable_reason("gpu") is None
+  assert isinstance(backends.select(None, "gpu"), PallasTritonChunkCE)
