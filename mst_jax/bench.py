@@ -67,7 +67,7 @@ def _rel_err(out, ref) -> float:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-  """Measures naive and mst_jax once each; returns one row per implementation."""
+  """Measures naive and each mst_jax impl; returns one row per implementation."""
   dtype = jnp.dtype(args.dtype)
   inputs = make_inputs(
     jax.random.key(args.seed),
@@ -78,17 +78,17 @@ def run(args: argparse.Namespace) -> list[dict]:
     args.masked_fraction,
   )
 
-  def ours(hidden, weight, labels, where):
-    return mst_jax.linear_cross_entropy(
-      hidden,
-      weight,
-      labels,
-      where=where,
-      chunk_size=args.chunk_size,
-      impl=args.impl,
-    )
+  def ours(impl):
+    def loss(hidden, weight, labels, where):
+      return mst_jax.linear_cross_entropy(
+        hidden, weight, labels, where=where, chunk_size=args.chunk_size, impl=impl
+      )
 
-  steps = {"naive": _step(naive_loss), "mst_jax": _step(ours)}
+    return loss
+
+  steps = {"naive": _step(naive_loss)}
+  for impl in args.impl:
+    steps[impl or "mst_jax"] = _step(ours(impl))
   results = {name: step(*inputs) for name, step in steps.items()}
   ref_loss, ref_grads = results["naive"]
   flops = 6 * args.tokens * args.dim * args.vocab
@@ -114,19 +114,122 @@ def run(args: argparse.Namespace) -> list[dict]:
 def format_table(rows: Sequence[dict]) -> str:
   naive = next(r for r in rows if r["impl"] == "naive")
   header = (
-    f"{'impl':<8} {'loss':>9} {'loss err':>9} {'dh err':>9} {'dw err':>9}"
+    f"{'impl':<9} {'loss':>9} {'loss err':>9} {'dh err':>9} {'dw err':>9}"
     f" {'median ms':>10} {'TFLOP/s':>8} {'temp MiB':>9} {'time x':>7} {'mem x':>7}"
   )
   lines = [header, "-" * len(header)]
   for r in rows:
     lines.append(
-      f"{r['impl']:<8} {r['loss']:>9.5f} {r['loss_rel_err']:>9.1e}"
+      f"{r['impl']:<9} {r['loss']:>9.5f} {r['loss_rel_err']:>9.1e}"
       f" {r['dhidden_rel_err']:>9.1e} {r['dweight_rel_err']:>9.1e}"
       f" {r['median_ms']:>10.2f} {r['tflops']:>8.3f} {r['temp_mib']:>9.1f}"
       f" {r['median_ms'] / naive['median_ms']:>7.2f}"
       f" {r['temp_mib'] / max(naive['temp_mib'], 1e-9):>7.3f}"
     )
   return "\n".join(lines)
+
+
+def _mean_seconds_async(fn, args, reps: int) -> float:
+  """Mean time of ``reps`` back-to-back dispatches (launch gaps overlap)."""
+  jax.block_until_ready(fn(*args))
+  start = time.perf_counter()
+  for _ in range(reps):
+    out = fn(*args)
+  jax.block_until_ready(out)
+  return (time.perf_counter() - start) / reps
+
+
+def copy_bandwidth(n_bytes: int = 2**31, reps: int = 20) -> float:
+  """Device-to-device copy bandwidth in bytes/s, counting bytes read + written."""
+  x = jnp.ones((n_bytes // 4,), jnp.float32)
+  scale = jnp.float32(1.0001)  # an argument, so XLA cannot elide the pass
+  fn = jax.jit(lambda x, s: x * s)
+  return 2 * n_bytes / _mean_seconds_async(fn, (x, scale), reps)
+
+
+def parse_blocks(text: str):
+  """``"1x4096x8"`` (rows x block_v x warps[xstages]) -> ``KernelBlocks``."""
+  from mst_jax.config import KernelBlocks
+
+  fields = [int(f) for f in text.split("x")]
+  return KernelBlocks(*fields)
+
+
+def run_kernels(args: argparse.Namespace) -> list[dict]:
+  """Per-chunk CE kernels alone: XLA against Pallas block configurations.
+
+  For each chunk shape, times ``forward`` (statistics), ``backward`` (bf16
+  dlogits) and ``forward_backward`` (fused) on float32 logits, and reports the
+  bandwidth achieved against the floor: one read of the logits (forward), plus
+  one write of dlogits (backward and fused).
+  """
+  from mst_jax import backends, ce_math
+  from mst_jax.backends.pallas_triton import PallasTritonChunkCE
+
+  bandwidth = copy_bandwidth()
+  print(f"copy bandwidth: {bandwidth / 1e12:.2f} TB/s (read + write)")
+  options = ce_math.CEOptions()
+  impls = {"xla": backends.XlaChunkCE()}
+  for text in args.blocks:
+    impls[f"pallas {text}"] = PallasTritonChunkCE(
+      blocks=parse_blocks(text), interpret=jax.default_backend() != "gpu"
+    )
+  rows = []
+  for shape in args.chunk_shapes:
+    n_rows, vocab = (int(f) for f in shape.split("x"))
+    key = jax.random.key(args.seed)
+    logits = 3.0 * jax.random.normal(key, (n_rows, vocab), jnp.float32)
+    labels = jax.random.randint(key, (n_rows,), 0, vocab)
+    valid = jnp.ones((n_rows,), bool)
+    g_loss = jnp.full((n_rows,), 1.0 / n_rows, jnp.float32)
+    logit_bytes, dlogit_bytes = n_rows * vocab * 4, n_rows * vocab * 2
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    back_rows = ce_math.backward_rows(
+      g_loss, jnp.zeros_like(lse), lse, labels, valid, options, vocab
+    )
+    for name, backend in impls.items():
+      passes = {
+        "forward": (
+          jax.jit(lambda lg, y, b=backend: b.forward(lg, y, options)),
+          (logits, labels),
+          logit_bytes,
+        ),
+        "backward": (
+          jax.jit(
+            lambda lg, y, r, b=backend: b.backward(lg, y, r, options, jnp.bfloat16)
+          ),
+          (logits, labels, back_rows),
+          logit_bytes + dlogit_bytes,
+        ),
+        "fused": (
+          jax.jit(
+            lambda lg, y, v, g, b=backend: b.forward_backward(
+              lg, y, v, g, options, jnp.bfloat16
+            )
+          ),
+          (logits, labels, valid, g_loss),
+          logit_bytes + dlogit_bytes,
+        ),
+      }
+      for pass_name, (fn, fn_args, floor_bytes) in passes.items():
+        seconds = _mean_seconds_async(fn, fn_args, args.reps)
+        rows.append(
+          {
+            "chunk": shape,
+            "impl": name,
+            "pass": pass_name,
+            "ms": seconds * 1e3,
+            "tb_s": floor_bytes / seconds / 1e12,
+            "of_copy": floor_bytes / seconds / bandwidth,
+          }
+        )
+        print(
+          f"{shape:>12} {name:<22} {pass_name:<9} {seconds * 1e3:8.3f} ms"
+          f" {floor_bytes / seconds / 1e12:6.2f} TB/s"
+          f" {floor_bytes / seconds / bandwidth:6.1%} of copy",
+          flush=True,
+        )
+  return rows
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -142,7 +245,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     "--dtype", default="float32", choices=["float32", "bfloat16", "float16"]
   )
   parser.add_argument("--chunk-size", type=int, default=None, help="rows per chunk")
-  parser.add_argument("--impl", default=None, help="mst_jax impl (default automatic)")
+  parser.add_argument(
+    "--impl",
+    nargs="+",
+    default=[None],
+    type=lambda s: None if s == "auto" else s,
+    help="mst_jax impls to compare with naive: auto, xla, pallas (default auto)",
+  )
   parser.add_argument(
     "--masked-fraction",
     type=float,
@@ -150,6 +259,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     help="fraction of tokens excluded at random",
   )
   parser.add_argument("--reps", type=int, default=5, help="timed repetitions")
+  parser.add_argument(
+    "--kernels",
+    action="store_true",
+    help="time the per-chunk CE kernels alone (XLA vs Pallas blocks) instead",
+  )
+  parser.add_argument(
+    "--chunk-shapes",
+    nargs="+",
+    default=["1024x128256", "4096x128256", "1024x256000", "4096x256000"],
+    help="with --kernels: chunk shapes ROWSxV",
+  )
+  parser.add_argument(
+    "--blocks",
+    nargs="+",
+    default=["1x4096x8"],
+    help="with --kernels: Pallas KernelBlocks ROWSxBLOCK_VxWARPS[xSTAGES]",
+  )
   parser.add_argument("--seed", type=int, default=0)
   return parser.parse_args(argv)
 
@@ -157,6 +283,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
   args = parse_args(argv)
   device = jax.devices()[0]
+  if args.kernels:
+    print(f"jax {jax.__version__} on {device.platform} ({device.device_kind})")
+    run_kernels(args)
+    return
   print(
     f"jax {jax.__version__} on {device.platform} ({device.device_kind});"
     f" N={args.tokens} D={args.dim} V={args.vocab} {args.dtype},"

@@ -12,17 +12,6 @@ import pytest
 
 import mst_jax
 
-# Relative error ||out - ref|| / ||ref|| allowed against the float64 oracle,
-# keyed by input dtype. Logits accumulate in float32 from exact products, so
-# the loss is float32-accurate for every input dtype; gradients pass through
-# dlogits and a matmul output in the input dtype.
-LOSS_RTOL = {"float32": 2e-6, "bfloat16": 2e-6, "float16": 2e-6, "float64": 1e-12}
-GRAD_RTOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3, "float64": 1e-12}
-# On a GPU, float32 matmuls may run in TF32 (10-bit mantissa).
-GPU_LOSS_RTOL = {**LOSS_RTOL, "float32": 2e-4, "bfloat16": 2e-5, "float16": 2e-5}
-GPU_GRAD_RTOL = {**GRAD_RTOL, "float32": 3e-3}
-
-_SEEDS = itertools.count(np.random.SeedSequence().entropy % (2**31))
 
 
 def has_gpu() -> bool:
@@ -32,8 +21,25 @@ def has_gpu() -> bool:
     return False
 
 
+# Relative error ||out - ref|| / ||ref|| allowed against the float64 oracle,
+# keyed by input dtype. Logits accumulate in float32 from exact products, so
+# the loss is float32-accurate for every input dtype; gradients pass through
+# dlogits and a matmul output in the input dtype.
+CPU_LOSS_RTOL = {"float32": 2e-6, "bfloat16": 2e-6, "float16": 2e-6, "float64": 1e-12}
+CPU_GRAD_RTOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3, "float64": 1e-12}
+# On a GPU, float32 matmuls may run in TF32 (10-bit mantissa) and reductions
+# sum in another order.
+GPU_LOSS_RTOL = {**CPU_LOSS_RTOL, "float32": 2e-4, "bfloat16": 2e-5, "float16": 2e-5}
+GPU_GRAD_RTOL = {**CPU_GRAD_RTOL, "float32": 3e-3, "float64": 1e-10}
+ON_GPU = has_gpu()
+LOSS_RTOL = GPU_LOSS_RTOL if ON_GPU else CPU_LOSS_RTOL
+GRAD_RTOL = GPU_GRAD_RTOL if ON_GPU else CPU_GRAD_RTOL
+
+_SEEDS = itertools.count(np.random.SeedSequence().entropy % (2**31))
+
+
 def pytest_collection_modifyitems(config, items):
-  if has_gpu():
+  if ON_GPU:
     return
   skip = pytest.mark.skip(reason="needs a CUDA GPU")
   for item in items:
