@@ -13,7 +13,6 @@ import pytest
 import mst_jax
 
 
-
 def has_gpu() -> bool:
   try:
     return bool(jax.devices("gpu"))

@@ -7,6 +7,10 @@ other, not with it.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -184,3 +188,45 @@ def test_pallas_gpu_edge_cases(rng, case):
 def test_select_uses_pallas_on_gpu():
   assert backends.pallas_unavailable_reason("gpu") is None
   assert isinstance(backends.select(None, "gpu"), PallasTritonChunkCE)
+
+
+def test_unavailable_triton_falls_back_to_xla_with_one_warning(monkeypatch):
+  from mst_jax.backends import pallas_triton
+
+  def broken():
+    raise NotImplementedError("no Triton lowering in this jax")
+
+  monkeypatch.setattr(pallas_triton, "smoke_test", broken)
+  backends.pallas_unavailable_reason.cache_clear()
+  backends._warn_fallback.cache_clear()
+  try:
+    with pytest.warns(
+      RuntimeWarning, match="XLA per-chunk backend.*no Triton lowering"
+    ):
+      assert isinstance(backends.select("pallas", "gpu"), backends.XlaChunkCE)
+      assert isinstance(backends.select(None, "gpu"), backends.XlaChunkCE)
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")  # a second selection warns no more
+      assert isinstance(backends.select("pallas", "gpu"), backends.XlaChunkCE)
+  finally:
+    backends.pallas_unavailable_reason.cache_clear()
+    backends._warn_fallback.cache_clear()
+
+
+@pytest.mark.gpu
+def test_triton_deprecation_warning_shows_once_per_process():
+  """Two different jitted losses in a fresh process: at most one warning."""
+  code = (
+    "import jax, jax.numpy as jnp, mst_jax\n"
+    "h = jnp.ones((64, 32), jnp.bfloat16); w = jnp.ones((1000, 32), jnp.bfloat16)\n"
+    "y = jnp.zeros((64,), jnp.int32)\n"
+    "for n in (64, 48):\n"
+    "  jax.grad(mst_jax.linear_cross_entropy)(h[:n], w, y[:n]).block_until_ready()\n"
+  )
+  result = subprocess.run(
+    [sys.executable, "-W", "always::DeprecationWarning", "-c", code],
+    capture_output=True,
+    text=True,
+    check=True,
+  )
+  assert result.stderr.count("Pallas Triton backend is deprecated") <= 1, result.stderr
