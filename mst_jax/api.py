@@ -8,6 +8,12 @@ import jax.numpy as jnp
 from mst_jax import backends, ce_math, chunked, config, inputs, reference
 
 IMPLEMENTATIONS = (None, "xla", "pallas", "reference")
+GRAD_MODES = (None, "fused", "recompute")
+
+
+def _default_grad_mode(reduction: str) -> str:
+  """Gradient in the forward for a scalar loss, recompute for per-token ones."""
+  return "recompute" if reduction == "none" else "fused"
 
 
 def _resolve_backend(impl: str | None) -> backends.ChunkCE | None:
@@ -29,6 +35,7 @@ def _resolve_backend(impl: str | None) -> backends.ChunkCE | None:
     "chunk_size",
     "impl",
     "accum_dtype",
+    "grad_mode",
     "return_aux",
   )
 )
@@ -49,6 +56,7 @@ def linear_cross_entropy(
   chunk_size: int | None = None,
   impl: str | None = None,
   accum_dtype: jax.typing.DTypeLike | None = None,
+  grad_mode: str | None = None,
   return_aux: bool = False,
 ):
   r"""Cross-entropy of ``hidden @ weight.T (+ bias)`` without the full logits.
@@ -95,6 +103,12 @@ def linear_cross_entropy(
       falls back to ``"xla"`` with one warning.
     accum_dtype: dtype of the ``dweight`` / ``dbias`` accumulators across
       chunks; default float32 (float64 for float64 inputs).
+    grad_mode: how gradients are formed. ``"fused"``: during the forward sweep,
+      in the same pass as the loss (6 N·D·V FLOPs, like full-logits autodiff;
+      needs a scalar ``reduction``; ``aux.lse`` is then not differentiable).
+      ``"recompute"``: the backward recomputes each chunk's logits (8 N·D·V
+      FLOPs; every reduction; differentiable ``aux.lse``). None: ``"fused"``
+      for ``"mean"`` / ``"sum"``, ``"recompute"`` for ``"none"``.
     return_aux: if True, also return a ``LossAux``.
 
   Returns:
@@ -140,10 +154,17 @@ def linear_cross_entropy(
   if chunk_size is not None:
     chunk_size = inputs.check_int("chunk_size", chunk_size, minimum=1)
   accum_dtype = inputs.as_dtype("accum_dtype", accum_dtype)
-  if impl == "reference" and (chunk_size, accum_dtype) != (None, None):
+  if grad_mode not in GRAD_MODES:
+    raise ValueError(f"grad_mode must be one of {GRAD_MODES}, got {grad_mode!r}.")
+  if impl == "reference" and (chunk_size, accum_dtype, grad_mode) != (None,) * 3:
     raise ValueError(
-      "chunk_size and accum_dtype apply to the chunked implementations, not"
-      " impl='reference' (which forms the full logits)."
+      "chunk_size, accum_dtype and grad_mode apply to the chunked"
+      " implementations, not impl='reference' (which forms the full logits)."
+    )
+  if grad_mode == "fused" and reduction == "none":
+    raise NotImplementedError(
+      "grad_mode='fused' forms the gradient of a scalar loss during the forward"
+      " pass; reduction='none' needs grad_mode='recompute' (or None)."
     )
   rows = inputs.prepare(
     hidden,
@@ -181,9 +202,12 @@ def linear_cross_entropy(
       options=options,
       backend=backend,
     )
-    outputs = chunked.row_losses(
-      driver, rows.hidden, rows.weight, rows.bias, rows.labels, rows.valid
-    )
+    args = (driver, rows.hidden, rows.weight, rows.bias, rows.labels, rows.valid)
+    if (grad_mode or _default_grad_mode(reduction)) == "fused":
+      weights = inputs.row_weights(rows, reduction, jnp.float32)
+      outputs = chunked.reduced_loss(*args, weights)
+    else:
+      outputs = chunked.row_losses(*args)
   return inputs.finalize(
     rows,
     *outputs,

@@ -1,22 +1,33 @@
-"""The chunked custom-VJP driver: per-row losses without ``[N, V]`` logits.
+"""The chunked custom-VJP driver: the loss without ``[N, V]`` logits.
 
-``row_losses`` walks the rows in chunks of ``rows_per_chunk`` with
-``lax.scan``. Each chunk's logits (``[rows_per_chunk, V]``, float32) are formed
-by one matmul, reduced by a ``ChunkCE`` backend, and dropped. The forward keeps
-only the per-row lse; the backward recomputes each chunk's logits (one matmul,
-no second reduction thanks to the saved lse), forms ``dlogits``, writes the
-chunk's ``dhidden`` rows and accumulates ``dweight`` / ``dbias``.
+Rows are walked in chunks of ``rows_per_chunk`` with ``lax.scan``. Each
+chunk's logits (``[rows_per_chunk, V]``, float32) are formed by one matmul,
+handed to a ``ChunkCE`` backend, and dropped. Two custom VJPs share that
+sweep:
 
-Three details carry the design:
+* ``row_losses`` (the Mini-Sequence Transformer design): the forward keeps
+  only the per-row lse; the backward recomputes each chunk's logits (one
+  matmul, no second reduction thanks to the saved lse), forms ``dlogits``,
+  writes the chunk's ``dhidden`` rows and accumulates ``dweight`` / ``dbias``.
+  8 N·D·V FLOPs; per-row outputs, so every reduction works.
+* ``reduced_loss`` (gradient in the forward): for a scalar loss the cotangent
+  of each row is known up to one scalar factor, so the forward forms
+  ``dlogits`` in the same sweep as the loss (one fused kernel), and the
+  chunk's ``dhidden`` and ``dweight`` contribution with it; the backward only
+  scales them. 6 N·D·V FLOPs, like full-logits autodiff.
 
-* Chunks whose rows are all excluded are skipped with ``lax.cond`` on a
-  device-side ``any(valid)``: no host sync, so it works under ``jax.jit``.
+Details they share:
+
+* Compaction: valid rows are stably moved to the front (a device-side
+  ``argsort``, no host sync), so every chunk past the number of valid rows is
+  entirely excluded; such chunks are skipped with ``lax.cond`` on a device-side
+  ``any(valid)``. Scattered masks then save as much as prefix masks.
 * ``N`` need not be a multiple of the chunk: the last chunk is clamped to end
   at row ``N`` (it overlaps the previous one) and rows it does not own are
-  excluded and never written. Nothing is padded, so ``hidden`` is never copied.
+  excluded and never written. Nothing is padded.
 * ``symbolic_zeros=True`` tells the forward which inputs are differentiated;
-  the backward skips the ``dweight`` (or ``dhidden``, ``dbias``) matmul when
-  that input is frozen.
+  the ``dweight`` (or ``dhidden``, ``dbias``) matmul of a frozen input is not
+  in the program at all.
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,18 +57,20 @@ _DHIDDEN_DIMS = {  # dlogits [C, V] x weight -> [C, D]
 
 @dataclasses.dataclass(frozen=True)
 class DriverConfig:
-  """Static configuration of ``row_losses``.
+  """Static configuration of the chunked sweeps.
 
   Attributes:
     rows_per_chunk: rows per chunk, ``1 <= rows_per_chunk <= N``.
     weight_layout: ``"vd"`` (weight ``[V, D]``) or ``"dv"`` (``[D, V]``).
-    accum_dtype: dtype of the ``dweight`` / ``dbias`` accumulators.
+    accum_dtype: dtype of the ``dweight`` / ``dbias`` accumulators; when it is
+      the weight's dtype, ``dweight`` accumulates in place in its output.
     options: the per-row loss options.
     backend: the per-chunk cross-entropy implementation.
+    compact: move valid rows to the front before chunking.
     chunk_callback: if set, ``chunk_callback(pass_name, chunk_index)`` runs on
       the host (``jax.debug.callback``) for every chunk that is computed rather
-      than skipped, with ``pass_name`` "forward" or "backward". For tests and
-      debugging; it costs a host round trip per chunk.
+      than skipped, with ``pass_name`` "forward", "backward" or "fused". For
+      tests and debugging; it costs a host round trip per chunk.
   """
 
   rows_per_chunk: int
@@ -64,11 +78,15 @@ class DriverConfig:
   accum_dtype: jnp.dtype
   options: ce_math.CEOptions
   backend: ChunkCE
+  compact: bool = True
   chunk_callback: Callable[[str, jax.Array], None] | None = None
 
   def announce(self, pass_name: str, chunk_index: jax.Array) -> None:
     if self.chunk_callback is not None:
       jax.debug.callback(self.chunk_callback, pass_name, chunk_index)
+
+  def vocab_size(self, weight: jax.Array) -> int:
+    return weight.shape[0 if self.weight_layout == "vd" else 1]
 
 
 @jax.tree_util.register_static
@@ -80,6 +98,22 @@ class _Differentiated:
   weight: bool
   bias: bool
 
+  @classmethod
+  def of(cls, hidden, weight, bias):
+    """From the ``CustomVJPPrimal`` inputs of a ``symbolic_zeros`` forward."""
+    return cls(
+      hidden=hidden.perturbed,
+      weight=weight.perturbed,
+      bias=bias is not None and bias.perturbed,  # None has no leaves to wrap
+    )
+
+
+def _unwrap(*primals):
+  return tuple(None if p is None else p.value for p in primals)
+
+
+# ---- Matmuls, per weight layout. ----
+
 
 def _logits(hidden, weight, bias, layout):
   acc = jnp.promote_types(hidden.dtype, jnp.float32)
@@ -89,91 +123,217 @@ def _logits(hidden, weight, bias, layout):
   return logits if bias is None else logits + bias.astype(acc)
 
 
-def _dhidden(dlogits, weight, layout):
+def _dhidden(dlogits, weight, layout, dtype):
   acc = jnp.promote_types(dlogits.dtype, jnp.float32)
-  return lax.dot_general(
+  dh = lax.dot_general(
     dlogits, weight, _DHIDDEN_DIMS[layout], preferred_element_type=acc
   )
+  return dh.astype(dtype)
 
 
 def _dweight(dlogits, hidden, layout, accum_dtype):
   contract_rows = (((0,), (0,)), ((), ()))
-  if layout == "vd":  # dlogits^T @ hidden -> [V, D]
-    return lax.dot_general(
-      dlogits, hidden, contract_rows, preferred_element_type=accum_dtype
-    )
-  # hidden^T @ dlogits -> [D, V]
-  return lax.dot_general(
-    hidden, dlogits, contract_rows, preferred_element_type=accum_dtype
-  )
+  # "vd": dlogits^T @ hidden -> [V, D]; "dv": hidden^T @ dlogits -> [D, V].
+  operands = (dlogits, hidden) if layout == "vd" else (hidden, dlogits)
+  return lax.dot_general(*operands, contract_rows, preferred_element_type=accum_dtype)
 
 
-def _chunk_rows(index, n_rows, rows_per_chunk):
-  """First row of chunk ``index`` and which of its rows it owns.
+# ---- Chunks. ----
 
-  The last chunk is clamped to end at ``n_rows``; the rows it shares with the
-  previous chunk are not its own.
+
+class _Chunk(NamedTuple):
+  """One chunk: its index, first row, the rows it owns and its valid rows."""
+
+  index: jax.Array
+  start: jax.Array
+  owned: jax.Array  # bool [C]
+  valid: jax.Array  # bool [C], owned & valid
+
+  def take(self, x):
+    return lax.dynamic_slice_in_dim(x, self.start, self.owned.shape[0], axis=0)
+
+  def put(self, buffer, rows):
+    """Writes ``rows`` into ``buffer``, keeping the rows this chunk does not own."""
+    mask = self.owned.reshape(self.owned.shape + (1,) * (rows.ndim - 1))
+    rows = jnp.where(mask, rows, self.take(buffer))
+    return lax.dynamic_update_slice_in_dim(buffer, rows, self.start, 0)
+
+  def hidden(self, hidden):
+    """The chunk's hidden rows, excluded rows zeroed: they never leak."""
+    h = self.take(hidden)
+    return jnp.where(self.valid[:, None], h, jnp.zeros_like(h))
+
+
+def _sweep(config, valid, update, carry):
+  """``carry = update(carry, chunk)`` for every chunk with a valid row.
+
+  The last chunk is clamped to end at row N and owns only the rows the
+  previous chunk did not cover. Chunks without a valid row are skipped by
+  ``lax.cond`` on a device-side predicate.
   """
-  start = jnp.minimum(index * rows_per_chunk, n_rows - rows_per_chunk)
-  owned = start + jnp.arange(rows_per_chunk) >= index * rows_per_chunk
-  return start, owned
+  n_rows, size = valid.shape[0], config.rows_per_chunk
+
+  def body(carry, index):
+    start = jnp.minimum(index * size, n_rows - size)
+    owned = start + jnp.arange(size) >= index * size
+    chunk_valid = lax.dynamic_slice_in_dim(valid, start, size) & owned
+    chunk = _Chunk(index, start, owned, chunk_valid)
+    skip = lambda carry, chunk: carry
+    return lax.cond(jnp.any(chunk_valid), update, skip, carry, chunk), None
+
+  carry, _ = lax.scan(body, carry, jnp.arange(-(-n_rows // size)))
+  return carry
 
 
-def _take(x, start, size):
-  return lax.dynamic_slice_in_dim(x, start, size, axis=0)
+def _zeros_if(flag, shape, dtype):
+  return jnp.zeros(shape, dtype) if flag else None
 
 
-def _put_owned(buffer, rows, start, owned):
-  """Writes ``rows`` into ``buffer`` at ``start``, keeping rows not owned."""
-  old = _take(buffer, start, rows.shape[0])
-  mask = owned.reshape(owned.shape + (1,) * (rows.ndim - 1))
-  return lax.dynamic_update_slice_in_dim(buffer, jnp.where(mask, rows, old), start, 0)
+# ---- Compaction: valid rows first. ----
 
 
-def _num_chunks(n_rows, rows_per_chunk):
-  return -(-n_rows // rows_per_chunk)
+def _compaction(config, valid):
+  """``(gather, scatter)``: into compacted row order and back."""
+  if not config.compact:
+    identity = lambda x: x
+    return identity, identity
+  order = jnp.argsort(jnp.logical_not(valid), stable=True)
+  gather = lambda x: jnp.take(x, order, axis=0)
+  scatter = lambda x: jnp.zeros_like(x).at[order].set(x, unique_indices=True)
+  return gather, scatter
+
+
+# ---- The three sweeps. ----
 
 
 def _forward(config, hidden, weight, bias, labels, valid):
-  n_rows = hidden.shape[0]
-  chunk = config.rows_per_chunk
-  vocab_size = weight.shape[0 if config.weight_layout == "vd" else 1]
+  """Per-row ``(loss, lse, correct)``, in the given row order."""
+  vocab_size = config.vocab_size(weight)
   stat_dtype = jnp.promote_types(hidden.dtype, jnp.float32)
 
-  def chunk_outputs(index, h, y, m):
-    config.announce("forward", index)
-    h = jnp.where(m[:, None], h, jnp.zeros_like(h))  # masked rows never leak
-    logits = _logits(h, weight, bias, config.weight_layout)  # [C, V]
+  def update(carry, chunk):
+    config.announce("forward", chunk.index)
+    y = chunk.take(labels)
+    logits = _logits(chunk.hidden(hidden), weight, bias, config.weight_layout)
     stats = config.backend.forward(logits, y, config.options)
-    return ce_math.row_outputs(stats, y, m, config.options, vocab_size)
+    outputs = ce_math.row_outputs(stats, y, chunk.valid, config.options, vocab_size)
+    return tuple(map(chunk.put, carry, outputs))
 
-  def skip(index, h, y, m):
-    del index, h, y
-    zero = jnp.zeros(m.shape, stat_dtype)
-    return zero, zero, jnp.zeros(m.shape, bool)
-
-  def body(carry, index):
-    start, owned = _chunk_rows(index, n_rows, chunk)
-    h, y = _take(hidden, start, chunk), _take(labels, start, chunk)
-    m = _take(valid, start, chunk) & owned
-    outs = lax.cond(jnp.any(m), chunk_outputs, skip, index, h, y, m)
-    carry = tuple(
-      _put_owned(b, o, start, owned) for b, o in zip(carry, outs, strict=True)
-    )
-    return carry, None
-
+  n_rows = hidden.shape[0]
   init = (
     jnp.zeros((n_rows,), stat_dtype),
     jnp.zeros((n_rows,), stat_dtype),
     jnp.zeros((n_rows,), bool),
   )
-  (loss, lse, correct), _ = lax.scan(body, init, jnp.arange(_num_chunks(n_rows, chunk)))
-  return loss, lse, correct
+  return _sweep(config, valid, update, init)
+
+
+def _gradient_init(config, hidden, weight, bias, differentiated):
+  return (
+    _zeros_if(differentiated.hidden, hidden.shape, hidden.dtype),
+    _zeros_if(differentiated.weight, weight.shape, config.accum_dtype),
+    _zeros_if(
+      differentiated.bias, None if bias is None else bias.shape, config.accum_dtype
+    ),
+  )
+
+
+def _accumulate(config, grads, chunk, h, dlogits, weight):
+  """Adds one chunk's ``dlogits`` to ``(dhidden, dweight, dbias)``."""
+  dhidden, dweight, dbias = grads
+  layout = config.weight_layout
+  if dhidden is not None:
+    dhidden = chunk.put(dhidden, _dhidden(dlogits, weight, layout, dhidden.dtype))
+  if dweight is not None:
+    dweight = dweight + _dweight(dlogits, h, layout, dweight.dtype)
+  if dbias is not None:
+    dbias = dbias + jnp.sum(dlogits, axis=0, dtype=dbias.dtype)
+  return dhidden, dweight, dbias
+
+
+def _cast_gradients(grads, weight, bias):
+  dhidden, dweight, dbias = grads
+  if dweight is not None:
+    dweight = dweight.astype(weight.dtype)
+  if dbias is not None:
+    dbias = dbias.astype(bias.dtype)
+  return dhidden, dweight, dbias
+
+
+def _backward(config, hidden, weight, bias, labels, valid, lse, g_loss, g_lse, diff):
+  """``(dhidden, dweight, dbias)`` by recomputing each chunk's logits."""
+  vocab_size = config.vocab_size(weight)
+
+  @jax.checkpoint  # grad-of-grad recomputes the chunk instead of saving logits
+  def update(grads, chunk):
+    config.announce("backward", chunk.index)
+    h, y = chunk.hidden(hidden), chunk.take(labels)
+    rows = ce_math.backward_rows(
+      chunk.take(g_loss),
+      chunk.take(g_lse),
+      chunk.take(lse),
+      y,
+      chunk.valid,
+      config.options,
+      vocab_size,
+    )
+    logits = _logits(h, weight, bias, config.weight_layout)  # recomputed, [C, V]
+    dlogits = config.backend.backward(logits, y, rows, config.options, hidden.dtype)
+    return _accumulate(config, grads, chunk, h, dlogits, weight)
+
+  init = _gradient_init(config, hidden, weight, bias, diff)
+  return _cast_gradients(_sweep(config, valid, update, init), weight, bias)
+
+
+def _fused(config, hidden, weight, bias, labels, valid, row_scale, diff):
+  """Per-row outputs and the gradients of ``sum(loss * row_scale)``, one sweep."""
+  vocab_size = config.vocab_size(weight)
+
+  def update(carry, chunk):
+    config.announce("fused", chunk.index)
+    outputs, grads = carry
+    h, y = chunk.hidden(hidden), chunk.take(labels)
+    g_loss = jnp.where(chunk.valid, chunk.take(row_scale), 0.0)
+    logits = _logits(h, weight, bias, config.weight_layout)  # [C, V]
+    stats, dlogits = config.backend.forward_backward(
+      logits, y, chunk.valid, g_loss, config.options, hidden.dtype
+    )
+    rows = ce_math.row_outputs(stats, y, chunk.valid, config.options, vocab_size)
+    outputs = tuple(map(chunk.put, outputs, rows))
+    return outputs, _accumulate(config, grads, chunk, h, dlogits, weight)
+
+  n_rows = hidden.shape[0]
+  stat_dtype = jnp.promote_types(hidden.dtype, jnp.float32)
+  init_outputs = (
+    jnp.zeros((n_rows,), stat_dtype),
+    jnp.zeros((n_rows,), stat_dtype),
+    jnp.zeros((n_rows,), bool),
+  )
+  init = (init_outputs, _gradient_init(config, hidden, weight, bias, diff))
+  outputs, grads = _sweep(config, valid, update, init)
+  return outputs, _cast_gradients(grads, weight, bias)
+
+
+def _compacted_forward(config, hidden, weight, bias, labels, valid):
+  gather, scatter = _compaction(config, valid)
+  outputs = _forward(
+    config, gather(hidden), weight, bias, gather(labels), gather(valid)
+  )
+  return tuple(map(scatter, outputs))
+
+
+def _instantiate(cotangent, like):
+  if isinstance(cotangent, jax.custom_derivatives.SymbolicZero):
+    return jnp.zeros_like(like)
+  return cotangent
+
+
+# ---- The recompute custom VJP: per-row outputs. ----
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def row_losses(config, hidden, weight, bias, labels, valid):
-  """Per-row loss, lse and argmax-correctness, chunk by chunk.
+  """Per-row loss, lse and argmax-correctness; the backward recomputes logits.
 
   Args:
     config: a ``DriverConfig``.
@@ -187,92 +347,94 @@ def row_losses(config, hidden, weight, bias, labels, valid):
     ``(loss, lse, correct)``: ``[N]`` float32 (float64 for float64 inputs),
     ``[N]`` float32 and ``[N]`` bool. ``loss`` and ``lse`` are differentiable.
   """
-  return _forward(config, hidden, weight, bias, labels, valid)
+  return _compacted_forward(config, hidden, weight, bias, labels, valid)
 
 
 def _row_losses_fwd(config, hidden, weight, bias, labels, valid):
-  differentiated = _Differentiated(
-    hidden=hidden.perturbed,
-    weight=weight.perturbed,
-    bias=bias is not None and bias.perturbed,  # None has no leaves to wrap
-  )
-  hidden, weight = hidden.value, weight.value
-  bias = None if bias is None else bias.value
-  labels, valid = labels.value, valid.value
-  loss, lse, correct = _forward(config, hidden, weight, bias, labels, valid)
-  residuals = (hidden, weight, bias, labels, valid, lse, differentiated)
-  return (loss, lse, correct), residuals
-
-
-def _instantiate(cotangent, like):
-  if isinstance(cotangent, jax.custom_derivatives.SymbolicZero):
-    return jnp.zeros_like(like)
-  return cotangent
+  differentiated = _Differentiated.of(hidden, weight, bias)
+  hidden, weight, bias, labels, valid = _unwrap(hidden, weight, bias, labels, valid)
+  outputs = _compacted_forward(config, hidden, weight, bias, labels, valid)
+  residuals = (hidden, weight, bias, labels, valid, outputs[1], differentiated)
+  return outputs, residuals
 
 
 def _row_losses_bwd(config, residuals, cotangents):
   hidden, weight, bias, labels, valid, lse, differentiated = residuals
   g_loss = _instantiate(cotangents[0], lse)
   g_lse = _instantiate(cotangents[1], lse)
-  n_rows = hidden.shape[0]
-  chunk = config.rows_per_chunk
-  layout = config.weight_layout
-  vocab_size = weight.shape[0 if layout == "vd" else 1]
-
-  @jax.checkpoint  # grad-of-grad recomputes the chunk instead of saving logits
-  def chunk_update(carry, index, start, owned, m):
-    config.announce("backward", index)
-    dhidden, dweight, dbias = carry
-    h = jnp.where(m[:, None], _take(hidden, start, chunk), 0)
-    y = _take(labels, start, chunk)
-    rows = ce_math.backward_rows(
-      _take(g_loss, start, chunk),
-      _take(g_lse, start, chunk),
-      _take(lse, start, chunk),
-      y,
-      m,
-      config.options,
-      vocab_size,
-    )
-    logits = _logits(h, weight, bias, layout)  # recomputed, [C, V]
-    dlogits = config.backend.backward(logits, y, rows, config.options, hidden.dtype)
-    if dhidden is not None:
-      dh = _dhidden(dlogits, weight, layout).astype(hidden.dtype)
-      dhidden = _put_owned(dhidden, dh, start, owned)
-    if dweight is not None:
-      dweight = dweight + _dweight(dlogits, h, layout, config.accum_dtype)
-    if dbias is not None:
-      dbias = dbias + jnp.sum(dlogits, axis=0, dtype=config.accum_dtype)
-    return dhidden, dweight, dbias
-
-  def body(carry, index):
-    start, owned = _chunk_rows(index, n_rows, chunk)
-    m = _take(valid, start, chunk) & owned
-    carry = lax.cond(
-      jnp.any(m),
-      chunk_update,
-      lambda carry, *_: carry,
-      carry,
-      index,
-      start,
-      owned,
-      m,
-    )
-    return carry, None
-
-  init = (
-    jnp.zeros_like(hidden) if differentiated.hidden else None,
-    jnp.zeros(weight.shape, config.accum_dtype) if differentiated.weight else None,
-    jnp.zeros(bias.shape, config.accum_dtype) if differentiated.bias else None,
+  gather, scatter = _compaction(config, valid)  # recomputed: cheaper than saved
+  dhidden, dweight, dbias = _backward(
+    config,
+    gather(hidden),
+    weight,
+    bias,
+    *map(gather, (labels, valid, lse, g_loss, g_lse)),
+    differentiated,
   )
-  (dhidden, dweight, dbias), _ = lax.scan(
-    body, init, jnp.arange(_num_chunks(n_rows, chunk))
-  )
-  if dweight is not None:
-    dweight = dweight.astype(weight.dtype)
-  if dbias is not None:
-    dbias = dbias.astype(bias.dtype)
+  if dhidden is not None:
+    dhidden = scatter(dhidden)
   return dhidden, dweight, dbias, None, None
 
 
 row_losses.defvjp(_row_losses_fwd, _row_losses_bwd, symbolic_zeros=True)
+
+
+# ---- The gradient-in-forward custom VJP: a scalar loss. ----
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def reduced_loss(config, hidden, weight, bias, labels, valid, row_scale):
+  """``sum(loss * row_scale)``, per-row lse and correctness; grads in the forward.
+
+  Args:
+    config, hidden, weight, bias, labels, valid: as for ``row_losses``.
+    row_scale: float32 ``[N]``, each row's weight in the scalar loss (for a
+      mean, ``valid / n_valid``); not differentiated.
+
+  Returns:
+    ``(loss, lse, correct)``: the scalar loss, ``[N]`` lse and ``[N]`` bool.
+    Only ``loss`` is differentiable: differentiating through ``lse`` raises
+    (use ``row_losses``).
+  """
+  loss, lse, correct = _compacted_forward(config, hidden, weight, bias, labels, valid)
+  return jnp.sum(loss * row_scale), lse, correct
+
+
+def _reduced_loss_fwd(config, hidden, weight, bias, labels, valid, row_scale):
+  differentiated = _Differentiated.of(hidden, weight, bias)
+  hidden, weight, bias, labels, valid, row_scale = _unwrap(
+    hidden, weight, bias, labels, valid, row_scale
+  )
+  gather, scatter = _compaction(config, valid)
+  (loss, lse, correct), (dhidden, dweight, dbias) = _fused(
+    config,
+    gather(hidden),
+    weight,
+    bias,
+    *map(gather, (labels, valid, row_scale)),
+    differentiated,
+  )
+  scale = gather(row_scale)
+  if dhidden is not None:
+    dhidden = scatter(dhidden)
+  outputs = (jnp.sum(loss * scale), scatter(lse), scatter(correct))
+  return outputs, (dhidden, dweight, dbias)
+
+
+def _reduced_loss_bwd(config, residuals, cotangents):
+  del config
+  g_loss, g_lse, _ = cotangents
+  if not isinstance(g_lse, jax.custom_derivatives.SymbolicZero):
+    raise NotImplementedError(
+      "The per-token lse (aux.lse, aux.z_loss) is not differentiable with"
+      " grad_mode='fused', which forms the gradient during the forward pass;"
+      " use grad_mode='recompute' to differentiate through it."
+    )
+  if isinstance(g_loss, jax.custom_derivatives.SymbolicZero):
+    return None, None, None, None, None, None
+  scale = lambda grad: None if grad is None else (grad * g_loss).astype(grad.dtype)
+  dhidden, dweight, dbias = map(scale, residuals)
+  return dhidden, dweight, dbias, None, None, None
+
+
+reduced_loss.defvjp(_reduced_loss_fwd, _reduced_loss_bwd, symbolic_zeros=True)

@@ -173,6 +173,17 @@ def prepare(
   )
 
 
+def row_weights(rows: Rows, reduction: str, dtype) -> jax.Array:
+  """Each row's weight in a scalar reduction: ``valid / n_valid`` or ``valid``.
+
+  A mean over no valid row is exactly 0, not NaN.
+  """
+  weights = rows.valid.astype(dtype)
+  if reduction == "mean":
+    weights = weights / jnp.maximum(jnp.sum(rows.valid), 1).astype(dtype)
+  return weights
+
+
 def finalize(
   rows: Rows,
   loss: jax.Array,
@@ -183,26 +194,25 @@ def finalize(
   z_loss: float,
   return_aux: bool,
 ):
-  """Reduces per-row outputs (each ``[N]``, zero at excluded rows)."""
-  n_valid = jnp.sum(rows.valid, dtype=jnp.int32)
-  out_dtype = jnp.promote_types(loss.dtype, jnp.float32)
+  """The public outputs from per-row ones (each ``[N]``, zero at excluded rows).
+
+  ``loss`` may also be the scalar loss already reduced with ``row_weights``.
+  """
+  out_dtype = jnp.promote_types(lse.dtype, jnp.float32)
+  weights = None if reduction == "none" else row_weights(rows, reduction, out_dtype)
 
   def reduce(per_row):
     per_row = per_row.astype(out_dtype)
-    if reduction == "none":
+    if weights is None:
       return per_row.reshape(rows.batch_shape)
-    total = jnp.sum(per_row)
-    if reduction == "sum":
-      return total
-    # Exactly 0 (not NaN) when no token is valid.
-    return total / jnp.maximum(n_valid, 1).astype(out_dtype)
+    return jnp.sum(per_row * weights)
 
-  reduced = reduce(loss)
+  reduced = reduce(loss) if loss.ndim else loss.astype(out_dtype)
   if not return_aux:
     return reduced
   aux = LossAux(
     lse=lse.astype(out_dtype).reshape(rows.batch_shape),
-    n_valid=n_valid,
+    n_valid=jnp.sum(rows.valid, dtype=jnp.int32),
     z_loss=reduce(z_loss * jnp.square(lse)),
     n_correct=jnp.sum(correct, dtype=jnp.int32),
   )

@@ -13,47 +13,60 @@ import mst_jax
 from mst_jax import backends, ce_math, chunked
 
 
-def _driver(rows_per_chunk, callback=None, **options):
+def _driver(rows_per_chunk, callback=None, compact=True, **options):
   return chunked.DriverConfig(
     rows_per_chunk=rows_per_chunk,
     weight_layout="vd",
     accum_dtype=jnp.float32,
     options=ce_math.CEOptions(**options),
     backend=backends.XlaChunkCE(),
+    compact=compact,
     chunk_callback=callback,
   )
 
 
-def test_fully_masked_chunks_are_skipped(rng):
-  """Only chunks with a valid row run, in the forward and in the backward.
-
-  60 rows in chunks of 8: chunk 7 is clamped to rows 52..59 and owns 56..59
-  only, so its valid row 53 (owned by chunk 6) must not make it run.
-  """
-  problem = make_problem(rng, (60,), mask="none", bias=True)
-  valid = np.zeros(60, bool)
-  valid[[17, 20, 40, 53]] = True  # chunks 2, 2, 5, 6
-  problem.where = jnp.asarray(valid)
-  computed = {"forward": [], "backward": []}
+def _run_recorded(problem, grad_mode, compact):
+  """Loss and grads through the driver; returns them and the computed chunks."""
+  computed = {"forward": [], "backward": [], "fused": []}
   driver = _driver(
-    8, lambda name, index: computed[name].append(int(index)), z_loss=1e-3
+    8, lambda name, index: computed[name].append(int(index)), compact, z_loss=1e-3
   )
 
   def loss_fn(hidden, weight, labels, bias, where):
-    loss, _, _ = chunked.row_losses(driver, hidden, weight, bias, labels, where)
-    return jnp.sum(loss) / jnp.sum(where)
+    args = (driver, hidden, weight, bias, labels, where)
+    scale = where / jnp.sum(where)
+    if grad_mode == "fused":
+      return chunked.reduced_loss(*args, scale)[0]
+    return jnp.sum(chunked.row_losses(*args)[0] * scale)
 
   loss, grads = jax.value_and_grad(loss_fn, argnums=(0, 1, 3))(
     *problem.args, problem.where
   )
   jax.effects_barrier()
-  assert sorted(computed["forward"]) == [2, 5, 6]
-  assert sorted(computed["backward"]) == [2, 5, 6]
+  return loss, grads, {k: sorted(v) for k, v in computed.items() if v}
+
+
+@pytest.mark.parametrize("grad_mode", ["fused", "recompute"])
+def test_fully_masked_chunks_are_skipped(rng, grad_mode):
+  """Only chunks with a valid row run; compaction packs valid rows into few.
+
+  60 rows in chunks of 8. Without compaction, chunk 7 is clamped to rows
+  52..59 and owns 56..59 only, so its valid row 53 (owned by chunk 6) must not
+  make it run. With compaction the four valid rows fill part of chunk 0.
+  """
+  problem = make_problem(rng, (60,), mask="none", bias=True)
+  valid = np.zeros(60, bool)
+  valid[[17, 20, 40, 53]] = True  # chunks 2, 2, 5, 6
+  problem.where = jnp.asarray(valid)
   ref_loss, ref_grads = oracle(problem, z_loss=1e-3)
-  assert_close(loss, ref_loss, LOSS_RTOL["float32"], "loss")
-  for g, r in zip(grads, ref_grads, strict=True):
-    assert_close(g, r, GRAD_RTOL["float32"], "grad")
-  np.testing.assert_array_equal(np.asarray(grads[0])[~valid], 0.0)
+  passes = ["fused"] if grad_mode == "fused" else ["forward", "backward"]
+  for compact, chunks in ((False, [2, 5, 6]), (True, [0])):
+    loss, grads, computed = _run_recorded(problem, grad_mode, compact)
+    assert computed == dict.fromkeys(passes, chunks), (compact, computed)
+    assert_close(loss, ref_loss, LOSS_RTOL["float32"], "loss")
+    for g, r in zip(grads, ref_grads, strict=True):
+      assert_close(g, r, GRAD_RTOL["float32"], "grad")
+    np.testing.assert_array_equal(np.asarray(grads[0])[~valid], 0.0)
 
 
 def _eqns(jaxpr):
@@ -78,8 +91,9 @@ def _output_shapes(fn, *args, primitive):
   ]
 
 
+@pytest.mark.parametrize("grad_mode", ["fused", "recompute"])
 @pytest.mark.parametrize("weight_layout", ["vd", "dv"])
-def test_frozen_inputs_skip_their_gradient_work(rng, weight_layout):
+def test_frozen_inputs_skip_their_gradient_work(rng, weight_layout, grad_mode):
   problem = make_problem(rng, (37,), bias=True, weight_layout=weight_layout)
   chunk = 8
   dweight_shape = problem.weight.shape
@@ -95,6 +109,7 @@ def test_frozen_inputs_skip_their_gradient_work(rng, weight_layout):
       impl="xla",
       chunk_size=chunk,
       weight_layout=weight_layout,
+      grad_mode=grad_mode,
     )
 
   def shapes(argnums, primitive="dot_general"):
@@ -120,7 +135,8 @@ def _temp_bytes(fn, *args):
   return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
-def test_temporaries_grow_with_chunk_not_with_tokens(rng):
+@pytest.mark.parametrize("grad_mode", ["fused", "recompute"])
+def test_temporaries_grow_with_chunk_not_with_tokens(rng, grad_mode):
   """Compiled temporaries: O(chunk x V + V x D + N x D), never O(N x V)."""
   vocab, dim, chunk = 4099, 16, 64
 
@@ -128,7 +144,7 @@ def test_temporaries_grow_with_chunk_not_with_tokens(rng):
     problem = make_problem(rng, (n_rows,), dim=dim, vocab=vocab, mask="none")
     fn = jax.value_and_grad(
       lambda h, w: mst_jax.linear_cross_entropy(
-        h, w, problem.labels, impl="xla", chunk_size=chunk
+        h, w, problem.labels, impl="xla", chunk_size=chunk, grad_mode=grad_mode
       ),
       argnums=(0, 1),
     )

@@ -38,36 +38,55 @@ def impl(request):
   return request.param
 
 
+@pytest.fixture(params=["fused", "recompute"])
+def grad_mode(request):
+  return request.param
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("option", list(SINGLE_OPTIONS))
-def test_each_option_and_all_together(rng, impl, option, dtype):
+def test_each_option_and_all_together(rng, impl, option, dtype, grad_mode):
   problem = make_problem(
     rng, (3, 13), dtype=dtype, bias=option in ("bias", "all"), mask="scattered"
   )
   check_against_oracle(
-    problem, dtype, impl=impl, chunk_size=8, **SINGLE_OPTIONS[option]
+    problem,
+    dtype,
+    impl=impl,
+    chunk_size=8,
+    grad_mode=grad_mode,
+    **SINGLE_OPTIONS[option],
   )
 
 
 @pytest.mark.parametrize("batch_shape", [(37,), (3, 13)], ids=["N_D", "B_T_D"])
 @pytest.mark.parametrize("mask", ["none", "prefix", "scattered"])
-def test_mask_kinds(rng, impl, batch_shape, mask):
+def test_mask_kinds(rng, impl, batch_shape, mask, grad_mode):
   problem = make_problem(rng, batch_shape, mask=mask, bias=True)
-  check_against_oracle(problem, "float32", impl=impl, chunk_size=8, **ALL_OPTIONS)
+  check_against_oracle(
+    problem, "float32", impl=impl, chunk_size=8, grad_mode=grad_mode, **ALL_OPTIONS
+  )
 
 
 @pytest.mark.parametrize("chunk_size", [1, 5, 16, 36, 37, 1000, None])
-def test_chunk_sizes(rng, impl, chunk_size):
+def test_chunk_sizes(rng, impl, chunk_size, grad_mode):
   """Chunks of 1 row, unaligned ones, exactly N, and larger than N."""
   problem = make_problem(rng, (37,), mask="scattered")
-  check_against_oracle(problem, "float32", impl=impl, chunk_size=chunk_size)
+  check_against_oracle(
+    problem, "float32", impl=impl, chunk_size=chunk_size, grad_mode=grad_mode
+  )
 
 
 @pytest.mark.parametrize("weight_layout", ["vd", "dv"])
-def test_weight_layouts(rng, impl, weight_layout):
+def test_weight_layouts(rng, impl, weight_layout, grad_mode):
   problem = make_problem(rng, (2, 11), weight_layout=weight_layout, bias=True)
   check_against_oracle(
-    problem, "float32", impl=impl, chunk_size=6, weight_layout=weight_layout
+    problem,
+    "float32",
+    impl=impl,
+    chunk_size=6,
+    weight_layout=weight_layout,
+    grad_mode=grad_mode,
   )
 
 
@@ -85,6 +104,7 @@ def test_mixed_input_dtypes(rng, impl):
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_reductions(rng, impl, reduction):
+  """Default grad_mode: fused for mean and sum, recompute for none."""
   problem = make_problem(rng, (3, 13), bias=True)
   kwargs = dict(impl=impl, chunk_size=8, reduction=reduction, **ALL_OPTIONS)
   check_against_oracle(problem, "float32", **kwargs)
@@ -124,15 +144,16 @@ def test_shift_matches_shifted_inputs(rng, impl):
   assert_close(shifted[:, :-1], np.asarray(by_hand, np.float64), 1e-6, "shift")
 
 
-def test_all_masked_gives_exact_zeros(rng, impl):
+def test_all_masked_gives_exact_zeros(rng, impl, grad_mode):
   problem = make_problem(rng, (3, 13), mask="all", bias=True)
-  for reduction in ("mean", "sum", "none"):
+  for reduction in ("mean", "sum") if grad_mode == "fused" else ("mean", "none"):
     loss, grads = value_and_grads(
       mst_jax.linear_cross_entropy,
       problem,
       impl=impl,
       chunk_size=8,
       reduction=reduction,
+      grad_mode=grad_mode,
       **ALL_OPTIONS,
     )
     np.testing.assert_array_equal(loss, 0.0)
@@ -140,10 +161,14 @@ def test_all_masked_gives_exact_zeros(rng, impl):
       np.testing.assert_array_equal(g, 0.0)
 
 
-def test_excluded_rows_get_exactly_zero_gradient(rng, impl):
+def test_excluded_rows_get_exactly_zero_gradient(rng, impl, grad_mode):
   problem = make_problem(rng, (37,), mask="scattered")
   _, (dhidden, _) = value_and_grads(
-    mst_jax.linear_cross_entropy, problem, impl=impl, chunk_size=8
+    mst_jax.linear_cross_entropy,
+    problem,
+    impl=impl,
+    chunk_size=8,
+    grad_mode=grad_mode,
   )
   excluded = ~np.asarray(problem.where)
   np.testing.assert_array_equal(np.asarray(dhidden)[excluded], 0.0)
@@ -198,10 +223,13 @@ def test_aux_lse_is_differentiable(rng, impl):
 
     return jax.grad(f, argnums=(0, 1, 2))(problem.hidden, problem.weight, problem.bias)
 
-  grads = lse_sum(mst_jax.linear_cross_entropy, impl=impl, chunk_size=8)
+  kwargs = dict(impl=impl, chunk_size=8, grad_mode="recompute")
+  grads = lse_sum(mst_jax.linear_cross_entropy, **kwargs)
   refs = lse_sum(mst_jax.reference.linear_cross_entropy)
   for g, r in zip(grads, refs, strict=True):
     assert_close(g, np.asarray(r), GRAD_RTOL["float32"], "dlse")
+  with pytest.raises(NotImplementedError, match="grad_mode='recompute'"):
+    lse_sum(mst_jax.linear_cross_entropy, impl=impl, chunk_size=8, grad_mode="fused")
 
 
 def test_out_of_range_labels_give_nan(rng, impl):
@@ -266,7 +294,7 @@ def test_under_user_jit_and_grad(rng, impl):
   assert_close(grad_only, ref_grads[1], GRAD_RTOL["float32"], "grad only")
 
 
-def test_check_grads_float64(rng, impl):
+def test_check_grads_float64(rng, impl, grad_mode):
   """Finite differences against the hand-written VJP, float64.
 
   Second order only for XLA: a pallas_call has no derivative of its own.
@@ -287,6 +315,7 @@ def test_check_grads_float64(rng, impl):
         where=problem.where,
         impl=impl,
         chunk_size=4,
+        grad_mode=grad_mode,
         **ALL_OPTIONS,
       )
 

@@ -53,6 +53,7 @@ def _load_rows(ref, row_slice, row_mask, other):
 def _load_logits(logits_ref, row_slice, row_mask, col_block_index, block_v):
   """Block ``[block_rows, block_v]`` of logits, its columns and their mask."""
   n_cols = logits_ref.shape[1]
+  col_block_index = jnp.asarray(col_block_index, jnp.int32)  # int64 loops under x64
   cols = col_block_index * block_v + jnp.arange(block_v, dtype=jnp.int32)
   col_mask = cols < n_cols
   mask = row_mask[:, None] & col_mask[None, :]
@@ -147,6 +148,7 @@ def _write_dlogits(
 ):
   """Writes one ``[block_rows, block_v]`` block of ``dlogits``."""
   n_cols = logits_ref.shape[1]
+  col_block_index = jnp.asarray(col_block_index, jnp.int32)  # int64 loops under x64
   z, cols, col_mask = _load_logits(
     logits_ref, row_slice, row_mask, col_block_index, block_v
   )
