@@ -1,0 +1,3 @@
+from mst_jax.bench.cli import main
+
+main()

@@ -1,0 +1,181 @@
+"""What the benchmark measures: named problem shapes and implementations."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import mst_jax
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One LM-head problem.
+
+  Attributes:
+    name: short name (used on the command line).
+    tokens: N.
+    dim: D.
+    vocab: V.
+    dtype: input dtype.
+    mask: "none", "prefix" (the first ``masked_fraction`` of every sequence of
+      ``seq_len`` tokens excluded, as in SFT) or "random" (``masked_fraction``
+      of the tokens excluded at random positions).
+    masked_fraction: see ``mask``.
+    seq_len: sequence length for "prefix" masks.
+    wrt: "hidden_weight" (gradients of both) or "hidden" (a frozen head).
+    description: one line for the table.
+  """
+
+  name: str
+  tokens: int
+  dim: int
+  vocab: int
+  dtype: str = "bfloat16"
+  mask: str = "none"
+  masked_fraction: float = 0.0
+  seq_len: int = 2048
+  wrt: str = "hidden_weight"
+  description: str = ""
+
+  @property
+  def argnums(self) -> tuple[int, ...]:
+    return (0, 1) if self.wrt == "hidden_weight" else (0,)
+
+  @property
+  def flops(self) -> float:
+    """Nominal FLOPs of value-and-grad: 2·N·D·V per matmul, 3 (or 2 frozen)."""
+    return 2.0 * self.tokens * self.dim * self.vocab * (1 + len(self.argnums))
+
+  def with_tokens(self, tokens: int) -> Case:
+    return dataclasses.replace(self, name=f"{self.name}@{tokens}", tokens=tokens)
+
+
+_LLAMA = dict(dim=4096, vocab=128256)
+CASES = {
+  c.name: c
+  for c in [
+    Case("cpu", 2048, 128, 16384, "float32", description="CPU default"),
+    Case("llama", 8192, **_LLAMA, description="1: Llama-3-8B head"),
+    Case("gemma", 8192, 2304, 256000, description="2: Gemma-2-2B head"),
+    Case("llama_32k", 32768, **_LLAMA, description="3: Llama-3 head, 32k tokens"),
+    Case(
+      "llama_sft_prefix",
+      8192,
+      **_LLAMA,
+      mask="prefix",
+      masked_fraction=0.5,
+      description="4a: half of each sequence masked (prefix)",
+    ),
+    Case(
+      "llama_sft_random",
+      8192,
+      **_LLAMA,
+      mask="random",
+      masked_fraction=0.4,
+      description="4b: 40% masked at random",
+    ),
+    Case("llama_frozen", 8192, **_LLAMA, wrt="hidden", description="5: frozen head"),
+  ]
+}
+
+
+def make_inputs(case: Case, seed: int = 0):
+  """Random ``(hidden [N, D], weight [V, D], labels [N], where [N])``."""
+  k_h, k_w, k_y, k_m = jax.random.split(jax.random.key(seed), 4)
+  dtype = jnp.dtype(case.dtype)
+  hidden = jax.random.normal(k_h, (case.tokens, case.dim), jnp.float32).astype(dtype)
+  weight = jax.random.normal(k_w, (case.vocab, case.dim), jnp.float32)
+  weight = (weight / np.sqrt(case.dim)).astype(dtype)
+  labels = jax.random.randint(k_y, (case.tokens,), 0, case.vocab)
+  if case.mask == "prefix":
+    position = jnp.arange(case.tokens) % case.seq_len
+    where = position >= int(case.masked_fraction * case.seq_len)
+  elif case.mask == "random":
+    where = jax.random.uniform(k_m, (case.tokens,)) >= case.masked_fraction
+  else:
+    where = jnp.ones((case.tokens,), bool)
+  return hidden, weight, labels, where
+
+
+class Unsupported(Exception):
+  """This implementation cannot run this case (a missing peer, say)."""
+
+
+def naive_loss(hidden, weight, labels, where, *, cast_logits=False):
+  """The baseline: full ``[N, V]`` float32 logits, then a masked mean.
+
+  With ``cast_logits`` the matmul returns logits in the input dtype and they
+  are cast to float32 (what a Flax ``Dense(dtype=bfloat16)`` head followed by a
+  float32 loss does): its backward runs its matmuls in the input dtype, where
+  the float32-output version's autodiff promotes them to float32 (TF32 on a
+  GPU). Ratios are taken against the faster of the two.
+  """
+  if cast_logits:
+    logits = jnp.dot(hidden, weight.T).astype(jnp.float32)
+  else:
+    logits = jnp.dot(hidden, weight.T, preferred_element_type=jnp.float32)
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  target = jnp.take_along_axis(logits, labels[:, None], axis=-1)[:, 0]
+  count = jnp.maximum(jnp.sum(where), 1)
+  return jnp.sum(jnp.where(where, lse - target, 0.0)) / count
+
+
+def _parse_value(text: str):
+  if text == "None":
+    return None
+  for parse in (int, float):
+    try:
+      return parse(text)
+    except ValueError:
+      pass
+  return text
+
+
+def parse_impl(spec: str) -> tuple[str, dict]:
+  """``"mst_jax:grad_mode=recompute,chunk_size=1024"`` -> name and kwargs."""
+  name, _, options = spec.partition(":")
+  kwargs = {}
+  for item in filter(None, options.split(",")):
+    key, _, value = item.partition("=")
+    kwargs[key] = _parse_value(value)
+  return name, kwargs
+
+
+def make_loss(spec: str, case: Case):
+  """``loss(hidden, weight, labels, where)`` for an implementation spec."""
+  name, kwargs = parse_impl(spec)
+  if name in ("naive", "naive_cast"):
+    return functools.partial(naive_loss, cast_logits=name == "naive_cast")
+  if name == "mst_jax":
+
+    def loss(hidden, weight, labels, where):
+      return mst_jax.linear_cross_entropy(hidden, weight, labels, where=where, **kwargs)
+
+    return loss
+  if case.mask != "none" and name in ("jax_cce", "tokamax"):
+    raise Unsupported(f"{name} takes no token mask")
+  if name == "jax_cce":
+    try:
+      import jax_cce
+    except ImportError:
+      raise Unsupported("jax_cce is not installed") from None
+    return lambda h, w, y, where: jax_cce.linear_cross_entropy(h, w, y, **kwargs)
+  if name == "tokamax":
+    try:
+      import tokamax
+      from tokamax._src.ops.linear_softmax_cross_entropy_loss import api
+    except ImportError:
+      raise Unsupported("tokamax is not installed") from None
+    if "chunked_xla" not in api.IMPLEMENTATIONS:
+      raise Unsupported(
+        f"the installed tokamax has no chunked_xla (has {sorted(api.IMPLEMENTATIONS)})"
+      )
+    return lambda h, w, y, where: tokamax.linear_softmax_cross_entropy_loss(
+      h, y, w.T, reduction="mean", implementation="chunked_xla"
+    )
+  raise ValueError(f"unknown implementation {spec!r}")

@@ -1,0 +1,243 @@
+"""``python -m mst_jax.bench``: sweep cases x implementations, report, plot.
+
+Each row is ``jax.value_and_grad`` of the mean loss with respect to hidden and
+weight (hidden only for a frozen head) under ``jax.jit``. The naive baseline
+(full float32 logits, ``logsumexp`` minus the target logit, masked mean) is
+measured in the same run, and ratios are against it. Writes ``results.json``
+and ``bench.png`` (time and extra memory against tokens) under ``--out``.
+
+Implementations are specs: ``naive``, ``naive_cast``, ``mst_jax`` (options
+after a colon, e.g. ``mst_jax:grad_mode=recompute,chunk_size=1024``), and the
+peers ``jax_cce`` and ``tokamax`` when installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+
+import jax
+
+from mst_jax.bench import kernels, measure
+from mst_jax.bench.cases import CASES
+
+GPU_CASES = [
+  "llama",
+  "gemma",
+  "llama_32k",
+  "llama_sft_prefix",
+  "llama_sft_random",
+  "llama_frozen",
+]
+DEFAULT_IMPLS = ["naive", "naive_cast", "mst_jax", "jax_cce", "tokamax"]
+
+
+def _progress(items, desc):
+  try:
+    from tqdm import tqdm
+  except ImportError:
+    return items
+  return tqdm(items, desc=desc, unit="run", leave=False)
+
+
+def run_sweep(args: argparse.Namespace) -> list[dict]:
+  """Measures every (case, tokens, impl); returns the result rows."""
+  cases = []
+  for name in args.cases:
+    base = CASES[name]
+    cases += [base.with_tokens(n) for n in args.tokens] if args.tokens else [base]
+  work = [(case, impl) for case in cases for impl in args.impls]
+  cache = tempfile.mkdtemp(prefix="mst_jax_bench_cache_")
+  env = {
+    "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+    "JAX_COMPILATION_CACHE_DIR": cache,
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+  }
+  rows = []
+  for case, impl in _progress(work, "bench"):
+    if args.isolate:
+      row = measure.run_isolated(impl, case, "time", args.reps, env)
+      if "median_ms" in row and args.memory:
+        memory = measure.run_isolated(impl, case, "memory", 0, env)
+        row.update({k: v for k, v in memory.items() if k not in row or k == "error"})
+    else:
+      row = measure.run_here(impl, case, "time", args.reps)
+    if args.accuracy and "median_ms" in row:
+      run = measure.run_isolated if args.isolate else measure.run_here
+      extra = (args.reps, env) if args.isolate else ()
+      row.update(
+        {k: v for k, v in run(impl, case, "accuracy", *extra).items() if "err" in k}
+      )
+    row["description"] = case.description
+    rows.append(row)
+  _add_ratios(rows)
+  return rows
+
+
+def _add_ratios(rows: list[dict]) -> None:
+  """Time and memory ratios against the faster naive row of the same case."""
+  for row in rows:
+    naive = [
+      r
+      for r in rows
+      if r["case"] == row["case"] and r["impl"].startswith("naive") and "median_ms" in r
+    ]
+    if not naive or "median_ms" not in row:
+      continue
+    base = min(naive, key=lambda r: r["median_ms"])
+    row["time_x"] = row["median_ms"] / base["median_ms"]
+    if row.get("extra_bytes") is not None and base.get("extra_bytes"):
+      row["mem_x"] = row["extra_bytes"] / base["extra_bytes"]
+
+
+def format_table(rows: Sequence[dict]) -> str:
+  header = (
+    f"{'case':<22} {'impl':<34} {'median ms':>9} {'min ms':>8} {'extra MiB':>9}"
+    f" {'TFLOP/s':>7} {'time x':>6} {'mem x':>6} {'dh err':>8} {'dw err':>8}"
+  )
+  lines = [header, "-" * len(header)]
+  fmt = lambda row, key, spec: format(row[key], spec) if key in row else "-"
+  for r in rows:
+    impl = r["impl"][:34]
+    if "median_ms" not in r:
+      reason = r.get("skipped") or r.get("error", "?")
+      lines.append(f"{r['case']:<22} {impl:<34} skipped: {reason[:60]}")
+      continue
+    extra = r.get("extra_bytes")
+    lines.append(
+      f"{r['case']:<22} {impl:<34} {r['median_ms']:>9.2f} {r['min_ms']:>8.2f}"
+      f" {extra / 2**20 if extra is not None else float('nan'):>9.0f}"
+      f" {r['tflops']:>7.1f} {fmt(r, 'time_x', '6.2f'):>6} {fmt(r, 'mem_x', '6.3f'):>6}"
+      f" {fmt(r, 'dhidden_rel_err', '8.1e'):>8} {fmt(r, 'dweight_rel_err', '8.1e'):>8}"
+    )
+  return "\n".join(lines)
+
+
+def plot(rows: Sequence[dict], path: str) -> str | None:
+  """Time and extra memory against tokens, log scale; returns why not, or None."""
+  try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return "matplotlib is not installed (pip install 'mst_jax[bench]')"
+  fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(11, 4.2))
+  series = {}
+  for r in rows:
+    if "median_ms" in r:
+      key = (r["case"].split("@")[0], r["impl"])
+      series.setdefault(key, []).append(r)
+  for (case, impl), points in sorted(series.items()):
+    points.sort(key=lambda r: r["tokens"])
+    tokens = [r["tokens"] for r in points]
+    label = f"{impl} ({case})"
+    ax_time.plot(tokens, [r["median_ms"] for r in points], "o-", label=label)
+    if all(r.get("extra_bytes") is not None for r in points):
+      gib = [max(r["extra_bytes"], 1) / 2**30 for r in points]
+      ax_mem.plot(tokens, gib, "o-", label=label)
+  for ax, ylabel in (
+    (ax_time, "median step time (ms)"),
+    (ax_mem, "extra memory (GiB)"),
+  ):
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens N")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+  ax_time.legend(fontsize=7)
+  device = jax.devices()[0]
+  fig.suptitle(
+    f"value_and_grad of the LM-head loss, {device.device_kind}, jax {jax.__version__}"
+  )
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  return None
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+  on_gpu = jax.default_backend() == "gpu"
+  parser = argparse.ArgumentParser(
+    prog="python -m mst_jax.bench",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  parser.add_argument(
+    "--cases",
+    nargs="+",
+    choices=sorted(CASES),
+    default=GPU_CASES if on_gpu else ["cpu"],
+    help="named problem shapes (default: the issue's cases on a GPU, 'cpu' on a CPU)",
+  )
+  parser.add_argument(
+    "--tokens",
+    nargs="+",
+    type=int,
+    default=None if on_gpu else [512, 1024, 2048],
+    help="sweep N over these values for every case (default on a CPU: 512 1024 2048)",
+  )
+  parser.add_argument(
+    "--impls", nargs="+", default=DEFAULT_IMPLS, help="implementation specs"
+  )
+  parser.add_argument("--reps", type=int, default=10, help="timed repetitions")
+  parser.add_argument(
+    "--isolate",
+    action=argparse.BooleanOptionalAction,
+    default=on_gpu,
+    help="measure each run in fresh processes (default on a GPU)",
+  )
+  parser.add_argument(
+    "--memory",
+    action=argparse.BooleanOptionalAction,
+    default=on_gpu,
+    help="peak-memory pass (needs --isolate; default on a GPU)",
+  )
+  parser.add_argument(
+    "--accuracy", action="store_true", help="also measure gradient error"
+  )
+  parser.add_argument("--out", default="bench_out", help="directory for JSON and plot")
+  parser.add_argument(
+    "--kernels", action="store_true", help="time the CE kernels alone"
+  )
+  parser.add_argument(
+    "--chunk-shapes",
+    nargs="+",
+    default=["1024x128256", "4096x128256", "1024x256000", "4096x256000"],
+    help="with --kernels: chunk shapes ROWSxV",
+  )
+  parser.add_argument(
+    "--blocks",
+    nargs="+",
+    default=["1x2048x4"],
+    help="with --kernels: Pallas KernelBlocks ROWSxBLOCK_VxWARPS[xSTAGES]",
+  )
+  parser.add_argument("--seed", type=int, default=0)
+  return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+  args = parse_args(argv)
+  device = jax.devices()[0]
+  print(
+    f"jax {jax.__version__} on {device.platform} ({device.device_kind})", flush=True
+  )
+  if args.kernels:
+    kernels.run_kernels(args)
+    return
+  args.memory = args.memory and args.isolate
+  rows = run_sweep(args)
+  print(format_table(rows))
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "results.json"), "w") as f:
+    json.dump(
+      {"device": device.device_kind, "jax": jax.__version__, "rows": rows}, f, indent=1
+    )
+  why_not = plot(rows, os.path.join(args.out, "bench.png"))
+  print(
+    f"wrote {args.out}/results.json"
+    + (f"; no plot: {why_not}" if why_not else f" and {args.out}/bench.png")
+  )

@@ -1,0 +1,163 @@
+"""One measurement: time, extra memory and accuracy of one case and impl.
+
+On a GPU every measurement runs in two fresh processes (``python -m
+mst_jax.bench.measure SPEC``): the first compiles and times and leaves the
+executable in a persistent compilation cache; the second loads it from there
+and runs the step once, so the peak of ``memory_stats()`` holds the step and
+nothing of compilation (GEMM autotuning allocates scratch buffers). Extra
+memory is that peak minus the inputs and the gradients. On a CPU, where
+``memory_stats()`` has nothing, extra memory is the compiled program's
+temporaries (``memory_analysis().temp_size_in_bytes``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from mst_jax.bench.cases import Case, Unsupported, make_inputs, make_loss
+
+_RESULT_TAG = "MST_BENCH_RESULT "
+
+
+def _nbytes(tree) -> int:
+  return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+def _step(spec: str, case: Case):
+  return jax.jit(jax.value_and_grad(make_loss(spec, case), argnums=case.argnums))
+
+
+def time_step(spec: str, case: Case, reps: int, warmup_s: float) -> dict:
+  """Compiles, warms up (clocks), then times ``reps`` synchronised steps."""
+  inputs = make_inputs(case)
+  step = _step(spec, case)
+  start = time.perf_counter()
+  compiled = step.lower(*inputs).compile()
+  compile_s = time.perf_counter() - start
+  temp_bytes = compiled.memory_analysis().temp_size_in_bytes
+  loss, grads = compiled(*inputs)
+  jax.block_until_ready(grads)
+  loss = float(loss)
+  del grads
+  end = time.perf_counter() + warmup_s
+  while time.perf_counter() < end:
+    jax.block_until_ready(compiled(*inputs))
+  times = []
+  for _ in range(reps):
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*inputs))
+    times.append(time.perf_counter() - start)
+  median = statistics.median(times)
+  return {
+    "loss": loss,
+    "median_ms": median * 1e3,
+    "min_ms": min(times) * 1e3,
+    "tflops": case.flops / median / 1e12,
+    "compile_s": compile_s,
+    "temp_bytes": temp_bytes,
+  }
+
+
+def peak_extra_bytes(spec: str, case: Case) -> dict:
+  """Runs the step once; peak bytes in use minus inputs and gradients."""
+  device = jax.devices()[0]
+  before = device.memory_stats()["bytes_in_use"]
+  inputs = make_inputs(case)
+  step = _step(spec, case)
+  start = time.perf_counter()
+  compiled = step.lower(*inputs).compile()
+  load_s = time.perf_counter() - start
+  loss, grads = compiled(*inputs)
+  jax.block_until_ready(grads)
+  peak = device.memory_stats()["peak_bytes_in_use"]
+  return {
+    "extra_bytes": peak - before - _nbytes(inputs) - _nbytes(grads) - loss.nbytes,
+    "extra_method": "peak memory_stats",
+    "load_s": load_s,
+  }
+
+
+def accuracy(spec: str, case: Case) -> dict:
+  """Relative error of dhidden and dweight against float32 HIGHEST logits."""
+  inputs = make_inputs(case)
+  grads = _step(spec, case)(*inputs)[1]
+  hidden, weight, labels, where = inputs
+
+  def reference(h, w):
+    with jax.default_matmul_precision("highest"):
+      return make_loss("naive", case)(h, w, labels, where)
+
+  ref = jax.jit(jax.grad(reference, argnums=case.argnums))(
+    hidden.astype(jnp.float32), weight.astype(jnp.float32)
+  )
+
+  def rel(out, ref):
+    out, ref = out.astype(jnp.float32), ref.astype(jnp.float32)
+    return float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+
+  names = ("dhidden_rel_err", "dweight_rel_err")
+  return {name: rel(g, r) for name, g, r in zip(names, grads, ref, strict=False)}
+
+
+def run_here(spec: str, case: Case, what: str, reps: int = 10) -> dict:
+  """One measurement in this process; ``what`` is "time", "memory" or "accuracy"."""
+  result = {"case": case.name, "impl": spec, "tokens": case.tokens}
+  try:
+    if what == "time":
+      warmup_s = 1.0 if jax.default_backend() == "gpu" else 0.0
+      result.update(time_step(spec, case, reps, warmup_s))
+      if jax.devices()[0].memory_stats() is None:
+        result.update(extra_bytes=result["temp_bytes"], extra_method="compiled temp")
+    elif what == "memory":
+      result.update(peak_extra_bytes(spec, case))
+    elif what == "accuracy":
+      result.update(accuracy(spec, case))
+    else:
+      raise ValueError(what)
+  except Unsupported as e:
+    result["skipped"] = str(e)
+  return result
+
+
+def run_isolated(spec: str, case: Case, what: str, reps: int, env: dict) -> dict:
+  """``run_here`` in a fresh process (see the module docstring)."""
+  payload = json.dumps(
+    {"case": dataclasses.asdict(case), "impl": spec, "what": what, "reps": reps}
+  )
+  proc = subprocess.run(
+    [sys.executable, "-m", "mst_jax.bench.measure", payload],
+    capture_output=True,
+    text=True,
+    env={**os.environ, **env},
+    check=False,
+  )
+  for line in proc.stdout.splitlines():
+    if line.startswith(_RESULT_TAG):
+      return json.loads(line[len(_RESULT_TAG) :])
+  tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+  return {
+    "case": case.name,
+    "impl": spec,
+    "tokens": case.tokens,
+    "error": f"exit {proc.returncode}: " + " | ".join(tail),
+  }
+
+
+def main(argv=None) -> None:
+  request = json.loads((argv or sys.argv[1:])[0])
+  case = Case(**request["case"])
+  result = run_here(request["impl"], case, request["what"], request["reps"])
+  print(_RESULT_TAG + json.dumps(result, default=float), flush=True)
+
+
+if __name__ == "__main__":
+  main()
