@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One build-check-measure cycle on the lent H200, from the repo root there:
-#   scripts/h200_check.sh [gpu_tests] [suite] [kernels] [e2e] ...
+#   [BENCH_ARGS=...] [HLO_VARIANTS="k=v k=v;..."] scripts/h200_check.sh [gpu_tests] [suite] [kernels] [bench] [hlo] ...
 # Logs go under $OUT; each step has its own time limit so the call ends in time.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -18,13 +18,19 @@ step() {  # step NAME SECONDS CMD...
   echo "rc=$? in $((SECONDS - t0))s"; tail -n "${TAIL:-30}" "$OUT/$name.txt"
 }
 
-LLAMA="--tokens 8192 --dim 4096 --vocab 128256 --dtype bfloat16"
+if ls .whl/*.whl >/dev/null 2>&1; then  # peers carried as wheels (README of the device tool)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
 for what in "$@"; do
   case $what in
     gpu_tests) step gpu_tests 240 python3 -m pytest -q -m gpu -rs tests ;;
     suite) step suite 300 python3 -m pytest -q -x -m "not gpu" tests/test_linear_cross_entropy.py tests/test_chunked.py ;;
-    kernels) step kernels 300 python3 -m mst_jax.bench --kernels --reps 20 --blocks ${BLOCKS:-1x4096x8} ;;
-    e2e) step e2e 200 python3 -m mst_jax.bench $LLAMA --reps 10 --impl xla pallas ;;
+    kernels) step kernels 300 python3 -m mst_jax.bench --kernels --reps 20 --blocks ${BLOCKS:-1x2048x4} ;;
+    bench) step bench ${BENCH_LIMIT:-400} python3 -m mst_jax.bench --out "$OUT/bench" $BENCH_ARGS
+           cp "$OUT/bench/bench.png" "$OUT/bench/results.json" "$OUT/" 2>/dev/null ;;
+    hlo) IFS=';' read -ra variants <<< "${HLO_VARIANTS:-}"
+         for v in "${variants[@]}"; do step "hlo_$(echo "$v" | tr -c 'a-z0-9' _)" 120 python3 scripts/hlo_report.py $v; done ;;
     *) echo "unknown step $what"; exit 2 ;;
   esac
 done
