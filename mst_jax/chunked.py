@@ -60,30 +60,36 @@ class DriverConfig:
   """Static configuration of the chunked sweeps.
 
   Attributes:
-    rows_per_chunk: rows per chunk, ``1 <= rows_per_chunk <= N``.
+    rows_per_chunk: rows whose float32 logits exist at once,
+      ``1 <= rows_per_chunk <= rows_per_group``.
+    rows_per_group: rows whose ``dlogits`` (in the compute dtype) are gathered
+      before the ``dhidden`` and ``dweight`` matmuls, ``<= N``.
     weight_layout: ``"vd"`` (weight ``[V, D]``) or ``"dv"`` (``[D, V]``).
-    accum_dtype: dtype of the ``dweight`` / ``dbias`` accumulators; when it is
-      the weight's dtype, ``dweight`` accumulates in place in its output.
+    accum_dtype: dtype of the ``dweight`` / ``dbias`` accumulators; None
+      accumulates ``dweight`` in the weight's dtype, in place in the output
+      (one rounding per group), and ``dbias`` in at least float32.
     options: the per-row loss options.
     backend: the per-chunk cross-entropy implementation.
     compact: move valid rows to the front before chunking.
-    chunk_callback: if set, ``chunk_callback(pass_name, chunk_index)`` runs on
+    chunk_callback: if set, ``chunk_callback(pass_name, first_row)`` runs on
       the host (``jax.debug.callback``) for every chunk that is computed rather
-      than skipped, with ``pass_name`` "forward", "backward" or "fused". For
-      tests and debugging; it costs a host round trip per chunk.
+      than skipped, with ``pass_name`` "forward", "backward" or "fused" and
+      the chunk's first row (in compacted order). For tests and debugging; it
+      costs a host round trip per chunk.
   """
 
   rows_per_chunk: int
+  rows_per_group: int
   weight_layout: str
-  accum_dtype: jnp.dtype
+  accum_dtype: jnp.dtype | None
   options: ce_math.CEOptions
   backend: ChunkCE
   compact: bool = True
   chunk_callback: Callable[[str, jax.Array], None] | None = None
 
-  def announce(self, pass_name: str, chunk_index: jax.Array) -> None:
+  def announce(self, pass_name: str, first_row: jax.Array) -> None:
     if self.chunk_callback is not None:
-      jax.debug.callback(self.chunk_callback, pass_name, chunk_index)
+      jax.debug.callback(self.chunk_callback, pass_name, first_row)
 
   def vocab_size(self, weight: jax.Array) -> int:
     return weight.shape[0 if self.weight_layout == "vd" else 1]
@@ -138,25 +144,46 @@ def _dweight(dlogits, hidden, layout, accum_dtype):
   return lax.dot_general(*operands, contract_rows, preferred_element_type=accum_dtype)
 
 
-# ---- Chunks. ----
+# ---- Chunks and groups. ----
 
 
 class _Chunk(NamedTuple):
-  """One chunk: its index, first row, the rows it owns and its valid rows."""
+  """A run of consecutive rows: a chunk, or a group of chunks.
+
+  Attributes:
+    index: its index among its siblings.
+    start: its first row (global).
+    offset: its first row within its group (its start, for a group).
+    owned: bool ``[size]``: rows no earlier sibling or enclosing group covered.
+    local_owned: bool ``[size]``: rows no earlier sibling in the group covered.
+    valid: bool ``[size]``: owned rows that count.
+  """
 
   index: jax.Array
   start: jax.Array
-  owned: jax.Array  # bool [C]
-  valid: jax.Array  # bool [C], owned & valid
+  offset: jax.Array
+  owned: jax.Array
+  local_owned: jax.Array
+  valid: jax.Array
+
+  @property
+  def size(self) -> int:
+    return self.owned.shape[0]
 
   def take(self, x):
-    return lax.dynamic_slice_in_dim(x, self.start, self.owned.shape[0], axis=0)
+    return lax.dynamic_slice_in_dim(x, self.start, self.size, axis=0)
 
-  def put(self, buffer, rows):
-    """Writes ``rows`` into ``buffer``, keeping the rows this chunk does not own."""
-    mask = self.owned.reshape(self.owned.shape + (1,) * (rows.ndim - 1))
-    rows = jnp.where(mask, rows, self.take(buffer))
-    return lax.dynamic_update_slice_in_dim(buffer, rows, self.start, 0)
+  def put(self, buffer, rows, *, local=False):
+    """Writes ``rows`` into a global (or, ``local``, a group's) buffer.
+
+    Rows the chunk does not own keep the buffer's value.
+    """
+    owned, start = (
+      (self.local_owned, self.offset) if local else (self.owned, self.start)
+    )
+    mask = owned.reshape(owned.shape + (1,) * (rows.ndim - 1))
+    old = lax.dynamic_slice_in_dim(buffer, start, self.size, axis=0)
+    return lax.dynamic_update_slice_in_dim(buffer, jnp.where(mask, rows, old), start, 0)
 
   def hidden(self, hidden):
     """The chunk's hidden rows, excluded rows zeroed: they never leak."""
@@ -164,22 +191,27 @@ class _Chunk(NamedTuple):
     return jnp.where(self.valid[:, None], h, jnp.zeros_like(h))
 
 
-def _sweep(config, valid, update, carry):
-  """``carry = update(carry, chunk)`` for every chunk with a valid row.
+def _sweep(size, valid, update, carry, *, group=None, skipped=None):
+  """``carry = update(carry, chunk)`` for every chunk of ``size`` rows.
 
-  The last chunk is clamped to end at row N and owns only the rows the
-  previous chunk did not cover. Chunks without a valid row are skipped by
-  ``lax.cond`` on a device-side predicate.
+  Walks the rows of ``valid`` (all rows, or those of ``group``). The last chunk
+  is clamped to end at the last row and owns only the rows the previous chunk
+  did not cover. A chunk without a valid row is skipped by ``lax.cond`` on a
+  device-side predicate: ``carry = skipped(carry, chunk)`` (default: as is).
   """
-  n_rows, size = valid.shape[0], config.rows_per_chunk
+  n_rows = valid.shape[0]
+  skipped = skipped or (lambda carry, chunk: carry)
 
   def body(carry, index):
-    start = jnp.minimum(index * size, n_rows - size)
-    owned = start + jnp.arange(size) >= index * size
-    chunk_valid = lax.dynamic_slice_in_dim(valid, start, size) & owned
-    chunk = _Chunk(index, start, owned, chunk_valid)
-    skip = lambda carry, chunk: carry
-    return lax.cond(jnp.any(chunk_valid), update, skip, carry, chunk), None
+    offset = jnp.minimum(index * size, n_rows - size)
+    local_owned = offset + jnp.arange(size) >= index * size
+    owned, start = local_owned, offset
+    if group is not None:
+      owned = local_owned & lax.dynamic_slice_in_dim(group.owned, offset, size)
+      start = group.start + offset
+    chunk_valid = lax.dynamic_slice_in_dim(valid, offset, size) & local_owned
+    chunk = _Chunk(index, start, offset, owned, local_owned, chunk_valid)
+    return lax.cond(jnp.any(chunk_valid), update, skipped, carry, chunk), None
 
   carry, _ = lax.scan(body, carry, jnp.arange(-(-n_rows // size)))
   return carry
@@ -203,47 +235,41 @@ def _compaction(config, valid):
   return gather, scatter
 
 
-# ---- The three sweeps. ----
+# ---- The sweeps. ----
+
+
+def _output_init(n_rows, dtype):
+  """Per-row ``(loss, lse, correct)`` buffers; excluded rows stay zero."""
+  return (
+    jnp.zeros((n_rows,), dtype),
+    jnp.zeros((n_rows,), dtype),
+    jnp.zeros((n_rows,), bool),
+  )
 
 
 def _forward(config, hidden, weight, bias, labels, valid):
   """Per-row ``(loss, lse, correct)``, in the given row order."""
   vocab_size = config.vocab_size(weight)
-  stat_dtype = jnp.promote_types(hidden.dtype, jnp.float32)
 
-  def update(carry, chunk):
-    config.announce("forward", chunk.index)
+  def update(outputs, chunk):
+    config.announce("forward", chunk.start)
     y = chunk.take(labels)
     logits = _logits(chunk.hidden(hidden), weight, bias, config.weight_layout)
     stats = config.backend.forward(logits, y, config.options)
-    outputs = ce_math.row_outputs(stats, y, chunk.valid, config.options, vocab_size)
-    return tuple(map(chunk.put, carry, outputs))
+    rows = ce_math.row_outputs(stats, y, chunk.valid, config.options, vocab_size)
+    return tuple(map(chunk.put, outputs, rows))
 
-  n_rows = hidden.shape[0]
-  init = (
-    jnp.zeros((n_rows,), stat_dtype),
-    jnp.zeros((n_rows,), stat_dtype),
-    jnp.zeros((n_rows,), bool),
-  )
-  return _sweep(config, valid, update, init)
+  stat_dtype = jnp.promote_types(hidden.dtype, jnp.float32)
+  init = _output_init(hidden.shape[0], stat_dtype)
+  return _sweep(config.rows_per_chunk, valid, update, init)
 
 
-def _gradient_init(config, hidden, weight, bias, differentiated):
-  return (
-    _zeros_if(differentiated.hidden, hidden.shape, hidden.dtype),
-    _zeros_if(differentiated.weight, weight.shape, config.accum_dtype),
-    _zeros_if(
-      differentiated.bias, None if bias is None else bias.shape, config.accum_dtype
-    ),
-  )
-
-
-def _accumulate(config, grads, chunk, h, dlogits, weight):
-  """Adds one chunk's ``dlogits`` to ``(dhidden, dweight, dbias)``."""
+def _accumulate(config, grads, group, h, dlogits, weight):
+  """Adds one group's ``dlogits`` to ``(dhidden, dweight, dbias)``."""
   dhidden, dweight, dbias = grads
   layout = config.weight_layout
   if dhidden is not None:
-    dhidden = chunk.put(dhidden, _dhidden(dlogits, weight, layout, dhidden.dtype))
+    dhidden = group.put(dhidden, _dhidden(dlogits, weight, layout, dhidden.dtype))
   if dweight is not None:
     dweight = dweight + _dweight(dlogits, h, layout, dweight.dtype)
   if dbias is not None:
@@ -251,23 +277,78 @@ def _accumulate(config, grads, chunk, h, dlogits, weight):
   return dhidden, dweight, dbias
 
 
-def _cast_gradients(grads, weight, bias):
+def _gradient_sweep(config, hidden, weight, bias, valid, diff, chunk_dlogits, outputs):
+  """Gradients from ``chunk_dlogits``, group by group.
+
+  For each group of ``rows_per_group`` rows, ``chunk_dlogits(outputs, chunk)
+  -> (outputs, dlogits)`` fills the group's ``[group, V]`` dlogits chunk by
+  chunk; then two matmuls over the whole group give its ``dhidden`` rows and
+  its ``dweight`` contribution, so ``dweight`` is read and written once per
+  group rather than once per chunk.
+
+  Returns:
+    ``(outputs, (dhidden, dweight, dbias))``; a gradient is None where ``diff``
+    says its input is not differentiated.
+  """
+  group_size, chunk_size = config.rows_per_group, config.rows_per_chunk
+  dtype = hidden.dtype
+
+  def group_update(carry, group):
+    outputs, grads, buffer = carry
+    if chunk_size == group_size:
+      outputs, dlogits = chunk_dlogits(outputs, group)
+    else:
+
+      def update(carry, chunk):
+        outputs, buffer = carry
+        outputs, dlogits = chunk_dlogits(outputs, chunk)
+        return outputs, chunk.put(buffer, dlogits, local=True)
+
+      def skipped(carry, chunk):  # stale rows of an earlier group must not count
+        outputs, buffer = carry
+        zeros = jnp.zeros((chunk_size, buffer.shape[1]), buffer.dtype)
+        return outputs, chunk.put(buffer, zeros, local=True)
+
+      outputs, buffer = _sweep(
+        chunk_size,
+        group.valid,
+        update,
+        (outputs, buffer),
+        group=group,
+        skipped=skipped,
+      )
+      dlogits = buffer
+    grads = _accumulate(config, grads, group, group.hidden(hidden), dlogits, weight)
+    return outputs, grads, buffer
+
+  grads = (
+    _zeros_if(diff.hidden, hidden.shape, hidden.dtype),
+    _zeros_if(diff.weight, weight.shape, config.accum_dtype or weight.dtype),
+    None,
+  )
+  if diff.bias:  # [V] only: always accumulated in at least float32
+    grads = grads[:2] + (
+      jnp.zeros(bias.shape, config.accum_dtype or jnp.promote_types(bias.dtype, "f4")),
+    )
+  buffer = None
+  if chunk_size != group_size:
+    buffer = jnp.zeros((group_size, config.vocab_size(weight)), dtype)
+  outputs, grads, _ = _sweep(group_size, valid, group_update, (outputs, grads, buffer))
   dhidden, dweight, dbias = grads
   if dweight is not None:
     dweight = dweight.astype(weight.dtype)
   if dbias is not None:
     dbias = dbias.astype(bias.dtype)
-  return dhidden, dweight, dbias
+  return outputs, (dhidden, dweight, dbias)
 
 
 def _backward(config, hidden, weight, bias, labels, valid, lse, g_loss, g_lse, diff):
   """``(dhidden, dweight, dbias)`` by recomputing each chunk's logits."""
   vocab_size = config.vocab_size(weight)
 
-  @jax.checkpoint  # grad-of-grad recomputes the chunk instead of saving logits
-  def update(grads, chunk):
-    config.announce("backward", chunk.index)
-    h, y = chunk.hidden(hidden), chunk.take(labels)
+  def chunk_dlogits(outputs, chunk):
+    config.announce("backward", chunk.start)
+    y = chunk.take(labels)
     rows = ce_math.backward_rows(
       chunk.take(g_loss),
       chunk.take(g_lse),
@@ -277,41 +358,37 @@ def _backward(config, hidden, weight, bias, labels, valid, lse, g_loss, g_lse, d
       config.options,
       vocab_size,
     )
-    logits = _logits(h, weight, bias, config.weight_layout)  # recomputed, [C, V]
-    dlogits = config.backend.backward(logits, y, rows, config.options, hidden.dtype)
-    return _accumulate(config, grads, chunk, h, dlogits, weight)
+    logits = _logits(chunk.hidden(hidden), weight, bias, config.weight_layout)
+    return outputs, config.backend.backward(
+      logits, y, rows, config.options, hidden.dtype
+    )
 
-  init = _gradient_init(config, hidden, weight, bias, diff)
-  return _cast_gradients(_sweep(config, valid, update, init), weight, bias)
+  # grad-of-grad recomputes the chunk instead of saving its logits.
+  chunk_dlogits = jax.checkpoint(chunk_dlogits)
+  _, grads = _gradient_sweep(
+    config, hidden, weight, bias, valid, diff, chunk_dlogits, ()
+  )
+  return grads
 
 
 def _fused(config, hidden, weight, bias, labels, valid, row_scale, diff):
   """Per-row outputs and the gradients of ``sum(loss * row_scale)``, one sweep."""
   vocab_size = config.vocab_size(weight)
 
-  def update(carry, chunk):
-    config.announce("fused", chunk.index)
-    outputs, grads = carry
-    h, y = chunk.hidden(hidden), chunk.take(labels)
+  def chunk_dlogits(outputs, chunk):
+    config.announce("fused", chunk.start)
+    y = chunk.take(labels)
     g_loss = jnp.where(chunk.valid, chunk.take(row_scale), 0.0)
-    logits = _logits(h, weight, bias, config.weight_layout)  # [C, V]
+    logits = _logits(chunk.hidden(hidden), weight, bias, config.weight_layout)
     stats, dlogits = config.backend.forward_backward(
       logits, y, chunk.valid, g_loss, config.options, hidden.dtype
     )
     rows = ce_math.row_outputs(stats, y, chunk.valid, config.options, vocab_size)
-    outputs = tuple(map(chunk.put, outputs, rows))
-    return outputs, _accumulate(config, grads, chunk, h, dlogits, weight)
+    return tuple(map(chunk.put, outputs, rows)), dlogits
 
-  n_rows = hidden.shape[0]
   stat_dtype = jnp.promote_types(hidden.dtype, jnp.float32)
-  init_outputs = (
-    jnp.zeros((n_rows,), stat_dtype),
-    jnp.zeros((n_rows,), stat_dtype),
-    jnp.zeros((n_rows,), bool),
-  )
-  init = (init_outputs, _gradient_init(config, hidden, weight, bias, diff))
-  outputs, grads = _sweep(config, valid, update, init)
-  return outputs, _cast_gradients(grads, weight, bias)
+  init = _output_init(hidden.shape[0], stat_dtype)
+  return _gradient_sweep(config, hidden, weight, bias, valid, diff, chunk_dlogits, init)
 
 
 def _compacted_forward(config, hidden, weight, bias, labels, valid):

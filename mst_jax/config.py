@@ -6,38 +6,61 @@ import dataclasses
 
 import numpy as np
 
-# The per-chunk temporaries (float32 logits, a float32 elementwise temporary and
-# dlogits in the compute dtype) of one chunk stay under this many bytes.
-DEFAULT_CHUNK_BYTES = 1 << 30
+# The chunk temporaries (a chunk's float32 logits, a group's dlogits) stay
+# under this many bytes by default.
+DEFAULT_MEMORY_BUDGET = 2 << 30
 
 # Tensor cores want row counts in multiples of this.
 _ROW_ALIGN = 128
 
 
-def default_rows_per_chunk(
+def _round_up(value: int, multiple: int) -> int:
+  return -(-value // multiple) * multiple
+
+
+def _even_split(n_rows: int, most: int, align: int) -> int:
+  """The smallest aligned size covering ``n_rows`` in as few pieces of ``most``.
+
+  Splitting 8192 rows with at most 3000 per piece gives 3 pieces of 2816 (the
+  last clamped, overlapping by 256 rows) rather than 3000, 3000 and 2192
+  (overlapping by 808): overlapping rows are computed twice.
+  """
+  pieces = -(-n_rows // max(most, 1))
+  return min(n_rows, _round_up(-(-n_rows // pieces), align))
+
+
+def plan_chunks(
   n_rows: int,
   vocab_size: int,
   dtype: np.dtype,
   *,
-  budget_bytes: int = DEFAULT_CHUNK_BYTES,
-) -> int:
-  """Rows per chunk whose temporaries fit ``budget_bytes``.
+  memory_budget: int = DEFAULT_MEMORY_BUDGET,
+) -> tuple[int, int]:
+  """``(rows_per_chunk, rows_per_group)`` whose temporaries fit the budget.
+
+  A chunk's float32 logits (``4 V`` bytes a row) take at most a quarter of the
+  budget and a group's dlogits (``itemsize V`` bytes a row) the rest: big
+  groups mean few read-modify-writes of ``dweight``, small chunks leave room
+  for them. Sizes are multiples of 128 (tensor cores) when the budget allows
+  it, else of 8, and split ``n_rows`` evenly.
 
   Args:
-    n_rows: ``N``, the number of rows (tokens); the result never exceeds it.
+    n_rows: ``N``, the number of rows (tokens); neither size exceeds it.
     vocab_size: ``V``.
     dtype: the compute dtype of the matmuls (that of ``dlogits``).
-    budget_bytes: the byte budget of one chunk's temporaries.
+    memory_budget: bytes for one chunk's logits plus one group's dlogits.
 
   Returns:
-    A positive row count: a multiple of 128 when the budget allows one, else a
-    multiple of 8 (at least 8), capped at ``n_rows``.
+    ``(rows_per_chunk, rows_per_group)``, ``1 <= chunk <= group <= n_rows``.
   """
-  bytes_per_row = vocab_size * (4 + 4 + np.dtype(dtype).itemsize)
-  rows = budget_bytes // bytes_per_row
-  align = _ROW_ALIGN if rows >= _ROW_ALIGN else 8
-  rows = max(align, rows // align * align)
-  return max(1, min(rows, n_rows))
+  itemsize = np.dtype(dtype).itemsize
+  chunk_most = memory_budget // 4 // (4 * vocab_size)
+  align = _ROW_ALIGN if chunk_most >= _ROW_ALIGN else 8
+  chunk_most = max(align, chunk_most // align * align)
+  group_most = (memory_budget - chunk_most * 4 * vocab_size) // (itemsize * vocab_size)
+  group = max(1, _even_split(n_rows, max(group_most, chunk_most), align))
+  chunk = max(1, _even_split(group, chunk_most, align))
+  return chunk, group
 
 
 def _is_power_of_2(value: int) -> bool:

@@ -5,6 +5,7 @@
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
   python3 -c 'import jax, jaxlib; print("jax", jax.__version__, "jaxlib", jaxlib.__version__, jax.devices())'
 } 2>&1 | tee "$OUT/env.txt"
@@ -20,7 +21,7 @@ step() {  # step NAME SECONDS CMD...
 
 if ls .whl/*.whl >/dev/null 2>&1; then  # peers carried as wheels (README of the device tool)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 for what in "$@"; do
   case $what in

@@ -134,7 +134,7 @@ def to64(x):
 
 def oracle(problem, **kwargs):
   """Loss and gradients from the full-logits reference in float64."""
-  chunked_only = ("impl", "chunk_size", "accum_dtype", "grad_mode")
+  chunked_only = ("impl", "chunk_size", "memory_budget", "accum_dtype", "grad_mode")
   kwargs = {k: v for k, v in kwargs.items() if k not in chunked_only}
   with jax.enable_x64(True):
     p64 = dataclasses.replace(

@@ -13,9 +13,12 @@ import mst_jax
 from mst_jax import backends, ce_math, chunked
 
 
-def _driver(rows_per_chunk, callback=None, compact=True, **options):
+def _driver(
+  rows_per_chunk, callback=None, compact=True, rows_per_group=None, **options
+):
   return chunked.DriverConfig(
     rows_per_chunk=rows_per_chunk,
+    rows_per_group=rows_per_group or rows_per_chunk,
     weight_layout="vd",
     accum_dtype=jnp.float32,
     options=ce_math.CEOptions(**options),
@@ -25,11 +28,15 @@ def _driver(rows_per_chunk, callback=None, compact=True, **options):
   )
 
 
-def _run_recorded(problem, grad_mode, compact):
+def _run_recorded(problem, grad_mode, compact, chunk=8, group=None):
   """Loss and grads through the driver; returns them and the computed chunks."""
   computed = {"forward": [], "backward": [], "fused": []}
   driver = _driver(
-    8, lambda name, index: computed[name].append(int(index)), compact, z_loss=1e-3
+    chunk,
+    lambda name, first_row: computed[name].append(int(first_row)),
+    compact,
+    group,
+    z_loss=1e-3,
   )
 
   def loss_fn(hidden, weight, labels, bias, where):
@@ -50,9 +57,11 @@ def _run_recorded(problem, grad_mode, compact):
 def test_fully_masked_chunks_are_skipped(rng, grad_mode):
   """Only chunks with a valid row run; compaction packs valid rows into few.
 
-  60 rows in chunks of 8. Without compaction, chunk 7 is clamped to rows
-  52..59 and owns 56..59 only, so its valid row 53 (owned by chunk 6) must not
-  make it run. With compaction the four valid rows fill part of chunk 0.
+  60 rows in chunks of 8 (first rows 0, 8, ..., 48, then 52). Without
+  compaction, the last chunk is clamped to rows 52..59 and owns 56..59 only,
+  so its valid row 53 (owned by the chunk at 48) must not make it run. With
+  compaction the four valid rows fill part of the first chunk. In groups of 24
+  rows (0, 24, then 36 clamped), chunks of 8 within them.
   """
   problem = make_problem(rng, (60,), mask="none", bias=True)
   valid = np.zeros(60, bool)
@@ -60,9 +69,19 @@ def test_fully_masked_chunks_are_skipped(rng, grad_mode):
   problem.where = jnp.asarray(valid)
   ref_loss, ref_grads = oracle(problem, z_loss=1e-3)
   passes = ["fused"] if grad_mode == "fused" else ["forward", "backward"]
-  for compact, chunks in ((False, [2, 5, 6]), (True, [0])):
-    loss, grads, computed = _run_recorded(problem, grad_mode, compact)
-    assert computed == dict.fromkeys(passes, chunks), (compact, computed)
+  expectations = [
+    (False, None, [16, 40, 48]),
+    (True, None, [0]),
+    (False, 24, [16, 40, 52]),  # group 36..59 owns 48..59: its chunk at 52 runs
+    (True, 24, [0]),
+  ]
+  for compact, group, first_rows in expectations:
+    loss, grads, computed = _run_recorded(problem, grad_mode, compact, 8, group)
+    if grad_mode == "recompute":  # the forward pass is not grouped
+      assert computed["forward"] == ([16, 40, 48] if not compact else [0])
+      computed.pop("forward")
+      passes = ["backward"]
+    assert computed == dict.fromkeys(passes, first_rows), (compact, group, computed)
     assert_close(loss, ref_loss, LOSS_RTOL["float32"], "loss")
     for g, r in zip(grads, ref_grads, strict=True):
       assert_close(g, r, GRAD_RTOL["float32"], "grad")

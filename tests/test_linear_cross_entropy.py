@@ -19,6 +19,7 @@ from conftest import (
 )
 
 import mst_jax
+from mst_jax import config
 
 IMPLS = ["xla", "pallas"]
 
@@ -321,3 +322,24 @@ def test_check_grads_float64(rng, impl, grad_mode):
 
     order = 2 if impl == "xla" else 1
     jax.test_util.check_grads(f, (hidden, weight, bias), order=order, modes=["rev"])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+  "memory_budget, plan", [(132_000, (8, 24)), (200_000, (8, 37))]
+)
+def test_memory_budget_groups_chunks(rng, impl, grad_mode, dtype, memory_budget, plan):
+  """Chunks of float32 logits inside groups of dlogits, both clamped at the end."""
+  itemsize = 4 if dtype == "float32" else 2
+  budget = memory_budget if itemsize == 4 else memory_budget - (memory_budget // 3)
+  chunk, group = config.plan_chunks(37, 1031, jnp.dtype(dtype), memory_budget=budget)
+  assert (chunk, group) == plan
+  problem = make_problem(rng, (37,), dtype=dtype, mask="scattered", bias=True)
+  check_against_oracle(
+    problem,
+    dtype,
+    impl=impl,
+    memory_budget=budget,
+    grad_mode=grad_mode,
+    **ALL_OPTIONS,
+  )

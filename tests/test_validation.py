@@ -69,6 +69,16 @@ def _call(overrides=(), **kwargs):
     ({}, dict(return_aux="yes"), TypeError, "return_aux"),
     ({}, dict(accum_dtype=jnp.int32), TypeError, "accum_dtype.*int32"),
     ({}, dict(impl="reference", chunk_size=4), ValueError, "impl='reference'"),
+    ({}, dict(memory_budget=0), ValueError, "memory_budget.*0"),
+    ({}, dict(memory_budget=1e9), TypeError, "memory_budget"),
+    ({}, dict(chunk_size=4, memory_budget=2**20), ValueError, "not both"),
+    ({}, dict(grad_mode="forward"), ValueError, "grad_mode.*'forward'"),
+    (
+      {},
+      dict(grad_mode="fused", reduction="none"),
+      NotImplementedError,
+      "grad_mode='recompute'",
+    ),
   ],
 )
 def test_bad_input_raises(overrides, kwargs, error, match):
