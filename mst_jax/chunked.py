@@ -280,46 +280,57 @@ def _accumulate(config, grads, group, h, dlogits, weight):
 def _gradient_sweep(config, hidden, weight, bias, valid, diff, chunk_dlogits, outputs):
   """Gradients from ``chunk_dlogits``, group by group.
 
-  For each group of ``rows_per_group`` rows, ``chunk_dlogits(outputs, chunk)
-  -> (outputs, dlogits)`` fills the group's ``[group, V]`` dlogits chunk by
-  chunk; then two matmuls over the whole group give its ``dhidden`` rows and
-  its ``dweight`` contribution, so ``dweight`` is read and written once per
-  group rather than once per chunk.
+  ``chunk_dlogits(outputs, chunk, into) -> (outputs, dlogits)`` gives each
+  chunk's dlogits (with ``into=(buffer, row)``, written into ``buffer`` from
+  ``row`` on, and the buffer returned). A group whose rows all count
+  gathers its chunks' dlogits into one ``[group, V]`` buffer, then two
+  matmuls over the whole group give its ``dhidden`` rows and ``dweight``
+  contribution: ``dweight`` is read and
+  written once per group rather than once per chunk. A group with excluded
+  rows (the one where compacted valid rows end, or the clamped last group)
+  does those matmuls chunk by chunk instead, skipping empty chunks, so excluded
+  rows cost no matmul.
 
   Returns:
     ``(outputs, (dhidden, dweight, dbias))``; a gradient is None where ``diff``
     says its input is not differentiated.
   """
   group_size, chunk_size = config.rows_per_group, config.rows_per_chunk
-  dtype = hidden.dtype
+
+  # Chunks tile a whole group exactly: the backend may write into its buffer.
+  in_place = group_size % chunk_size == 0
+
+  def chunk_update(carry, chunk):
+    outputs, grads = carry
+    outputs, dlogits = chunk_dlogits(outputs, chunk, None)
+    grads = _accumulate(config, grads, chunk, chunk.hidden(hidden), dlogits, weight)
+    return outputs, grads
+
+  def whole_group(carry, group):
+    outputs, grads, buffer = carry
+
+    def fill(carry, chunk):
+      outputs, buffer = carry
+      if in_place:
+        return chunk_dlogits(outputs, chunk, (buffer, chunk.offset))
+      outputs, dlogits = chunk_dlogits(outputs, chunk, None)
+      return outputs, chunk.put(buffer, dlogits, local=True)
+
+    outputs, buffer = _sweep(
+      chunk_size, group.valid, fill, (outputs, buffer), group=group
+    )
+    grads = _accumulate(config, grads, group, group.hidden(hidden), buffer, weight)
+    return outputs, grads, buffer
+
+  def chunk_by_chunk(carry, group):
+    outputs, grads, buffer = carry
+    outputs, grads = _sweep(
+      chunk_size, group.valid, chunk_update, (outputs, grads), group=group
+    )
+    return outputs, grads, buffer
 
   def group_update(carry, group):
-    outputs, grads, buffer = carry
-    if chunk_size == group_size:
-      outputs, dlogits = chunk_dlogits(outputs, group)
-    else:
-
-      def update(carry, chunk):
-        outputs, buffer = carry
-        outputs, dlogits = chunk_dlogits(outputs, chunk)
-        return outputs, chunk.put(buffer, dlogits, local=True)
-
-      def skipped(carry, chunk):  # stale rows of an earlier group must not count
-        outputs, buffer = carry
-        zeros = jnp.zeros((chunk_size, buffer.shape[1]), buffer.dtype)
-        return outputs, chunk.put(buffer, zeros, local=True)
-
-      outputs, buffer = _sweep(
-        chunk_size,
-        group.valid,
-        update,
-        (outputs, buffer),
-        group=group,
-        skipped=skipped,
-      )
-      dlogits = buffer
-    grads = _accumulate(config, grads, group, group.hidden(hidden), dlogits, weight)
-    return outputs, grads, buffer
+    return lax.cond(jnp.all(group.valid), whole_group, chunk_by_chunk, carry, group)
 
   grads = (
     _zeros_if(diff.hidden, hidden.shape, hidden.dtype),
@@ -330,10 +341,13 @@ def _gradient_sweep(config, hidden, weight, bias, valid, diff, chunk_dlogits, ou
     grads = grads[:2] + (
       jnp.zeros(bias.shape, config.accum_dtype or jnp.promote_types(bias.dtype, "f4")),
     )
-  buffer = None
-  if chunk_size != group_size:
-    buffer = jnp.zeros((group_size, config.vocab_size(weight)), dtype)
-  outputs, grads, _ = _sweep(group_size, valid, group_update, (outputs, grads, buffer))
+  if chunk_size == group_size:
+    outputs, grads = _sweep(chunk_size, valid, chunk_update, (outputs, grads))
+  else:
+    buffer = jnp.zeros((group_size, config.vocab_size(weight)), hidden.dtype)
+    outputs, grads, _ = _sweep(
+      group_size, valid, group_update, (outputs, grads, buffer)
+    )
   dhidden, dweight, dbias = grads
   if dweight is not None:
     dweight = dweight.astype(weight.dtype)
@@ -346,7 +360,7 @@ def _backward(config, hidden, weight, bias, labels, valid, lse, g_loss, g_lse, d
   """``(dhidden, dweight, dbias)`` by recomputing each chunk's logits."""
   vocab_size = config.vocab_size(weight)
 
-  def chunk_dlogits(outputs, chunk):
+  def chunk_dlogits(outputs, chunk, into):
     config.announce("backward", chunk.start)
     y = chunk.take(labels)
     rows = ce_math.backward_rows(
@@ -359,9 +373,11 @@ def _backward(config, hidden, weight, bias, labels, valid, lse, g_loss, g_lse, d
       vocab_size,
     )
     logits = _logits(chunk.hidden(hidden), weight, bias, config.weight_layout)
-    return outputs, config.backend.backward(
-      logits, y, rows, config.options, hidden.dtype
-    )
+    dlogits = config.backend.backward(logits, y, rows, config.options, hidden.dtype)
+    if into is not None:
+      buffer, row = into
+      dlogits = lax.dynamic_update_slice_in_dim(buffer, dlogits, row, 0)
+    return outputs, dlogits
 
   # grad-of-grad recomputes the chunk instead of saving its logits.
   chunk_dlogits = jax.checkpoint(chunk_dlogits)
@@ -375,13 +391,13 @@ def _fused(config, hidden, weight, bias, labels, valid, row_scale, diff):
   """Per-row outputs and the gradients of ``sum(loss * row_scale)``, one sweep."""
   vocab_size = config.vocab_size(weight)
 
-  def chunk_dlogits(outputs, chunk):
+  def chunk_dlogits(outputs, chunk, into):
     config.announce("fused", chunk.start)
     y = chunk.take(labels)
     g_loss = jnp.where(chunk.valid, chunk.take(row_scale), 0.0)
     logits = _logits(chunk.hidden(hidden), weight, bias, config.weight_layout)
     stats, dlogits = config.backend.forward_backward(
-      logits, y, chunk.valid, g_loss, config.options, hidden.dtype
+      logits, y, chunk.valid, g_loss, config.options, hidden.dtype, into=into
     )
     rows = ce_math.row_outputs(stats, y, chunk.valid, config.options, vocab_size)
     return tuple(map(chunk.put, outputs, rows)), dlogits

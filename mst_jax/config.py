@@ -18,17 +18,6 @@ def _round_up(value: int, multiple: int) -> int:
   return -(-value // multiple) * multiple
 
 
-def _even_split(n_rows: int, most: int, align: int) -> int:
-  """The smallest aligned size covering ``n_rows`` in as few pieces of ``most``.
-
-  Splitting 8192 rows with at most 3000 per piece gives 3 pieces of 2816 (the
-  last clamped, overlapping by 256 rows) rather than 3000, 3000 and 2192
-  (overlapping by 808): overlapping rows are computed twice.
-  """
-  pieces = -(-n_rows // max(most, 1))
-  return min(n_rows, _round_up(-(-n_rows // pieces), align))
-
-
 def plan_chunks(
   n_rows: int,
   vocab_size: int,
@@ -41,8 +30,11 @@ def plan_chunks(
   A chunk's float32 logits (``4 V`` bytes a row) take at most a quarter of the
   budget and a group's dlogits (``itemsize V`` bytes a row) the rest: big
   groups mean few read-modify-writes of ``dweight``, small chunks leave room
-  for them. Sizes are multiples of 128 (tensor cores) when the budget allows
-  it, else of 8, and split ``n_rows`` evenly.
+  for them. The group is a whole number of chunks (no chunk straddles two
+  groups) and splits ``n_rows`` into as few groups as evenly as it can: 8192
+  rows at most 6300 a group make two groups of 4096, not 6144 and a clamped
+  remainder. Chunks are multiples of 128 rows (tensor cores) when the budget
+  allows it, else of 8.
 
   Args:
     n_rows: ``N``, the number of rows (tokens); neither size exceeds it.
@@ -54,13 +46,17 @@ def plan_chunks(
     ``(rows_per_chunk, rows_per_group)``, ``1 <= chunk <= group <= n_rows``.
   """
   itemsize = np.dtype(dtype).itemsize
-  chunk_most = memory_budget // 4 // (4 * vocab_size)
-  align = _ROW_ALIGN if chunk_most >= _ROW_ALIGN else 8
-  chunk_most = max(align, chunk_most // align * align)
-  group_most = (memory_budget - chunk_most * 4 * vocab_size) // (itemsize * vocab_size)
-  group = max(1, _even_split(n_rows, max(group_most, chunk_most), align))
-  chunk = max(1, _even_split(group, chunk_most, align))
-  return chunk, group
+  chunk = memory_budget // 4 // (4 * vocab_size)
+  align = _ROW_ALIGN if chunk >= _ROW_ALIGN else 8
+  chunk = max(align, chunk // align * align)
+  if chunk >= n_rows:
+    return n_rows, n_rows
+  group_most = max(
+    chunk, (memory_budget - chunk * 4 * vocab_size) // (itemsize * vocab_size)
+  )
+  n_groups = -(-n_rows // group_most)
+  group = _round_up(-(-n_rows // n_groups), chunk)
+  return chunk, min(group, n_rows)
 
 
 def _is_power_of_2(value: int) -> bool:

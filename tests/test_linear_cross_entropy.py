@@ -324,17 +324,25 @@ def test_check_grads_float64(rng, impl, grad_mode):
     jax.test_util.check_grads(f, (hidden, weight, bias), order=order, modes=["rev"])
 
 
+@pytest.mark.parametrize("mask", ["none", "scattered"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(
   "memory_budget, plan", [(132_000, (8, 24)), (200_000, (8, 37))]
 )
-def test_memory_budget_groups_chunks(rng, impl, grad_mode, dtype, memory_budget, plan):
-  """Chunks of float32 logits inside groups of dlogits, both clamped at the end."""
+def test_memory_budget_groups_chunks(
+  rng, impl, grad_mode, dtype, memory_budget, plan, mask
+):
+  """Chunks of float32 logits inside groups of dlogits, both clamped at the end.
+
+  Without a mask the first group is whole (one dweight matmul for the group)
+  and the clamped last one goes chunk by chunk; with one, the group where the
+  compacted valid rows end goes chunk by chunk.
+  """
   itemsize = 4 if dtype == "float32" else 2
   budget = memory_budget if itemsize == 4 else memory_budget - (memory_budget // 3)
   chunk, group = config.plan_chunks(37, 1031, jnp.dtype(dtype), memory_budget=budget)
   assert (chunk, group) == plan
-  problem = make_problem(rng, (37,), dtype=dtype, mask="scattered", bias=True)
+  problem = make_problem(rng, (37,), dtype=dtype, mask=mask, bias=True)
   check_against_oracle(
     problem,
     dtype,

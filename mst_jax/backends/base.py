@@ -6,6 +6,7 @@ from typing import Protocol
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from mst_jax import ce_math
 
@@ -44,17 +45,22 @@ class ChunkCE(Protocol):
     g_loss: jax.Array,
     options: ce_math.CEOptions,
     out_dtype: jax.typing.DTypeLike,
+    *,
+    into: tuple[jax.Array, jax.Array] | None = None,
   ) -> tuple[ce_math.RowStats, jax.Array]:
     """``forward`` and ``backward`` in one sweep, for a known loss cotangent.
 
     ``g_loss`` (float32 ``[rows]``) is the cotangent of each row's loss; the lse
-    cotangent is taken as zero. Returns the row statistics and ``dlogits``.
+    cotangent is taken as zero. Returns the row statistics and ``dlogits``;
+    with ``into=(buffer, row_offset)``, ``dlogits`` is written into rows
+    ``row_offset:row_offset + rows`` of ``buffer`` (in place where the backend
+    can) and the updated buffer is returned instead.
     """
     ...
 
 
 def unfused_forward_backward(
-  backend, logits, labels, valid, g_loss, options, out_dtype
+  backend, logits, labels, valid, g_loss, options, out_dtype, into=None
 ):
   """``forward_backward`` as a ``forward`` then a ``backward``."""
   stats = backend.forward(logits, labels, options)
@@ -67,4 +73,8 @@ def unfused_forward_backward(
     options,
     logits.shape[-1],
   )
-  return stats, backend.backward(logits, labels, rows, options, out_dtype)
+  dlogits = backend.backward(logits, labels, rows, options, out_dtype)
+  if into is not None:  # XLA fuses the elementwise dlogits into this, in place
+    buffer, offset = into
+    dlogits = lax.dynamic_update_slice_in_dim(buffer, dlogits, offset, 0)
+  return stats, dlogits

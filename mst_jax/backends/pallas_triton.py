@@ -145,8 +145,13 @@ def _write_dlogits(
   *,
   options,
   block_v,
+  row_offset=0,
 ):
-  """Writes one ``[block_rows, block_v]`` block of ``dlogits``."""
+  """Writes one ``[block_rows, block_v]`` block of ``dlogits``.
+
+  Its rows land ``row_offset`` rows further down ``dlogits_ref`` (a group's
+  buffer that the chunk writes into in place).
+  """
   n_cols = logits_ref.shape[1]
   col_block_index = jnp.asarray(col_block_index, jnp.int32)  # int64 loops under x64
   z, cols, col_mask = _load_logits(
@@ -154,8 +159,9 @@ def _write_dlogits(
   )
   capped = ce_math.softcap(z, options.logit_softcap)
   grad = ce_math.dlogits_block(capped, cols, labels, rows, options, n_cols)
+  out_rows = pl.ds(row_slice.start + row_offset, row_slice.size)
   plgpu.store(
-    dlogits_ref.at[row_slice, pl.ds(col_block_index * block_v, block_v)],
+    dlogits_ref.at[out_rows, pl.ds(col_block_index * block_v, block_v)],
     grad.astype(dlogits_ref.dtype),
     mask=row_mask[:, None] & col_mask[None, :],
   )
@@ -199,12 +205,17 @@ def _fused_kernel(
   labels_ref,  # [R] int32
   valid_ref,  # [R] int32 (0 or 1)
   g_loss_ref,  # [R] float32, cotangent of each row's loss
-  *refs,  # outputs: the RowStats fields (each [R]), then dlogits [R, V]
+  offset_ref,  # [1] int32: first row of dlogits to write
+  *refs,  # [the group buffer (aliased),] the RowStats fields, dlogits
   options: ce_math.CEOptions,
   block_rows: int,
   block_v: int,
+  into: bool,
 ):
+  if into:  # the aliased input is the output dlogits_ref; nothing to read
+    refs = refs[1:]
   *stats_refs, dlogits_ref = refs
+  row_offset = offset_ref[0]
   n_rows, n_cols = logits_ref.shape
   row_slice, row_mask = _row_block(pl.program_id(0), block_rows, n_rows)
   labels = _load_rows(labels_ref, row_slice, row_mask, 0)
@@ -234,6 +245,7 @@ def _fused_kernel(
       col_block_index,
       options=options,
       block_v=block_v,
+      row_offset=row_offset,
     )
 
 
@@ -260,16 +272,23 @@ class PallasTritonChunkCE:
   blocks: KernelBlocks | None = None
   interpret: bool = False
 
-  def _call(self, kernel, name, grid, out_shape, vocab_size, options, n_inputs):
+  def _call(
+    self, kernel, name, grid, out_shape, vocab_size, options, n_inputs, **static
+  ):
     blocks = self.blocks or default_kernel_blocks(vocab_size)
+    aliases = {}
+    if static.get("into"):  # the last input is the group buffer, output -1
+      aliases = {n_inputs - 1: len(out_shape) - 1}
     return pl.pallas_call(
       functools.partial(
         kernel,
         options=options,
         block_rows=blocks.block_rows,
         block_v=blocks.block_v,
+        **static,
       ),
       out_shape=out_shape,
+      input_output_aliases=aliases,
       grid=grid(blocks),
       in_specs=[pl.no_block_spec] * n_inputs,
       out_specs=jax.tree.map(lambda _: pl.no_block_spec, out_shape),
@@ -306,18 +325,30 @@ class PallasTritonChunkCE:
     )
     return call(logits, labels, *rows)
 
-  def forward_backward(self, logits, labels, valid, g_loss, options, out_dtype):
+  def forward_backward(
+    self, logits, labels, valid, g_loss, options, out_dtype, *, into=None
+  ):
     n_rows, vocab_size = logits.shape
+    if into is None:
+      dlogits_shape = jax.ShapeDtypeStruct(logits.shape, out_dtype)
+      offset, extra = jnp.zeros((1,), jnp.int32), ()
+    else:
+      buffer, offset = into
+      dlogits_shape = jax.ShapeDtypeStruct(buffer.shape, buffer.dtype)
+      offset, extra = jnp.reshape(offset, (1,)).astype(jnp.int32), (buffer,)
     call = self._call(
       _fused_kernel,
       "mst_ce_fused",
       lambda b: (pl.cdiv(n_rows, b.block_rows),),
-      (*_row_shapes(logits), jax.ShapeDtypeStruct(logits.shape, out_dtype)),
+      (*_row_shapes(logits), dlogits_shape),
       vocab_size,
       options,
-      n_inputs=4,
+      n_inputs=5 + len(extra),
+      into=into is not None,
     )
-    *stats, dlogits = call(logits, labels, valid.astype(jnp.int32), g_loss)
+    *stats, dlogits = call(
+      logits, labels, valid.astype(jnp.int32), g_loss, offset, *extra
+    )
     return ce_math.RowStats(*stats), dlogits
 
 

@@ -47,7 +47,9 @@ class XlaChunkCE:
     grad = ce_math.dlogits_block(capped, cols, labels, rows, options, vocab_size)
     return grad.astype(out_dtype)
 
-  def forward_backward(self, logits, labels, valid, g_loss, options, out_dtype):
+  def forward_backward(
+    self, logits, labels, valid, g_loss, options, out_dtype, *, into=None
+  ):
     return base.unfused_forward_backward(
-      self, logits, labels, valid, g_loss, options, out_dtype
+      self, logits, labels, valid, g_loss, options, out_dtype, into
     )
