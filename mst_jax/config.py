@@ -46,17 +46,38 @@ def plan_chunks(
     ``(rows_per_chunk, rows_per_group)``, ``1 <= chunk <= group <= n_rows``.
   """
   itemsize = np.dtype(dtype).itemsize
+  # No more than the whole logits in the compute dtype (what a full-logits head
+  # holds): at small N, chunking must not cost more memory than it saves.
+  memory_budget = min(memory_budget, max(n_rows * vocab_size * itemsize, 1))
   chunk = memory_budget // 4 // (4 * vocab_size)
   align = _ROW_ALIGN if chunk >= _ROW_ALIGN else 8
   chunk = max(align, chunk // align * align)
   if chunk >= n_rows:
     return n_rows, n_rows
-  group_most = max(
-    chunk, (memory_budget - chunk * 4 * vocab_size) // (itemsize * vocab_size)
-  )
-  n_groups = -(-n_rows // group_most)
-  group = _round_up(-(-n_rows // n_groups), chunk)
-  return chunk, min(group, n_rows)
+  group_most = (memory_budget - chunk * 4 * vocab_size) // (itemsize * vocab_size)
+  return chunk, _fewest_rewrites_group(n_rows, chunk, max(chunk, group_most))
+
+
+def _fewest_rewrites_group(n_rows: int, chunk: int, group_most: int) -> int:
+  """The group size (whole chunks, or all rows) with the fewest dweight rewrites.
+
+  A whole group rewrites ``dweight`` once; the clamped last group, which owns
+  only the rows the others left, goes chunk by chunk, once per chunk it owns.
+  Ties go to the larger group.
+  """
+  candidates = [
+    k * chunk for k in range(1, group_most // chunk + 1) if k * chunk <= n_rows
+  ]
+  if n_rows <= group_most:
+    candidates.append(n_rows)
+
+  def rewrites(group):
+    n_groups = -(-n_rows // group)
+    last_owned = n_rows - (n_groups - 1) * group
+    last = 1 if last_owned == group else -(-last_owned // chunk)
+    return n_groups - 1 + last, -group
+
+  return min(candidates, key=rewrites) if candidates else chunk
 
 
 def _is_power_of_2(value: int) -> bool:

@@ -1,0 +1,34 @@
+"""Chunk planning from a memory budget."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mst_jax import config
+
+
+@pytest.mark.parametrize("n_rows", [1, 37, 1000, 2048, 8192, 32768, 100_000])
+@pytest.mark.parametrize("vocab", [1031, 32000, 128256, 256000])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("budget", [2**20, 2**27, 2**31])
+def test_plan_fits_budget_and_tiles_rows(n_rows, vocab, dtype, budget):
+  chunk, group = config.plan_chunks(
+    n_rows, vocab, np.dtype(dtype), memory_budget=budget
+  )
+  assert 1 <= chunk <= group <= n_rows
+  assert group % chunk == 0 or group == n_rows
+  itemsize = dtype.itemsize
+  smallest = min(n_rows, 8)  # below one aligned chunk the budget cannot hold
+  if chunk > smallest:
+    capped = min(budget, n_rows * vocab * itemsize)
+    assert (
+      chunk * vocab * 4 + (group if group > chunk else 0) * vocab * itemsize <= capped
+    )
+
+
+def test_plan_for_the_benchmark_heads():
+  bf16 = np.dtype("bfloat16")
+  assert config.plan_chunks(8192, 128256, bf16) == (1024, 4096)  # 2 whole groups
+  assert config.plan_chunks(8192, 256000, bf16) == (512, 2560)  # 3 + a 1-chunk group
+  assert config.plan_chunks(2048, 128256, bf16) == (256, 1024)  # small N, small budget
