@@ -13,18 +13,16 @@ from mst_jax import config
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("budget", [2**20, 2**27, 2**31])
 def test_plan_fits_budget_and_tiles_rows(n_rows, vocab, dtype, budget):
-  chunk, group = config.plan_chunks(
-    n_rows, vocab, np.dtype(dtype), memory_budget=budget
-  )
+  dtype = np.dtype(dtype)
+  chunk, group = config.plan_chunks(n_rows, vocab, dtype, memory_budget=budget)
   assert 1 <= chunk <= group <= n_rows
   assert group % chunk == 0 or group == n_rows
   itemsize = dtype.itemsize
   smallest = min(n_rows, 8)  # below one aligned chunk the budget cannot hold
   if chunk > smallest:
     capped = min(budget, n_rows * vocab * itemsize)
-    assert (
-      chunk * vocab * 4 + (group if group > chunk else 0) * vocab * itemsize <= capped
-    )
+    group_bytes = (group if group > chunk else 0) * vocab * itemsize
+    assert chunk * vocab * 4 + group_bytes <= capped
 
 
 def test_plan_for_the_benchmark_heads():
