@@ -117,7 +117,7 @@ def format_table(rows: Sequence[dict]) -> str:
   return "\n".join(lines)
 
 
-def plot(rows: Sequence[dict], path: str) -> str | None:
+def plot(rows: Sequence[dict], path: str, title: str | None = None) -> str | None:
   """Time and extra memory against tokens, log scale; returns why not, or None."""
   try:
     import matplotlib
@@ -152,7 +152,8 @@ def plot(rows: Sequence[dict], path: str) -> str | None:
   ax_time.legend(fontsize=7)
   device = jax.devices()[0]
   fig.suptitle(
-    f"value_and_grad of the LM-head loss, {device.device_kind}, jax {jax.__version__}"
+    title
+    or f"value_and_grad of the LM-head loss, {device.device_kind}, jax {jax.__version__}"
   )
   fig.tight_layout()
   fig.savefig(path, dpi=120)
