@@ -151,10 +151,8 @@ def plot(rows: Sequence[dict], path: str, title: str | None = None) -> str | Non
     ax.grid(True, which="both", alpha=0.3)
   ax_time.legend(fontsize=7)
   device = jax.devices()[0]
-  fig.suptitle(
-    title
-    or f"value_and_grad of the LM-head loss, {device.device_kind}, jax {jax.__version__}"
-  )
+  default = f"value_and_grad of the LM-head loss, {device.device_kind}"
+  fig.suptitle(title or f"{default}, jax {jax.__version__}")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   return None

@@ -1,0 +1,123 @@
+"""``LMHeadLoss`` for Flax Linen: an LM head whose call is its loss."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax.linen.linear import default_kernel_init
+
+from mst_jax import head
+
+
+class LMHeadLoss(nn.Module):
+  """An LM head (``[D, V]`` ``kernel``, like ``nn.Dense``) that returns its loss.
+
+  ``__call__`` computes the cross-entropy of the head's logits with
+  ``mst_jax.linear_cross_entropy``, never forming the ``[tokens, V]`` logits;
+  ``logits`` forms them, for evaluation and generation. Its parameters are
+  ``kernel`` (``[D, V]``) and ``bias`` like ``nn.Dense(vocab_size)``'s, so a
+  checkpoint whose head is a Dense loads into it unchanged.
+
+  Tied embeddings: pass an ``nn.Embed``'s table (``[V, D]``, e.g.
+  ``self.embed.embedding`` inside your model) as ``embedding=`` to either call;
+  the head then uses it (no kernel is created, nothing is copied), and the
+  table's gradient gets both the lookup's and the head's contributions.
+
+  Attributes:
+    vocab_size: ``V``.
+    use_bias: add a ``[V]`` bias.
+    dtype: computation dtype (None: inferred, as in ``nn.Dense``); the loss is
+      float32 whatever it is.
+    param_dtype: dtype of the kernel and bias.
+    kernel_init: initializer of the ``[D, V]`` kernel.
+    bias_init: initializer of the bias.
+    options: the loss options (``mst_jax.head.HeadLossOptions``); or give them
+      one by one through ``LMHeadLoss.create``.
+
+  Example:
+
+    >>> import jax, jax.numpy as jnp
+    >>> import mst_jax
+    >>> head = mst_jax.linen.LMHeadLoss.create(1000, z_loss=1e-4)
+    >>> hidden = jnp.ones((2, 16, 64))
+    >>> labels = jnp.zeros((2, 16), jnp.int32)
+    >>> params = head.init(jax.random.key(0), hidden, labels)
+    >>> jax.tree.map(jnp.shape, params)
+    {'params': {'kernel': (64, 1000)}}
+    >>> head.apply(params, hidden, method="logits").shape
+    (2, 16, 1000)
+  """
+
+  vocab_size: int
+  use_bias: bool = False
+  dtype: jnp.dtype | None = None
+  param_dtype: jnp.dtype = jnp.float32
+  kernel_init: nn.initializers.Initializer = default_kernel_init
+  bias_init: nn.initializers.Initializer = nn.initializers.zeros_init()
+  options: head.HeadLossOptions = head.HeadLossOptions()
+
+  @classmethod
+  def create(cls, vocab_size: int, **kwargs) -> LMHeadLoss:
+    """``LMHeadLoss`` with loss options given as keywords (``z_loss=...``)."""
+    fields = {f.name for f in dataclasses.fields(head.HeadLossOptions)}
+    options = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
+    return cls(vocab_size, options=head.HeadLossOptions(**options), **kwargs)
+
+  @nn.compact
+  def _weight(self, in_features: int, embedding: jax.Array | None):
+    bias = None
+    if self.use_bias:
+      bias = self.param("bias", self.bias_init, (self.vocab_size,), self.param_dtype)
+    if embedding is not None:
+      if embedding.shape != (self.vocab_size, in_features):
+        raise ValueError(
+          f"the tied embedding table is {embedding.shape}, but the head needs"
+          f" (vocab_size, in_features) = {(self.vocab_size, in_features)}."
+        )
+      return embedding, "vd", bias
+    kernel = self.param(
+      "kernel", self.kernel_init, (in_features, self.vocab_size), self.param_dtype
+    )
+    return kernel, "dv", bias
+
+  def __call__(
+    self,
+    hidden: jax.Array,
+    labels: jax.Array,
+    *,
+    where: jax.Array | None = None,
+    return_aux: bool = False,
+    embedding: jax.Array | None = None,
+  ):
+    """The loss of ``hidden`` (``[..., T, D]``) against ``labels`` (``[..., T]``).
+
+    Returns what ``mst_jax.linear_cross_entropy`` returns with this module's
+    options: the float32 loss, and with ``return_aux`` a ``LossAux`` too.
+    """
+    weight, layout, bias = self._weight(hidden.shape[-1], embedding)
+    return head.head_loss(
+      hidden,
+      weight,
+      labels,
+      bias,
+      weight_layout=layout,
+      dtype=self.dtype,
+      options=self.options,
+      where=where,
+      return_aux=return_aux,
+    )
+
+  def logits(self, hidden: jax.Array, *, embedding: jax.Array | None = None):
+    """Full logits ``[..., V]`` (softcapped like the loss), for inference."""
+    weight, layout, bias = self._weight(hidden.shape[-1], embedding)
+    return head.head_logits(
+      hidden,
+      weight,
+      bias,
+      weight_layout=layout,
+      dtype=self.dtype,
+      logit_softcap=self.options.logit_softcap,
+    )

@@ -1,0 +1,155 @@
+"""``LMHeadLoss`` for Flax NNX: an LM head whose call is its loss."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.nn.linear import default_bias_init, default_kernel_init
+
+from mst_jax import head
+
+
+class LMHeadLoss(nnx.Module):
+  """An LM head (``[D, V]`` kernel, like ``nnx.Linear``) that returns its loss.
+
+  ``__call__`` computes the cross-entropy of the head's logits with
+  ``mst_jax.linear_cross_entropy``, never forming the ``[tokens, V]`` logits;
+  ``logits`` forms them, for evaluation and generation. The kernel is
+  ``[in_features, vocab_size]`` like ``nnx.Linear``'s, so a checkpoint whose
+  head is a Linear loads into it unchanged.
+
+  Tied embeddings: pass ``embedding=`` an ``nnx.Embed`` (``[V, D]`` table) and
+  the head uses that table, without copying or transposing it; the module
+  holds a reference to the same Embed, so the table's gradient gets both the
+  embedding lookup's and the head's contributions.
+
+  Args:
+    in_features: ``D``.
+    vocab_size: ``V``.
+    use_bias: add a ``[V]`` bias.
+    dtype: computation dtype (None: inferred from inputs and parameters, as in
+      ``nnx.Linear``); the loss is float32 whatever it is.
+    param_dtype: dtype of the kernel and bias.
+    kernel_init: initializer of the ``[D, V]`` kernel.
+    bias_init: initializer of the bias.
+    embedding: an ``nnx.Embed`` whose table is the head's weight (tied); then
+      no kernel is created.
+    ignore_index, reduction, label_smoothing, z_loss, logit_softcap,
+    chunk_size, memory_budget, impl, grad_mode: the loss options of
+      ``mst_jax.linear_cross_entropy``.
+    rngs: the ``nnx.Rngs`` for parameter initialization.
+
+  Example:
+
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import mst_jax
+    >>> head = mst_jax.nnx.LMHeadLoss(64, 1000, rngs=nnx.Rngs(0))
+    >>> head.kernel.shape
+    (64, 1000)
+    >>> hidden = jnp.ones((2, 16, 64))
+    >>> labels = jnp.zeros((2, 16), jnp.int32)
+    >>> head(hidden, labels).shape, head.logits(hidden).shape
+    ((), (2, 16, 1000))
+  """
+
+  def __init__(
+    self,
+    in_features: int,
+    vocab_size: int,
+    *,
+    use_bias: bool = False,
+    dtype: jnp.dtype | None = None,
+    param_dtype: jnp.dtype = jnp.float32,
+    kernel_init: nnx.Initializer = default_kernel_init,
+    bias_init: nnx.Initializer = default_bias_init,
+    embedding: nnx.Embed | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    logit_softcap: float | None = None,
+    chunk_size: int | None = None,
+    memory_budget: int | None = None,
+    impl: str | None = None,
+    grad_mode: str | None = None,
+    rngs: nnx.Rngs,
+  ):
+    self.options = head.HeadLossOptions(
+      ignore_index=ignore_index,
+      reduction=reduction,
+      label_smoothing=label_smoothing,
+      z_loss=z_loss,
+      logit_softcap=logit_softcap,
+      chunk_size=chunk_size,
+      memory_budget=memory_budget,
+      impl=impl,
+      grad_mode=grad_mode,
+    )
+    if embedding is not None:
+      table_shape = (embedding.num_embeddings, embedding.features)
+      if table_shape != (vocab_size, in_features):
+        raise ValueError(
+          f"the tied embedding table is {table_shape}, but the head needs"
+          f" (vocab_size, in_features) = {(vocab_size, in_features)}."
+        )
+      self.embedding = embedding
+      self.kernel = nnx.data(None)
+    else:
+      self.embedding = nnx.data(None)
+      self.kernel = nnx.Param(
+        kernel_init(rngs.params(), (in_features, vocab_size), param_dtype)
+      )
+    if use_bias:
+      self.bias = nnx.Param(bias_init(rngs.params(), (vocab_size,), param_dtype))
+    else:
+      self.bias = nnx.data(None)
+    self.in_features = in_features
+    self.vocab_size = vocab_size
+    self.dtype = dtype
+    self.param_dtype = param_dtype
+
+  def _weight(self) -> tuple[jax.Array, str, jax.Array | None]:
+    bias = None if self.bias is None else self.bias[...]
+    if self.embedding is not None:
+      return self.embedding.embedding[...], "vd", bias
+    return self.kernel[...], "dv", bias
+
+  def __call__(
+    self,
+    hidden: jax.Array,
+    labels: jax.Array,
+    *,
+    where: jax.Array | None = None,
+    return_aux: bool = False,
+  ):
+    """The loss of ``hidden`` (``[..., T, D]``) against ``labels`` (``[..., T]``).
+
+    Returns what ``mst_jax.linear_cross_entropy`` returns with this module's
+    options: the float32 loss, and with ``return_aux`` a ``LossAux`` too.
+    """
+    weight, layout, bias = self._weight()
+    return head.head_loss(
+      hidden,
+      weight,
+      labels,
+      bias,
+      weight_layout=layout,
+      dtype=self.dtype,
+      options=self.options,
+      where=where,
+      return_aux=return_aux,
+    )
+
+  def logits(self, hidden: jax.Array) -> jax.Array:
+    """Full logits ``[..., V]`` (softcapped like the loss), for inference."""
+    weight, layout, bias = self._weight()
+    return head.head_logits(
+      hidden,
+      weight,
+      bias,
+      weight_layout=layout,
+      dtype=self.dtype,
+      logit_softcap=self.options.logit_softcap,
+    )

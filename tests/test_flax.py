@@ -1,0 +1,245 @@
+"""The Flax modules: NNX and Linen ``LMHeadLoss`` against the float64 oracle."""
+
+from __future__ import annotations
+
+import doctest
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import GRAD_RTOL, LOSS_RTOL, assert_close, to64
+from flax import nnx
+
+import mst_jax
+
+D, V = 24, 1031
+OPTIONS = dict(label_smoothing=0.1, z_loss=1e-3, logit_softcap=4.0)
+
+
+def _data(rng, shape=(3, 13), vocab=V):
+  hidden = jnp.asarray(rng.standard_normal((*shape, D)), jnp.float32)
+  labels = jnp.asarray(rng.integers(0, vocab, shape), jnp.int32)
+  where = jnp.asarray(rng.random(shape) > 0.3)
+  return hidden, labels, where
+
+
+def _oracle(hidden, weight, labels, bias, where, weight_layout, argnums, **options):
+  """float64 loss and gradients from the full-logits reference."""
+  with jax.enable_x64(True):
+
+    def loss(hidden, weight, bias):
+      return mst_jax.reference.linear_cross_entropy(
+        hidden,
+        weight,
+        labels,
+        bias,
+        where=where,
+        weight_layout=weight_layout,
+        **options,
+      )
+
+    args = [None if x is None else jnp.asarray(to64(x)) for x in (hidden, weight, bias)]
+    value, grads = jax.value_and_grad(loss, argnums=argnums)(*args)
+    return np.asarray(value), [np.asarray(g) for g in grads]
+
+
+def test_nnx_module_matches_the_oracle(rng):
+  head = mst_jax.nnx.LMHeadLoss(D, V, use_bias=True, rngs=nnx.Rngs(0), **OPTIONS)
+  head.bias[...] = jnp.asarray(rng.standard_normal(V) * 0.3, jnp.float32)
+  hidden, labels, where = _data(rng)
+
+  def loss(head, hidden):
+    return head(hidden, labels, where=where)
+
+  value, (grads, dhidden) = nnx.value_and_grad(loss, argnums=(0, 1))(head, hidden)
+  ref, (ref_dh, ref_dk, ref_db) = _oracle(
+    hidden, head.kernel[...], labels, head.bias[...], where, "dv", (0, 1, 2), **OPTIONS
+  )
+  assert_close(value, ref, LOSS_RTOL["float32"], "loss")
+  assert_close(dhidden, ref_dh, GRAD_RTOL["float32"], "dhidden")
+  assert_close(grads["kernel"][...], ref_dk, GRAD_RTOL["float32"], "dkernel")
+  assert_close(grads["bias"][...], ref_db, GRAD_RTOL["float32"], "dbias")
+
+
+def test_linen_and_nnx_agree_on_the_same_parameters(rng):
+  nnx_head = mst_jax.nnx.LMHeadLoss(D, V, use_bias=True, rngs=nnx.Rngs(1), **OPTIONS)
+  linen_head = mst_jax.linen.LMHeadLoss.create(V, use_bias=True, **OPTIONS)
+  hidden, labels, where = _data(rng)
+  params = {"params": {"kernel": nnx_head.kernel[...], "bias": nnx_head.bias[...]}}
+  initial = linen_head.init(jax.random.key(0), hidden, labels)
+  assert jax.tree.map(jnp.shape, initial) == jax.tree.map(jnp.shape, params)
+
+  linen_value, linen_grads = jax.value_and_grad(
+    lambda p: linen_head.apply(p, hidden, labels, where=where)
+  )(params)
+  nnx_value, nnx_grads = nnx.value_and_grad(lambda m: m(hidden, labels, where=where))(
+    nnx_head
+  )
+  ref, (ref_dk, ref_db) = _oracle(
+    hidden,
+    params["params"]["kernel"],
+    labels,
+    params["params"]["bias"],
+    where,
+    "dv",
+    (1, 2),
+    **OPTIONS,
+  )
+  for value in (linen_value, nnx_value):
+    assert_close(value, ref, LOSS_RTOL["float32"], "loss")
+  for dk, db in (
+    (linen_grads["params"]["kernel"], linen_grads["params"]["bias"]),
+    (nnx_grads["kernel"][...], nnx_grads["bias"][...]),
+  ):
+    assert_close(dk, ref_dk, GRAD_RTOL["float32"], "dkernel")
+    assert_close(db, ref_db, GRAD_RTOL["float32"], "dbias")
+
+
+def test_logits_match_the_loss(rng):
+  """``logits`` are what the loss sees: optax on them gives the same loss."""
+  head = mst_jax.nnx.LMHeadLoss(D, V, rngs=nnx.Rngs(2), logit_softcap=4.0)
+  hidden, labels, _ = _data(rng)
+  logits = head.logits(hidden)
+  assert logits.shape == (3, 13, V)
+  with jax.enable_x64(True):
+    kernel = jnp.asarray(to64(head.kernel[...]))
+    ref_logits = 4.0 * jnp.tanh(jnp.asarray(to64(hidden)) @ kernel / 4.0)
+    ref_loss = optax.softmax_cross_entropy_with_integer_labels(
+      ref_logits, labels
+    ).mean()
+  assert_close(logits, np.asarray(ref_logits), LOSS_RTOL["float32"], "logits")
+  assert_close(head(hidden, labels), np.asarray(ref_loss), LOSS_RTOL["float32"], "loss")
+
+
+@pytest.mark.parametrize("api", ["nnx", "linen"])
+def test_dtype_and_param_dtype_behave_as_in_flax(rng, api):
+  """bf16 computation on float32 parameters: float32 loss, float32 gradients."""
+  hidden, labels, where = _data(rng)
+  if api == "nnx":
+    head = mst_jax.nnx.LMHeadLoss(D, V, dtype=jnp.bfloat16, rngs=nnx.Rngs(3))
+    kernel = head.kernel[...]
+    value, grads = nnx.value_and_grad(lambda m: m(hidden, labels, where=where))(head)
+    dkernel = grads["kernel"][...]
+  else:
+    head = mst_jax.linen.LMHeadLoss(V, dtype=jnp.bfloat16)
+    params = head.init(jax.random.key(3), hidden, labels)
+    kernel = params["params"]["kernel"]
+    value, grads = jax.value_and_grad(
+      lambda p: head.apply(p, hidden, labels, where=where)
+    )(params)
+    dkernel = grads["params"]["kernel"]
+  assert kernel.dtype == jnp.float32 and dkernel.dtype == jnp.float32
+  assert value.dtype == jnp.float32
+  # The oracle sees what the module computes with: bf16-rounded inputs.
+  ref, (ref_dk,) = _oracle(
+    hidden.astype(jnp.bfloat16),
+    kernel.astype(jnp.bfloat16),
+    labels,
+    None,
+    where,
+    "dv",
+    (1,),
+  )
+  assert_close(value, ref, LOSS_RTOL["bfloat16"], "loss")
+  assert_close(dkernel, ref_dk, GRAD_RTOL["bfloat16"], "dkernel")
+
+
+class _TinyNNX(nnx.Module):
+  def __init__(self, tied, rngs):
+    self.embed = nnx.Embed(V, D, rngs=rngs)
+    self.mix = nnx.Linear(D, D, rngs=rngs)
+    self.head = mst_jax.nnx.LMHeadLoss(
+      D, V, embedding=self.embed if tied else None, rngs=rngs
+    )
+
+  def __call__(self, tokens, labels):
+    return self.head(jnp.tanh(self.mix(self.embed(tokens))), labels)
+
+
+def test_nnx_jit_train_step_with_optax(rng):
+  model = _TinyNNX(tied=False, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+  tokens = jnp.asarray(rng.integers(0, V, (4, 16)), jnp.int32)
+  labels = jnp.roll(tokens, -1, axis=1)  # learnable: the next token of a fixed batch
+
+  @nnx.jit
+  def step(model, optimizer):
+    loss, grads = nnx.value_and_grad(lambda m: m(tokens, labels))(model)
+    optimizer.update(model, grads)
+    return loss
+
+  losses = [float(step(model, optimizer)) for _ in range(30)]
+  assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_tied_embedding_gets_gradient_from_both_uses(rng):
+  model = _TinyNNX(tied=True, rngs=nnx.Rngs(0))
+  assert model.head.kernel is None
+  tokens = jnp.asarray(rng.integers(0, V, (3, 11)), jnp.int32)
+  labels = jnp.asarray(rng.integers(0, V, (3, 11)), jnp.int32)
+  grads = nnx.grad(lambda m: m(tokens, labels))(model)
+  table, w, b = (model.embed.embedding[...], model.mix.kernel[...], model.mix.bias[...])
+  with jax.enable_x64(True):
+
+    def reference(table):
+      hidden = jnp.tanh(table[tokens] @ jnp.asarray(to64(w)) + jnp.asarray(to64(b)))
+      return mst_jax.reference.linear_cross_entropy(hidden, table, labels)
+
+    ref = np.asarray(jax.grad(reference)(jnp.asarray(to64(table))))
+  dtable = grads["embed"]["embedding"][...]
+  assert_close(dtable, ref, GRAD_RTOL["float32"], "dtable")
+  # The reference counts both uses; rows never looked up still get the head's.
+  unused = np.setdiff1d(np.arange(V), np.asarray(tokens))
+  assert np.abs(ref[unused]).sum() > 0
+
+
+class _TinyLinen(nn.Module):
+  @nn.compact
+  def __call__(self, tokens, labels):
+    embed = nn.Embed(V, D)
+    hidden = jnp.tanh(nn.Dense(D)(embed(tokens)))
+    return mst_jax.linen.LMHeadLoss(V)(hidden, labels, embedding=embed.embedding)
+
+
+def test_linen_tied_embedding_in_a_jit_train_step(rng):
+  model = _TinyLinen()
+  tokens = jnp.asarray(rng.integers(0, V, (4, 16)), jnp.int32)
+  labels = jnp.roll(tokens, -1, axis=1)
+  params = model.init(jax.random.key(0), tokens, labels)
+  assert "LMHeadLoss_0" not in params["params"]  # tied: the head owns no kernel
+  optimizer = optax.adam(1e-2)
+  state = optimizer.init(params)
+
+  @jax.jit
+  def step(params, state):
+    loss, grads = jax.value_and_grad(lambda p: model.apply(p, tokens, labels))(params)
+    updates, state = optimizer.update(grads, state)
+    return optax.apply_updates(params, updates), state, loss
+
+  losses = []
+  for _ in range(30):
+    params, state, loss = step(params, state)
+    losses.append(float(loss))
+  assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_bad_module_arguments_raise_at_construction():
+  with pytest.raises(ValueError, match=r"tied embedding table is \(1031, 24\)"):
+    mst_jax.nnx.LMHeadLoss(
+      D + 1, V, embedding=nnx.Embed(V, D, rngs=nnx.Rngs(0)), rngs=nnx.Rngs(0)
+    )
+  with pytest.raises(ValueError, match="reduction.*'avg'"):
+    mst_jax.nnx.LMHeadLoss(D, V, reduction="avg", rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="z_loss"):
+    mst_jax.linen.LMHeadLoss.create(V, z_loss=-1.0)
+
+
+@pytest.mark.parametrize("module", ["mst_jax.api", "mst_jax.nnx", "mst_jax.linen"])
+def test_docstring_examples_run(module):
+  import importlib
+
+  result = doctest.testmod(importlib.import_module(module))
+  assert result.attempted > 0 and result.failed == 0
