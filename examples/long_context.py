@@ -1,0 +1,232 @@
+"""How long a sequence fits: a Llama-3.2-1B-shaped model, naive head vs LMHeadLoss.
+
+The model has Llama-3.2-1B's shapes (D=2048, 16 layers, 32 query and 8 key/value
+heads, MLP 8192, V=128256, tied embeddings), bf16 parameters and activations,
+rematerialised layers (``nnx.remat`` inside ``nnx.scan``) and flash attention
+(``jax.nn.dot_product_attention``, cuDNN on a GPU); no RoPE, which changes
+neither memory nor speed. A full training step (forward, backward, AdamW) is
+compiled at batch 1 and sequence length T, and T is bisected for the largest
+one whose compiled footprint (``memory_analysis``: arguments + outputs +
+temporaries) fits the device. Then both heads train a few steps at a length
+both fit and report tokens/s.
+
+  python examples/long_context.py                # GPU: the real shapes
+  python examples/long_context.py --preset tiny  # a CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+import mst_jax
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  dim: int = 2048
+  layers: int = 16
+  heads: int = 32
+  kv_heads: int = 8
+  mlp: int = 8192
+  vocab: int = 128256
+
+
+PRESETS = {
+  "llama-3.2-1b": Config(),
+  "tiny": Config(dim=64, layers=2, heads=4, kv_heads=2, mlp=128, vocab=4099),
+}
+
+
+class Block(nnx.Module):
+  def __init__(self, cfg: Config, rngs: nnx.Rngs):
+    head_dim = cfg.dim // cfg.heads
+    linear = lambda i, o: nnx.Linear(
+      i, o, use_bias=False, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=rngs
+    )
+    norm = lambda: nnx.RMSNorm(
+      cfg.dim, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=rngs
+    )
+    self.attn_norm, self.mlp_norm = norm(), norm()
+    self.q = linear(cfg.dim, cfg.heads * head_dim)
+    self.k = linear(cfg.dim, cfg.kv_heads * head_dim)
+    self.v = linear(cfg.dim, cfg.kv_heads * head_dim)
+    self.o = linear(cfg.heads * head_dim, cfg.dim)
+    self.gate, self.up = linear(cfg.dim, cfg.mlp), linear(cfg.dim, cfg.mlp)
+    self.down = linear(cfg.mlp, cfg.dim)
+    self.cfg = cfg
+
+  def __call__(self, x):
+    cfg, (batch, seq, _) = self.cfg, x.shape
+    head_dim = cfg.dim // cfg.heads
+    h = self.attn_norm(x)
+    q = self.q(h).reshape(batch, seq, cfg.heads, head_dim)
+    k = self.k(h).reshape(batch, seq, cfg.kv_heads, head_dim)
+    v = self.v(h).reshape(batch, seq, cfg.kv_heads, head_dim)
+    impl = "cudnn" if jax.default_backend() == "gpu" else None
+    a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+    x = x + self.o(a.reshape(batch, seq, cfg.heads * head_dim))
+    h = self.mlp_norm(x)
+    return x + self.down(jax.nn.silu(self.gate(h)) * self.up(h))
+
+
+class Model(nnx.Module):
+  def __init__(self, cfg: Config, head: str, rngs: nnx.Rngs):
+    self.embed = nnx.Embed(
+      cfg.vocab, cfg.dim, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=rngs
+    )
+
+    @nnx.split_rngs(splits=cfg.layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def blocks(rngs):
+      return Block(cfg, rngs)
+
+    self.blocks = blocks(rngs)
+    self.norm = nnx.RMSNorm(
+      cfg.dim, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=rngs
+    )
+    self.head_kind = head
+    if head == "mst":
+      self.head = mst_jax.LMHeadLoss(
+        cfg.dim, cfg.vocab, embedding=self.embed, rngs=rngs
+      )
+
+  def loss(self, tokens):
+    x = self.embed(tokens)
+
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    @nnx.remat
+    def layer(x, block):
+      return block(x)
+
+    hidden = self.norm(layer(x, self.blocks))[:, :-1]
+    labels = tokens[:, 1:]
+    if self.head_kind == "mst":
+      return self.head(hidden, labels)
+    # The naive head: bf16 logits from the tied table, cast to float32.
+    logits = jnp.dot(hidden, self.embed.embedding[...].T).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def make_step(cfg: Config, head: str):
+  model = nnx.eval_shape(lambda: Model(cfg, head, nnx.Rngs(0)))
+  optimizer = nnx.eval_shape(
+    lambda: nnx.Optimizer(
+      Model(cfg, head, nnx.Rngs(0)), optax.adamw(1e-4), wrt=nnx.Param
+    )
+  )
+
+  @nnx.jit(donate_argnums=(0, 1))
+  def step(model, optimizer, tokens):
+    loss, grads = nnx.value_and_grad(lambda m: m.loss(tokens))(model)
+    optimizer.update(model, grads)
+    return loss
+
+  return step, model, optimizer
+
+
+def footprint(cfg: Config, head: str, seq: int) -> int:
+  """Compiled bytes of one training step at batch 1 x ``seq``."""
+  step, model, optimizer = make_step(cfg, head)
+  tokens = jax.ShapeDtypeStruct((1, seq), jnp.int32)
+  analysis = step.lower(model, optimizer, tokens).compile().memory_analysis()
+  return (
+    analysis.argument_size_in_bytes
+    + analysis.output_size_in_bytes
+    + analysis.temp_size_in_bytes
+    - analysis.alias_size_in_bytes
+  )
+
+
+def longest_fitting(cfg, head, capacity, low, high, granularity, log):
+  """Bisects ``seq`` in ``[low, high]`` for the largest footprint <= capacity."""
+  if footprint(cfg, head, low) > capacity:
+    return 0
+  while high - low > granularity:
+    mid = (low + high) // 2 // granularity * granularity
+    fits = footprint(cfg, head, mid) <= capacity
+    log(f"  {head}: T={mid:,} {'fits' if fits else 'does not fit'}")
+    low, high = (mid, high) if fits else (low, mid)
+  return low
+
+
+def tokens_per_second(cfg, head, seq, steps):
+  model = Model(cfg, head, nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer, tokens):
+    loss, grads = nnx.value_and_grad(lambda m: m.loss(tokens))(model)
+    optimizer.update(model, grads)
+    return loss
+
+  tokens = jax.random.randint(jax.random.key(0), (1, seq), 0, cfg.vocab)
+  jax.block_until_ready(step(model, optimizer, tokens))
+  start = time.perf_counter()
+  for _ in range(steps):
+    loss = step(model, optimizer, tokens)
+  jax.block_until_ready(loss)
+  return seq * steps / (time.perf_counter() - start), float(loss)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--preset", choices=sorted(PRESETS), default="llama-3.2-1b")
+  parser.add_argument("--low", type=int, default=None, help="bisection lower bound")
+  parser.add_argument("--high", type=int, default=None, help="bisection upper bound")
+  parser.add_argument("--granularity", type=int, default=None)
+  parser.add_argument(
+    "--capacity-gib",
+    type=float,
+    default=None,
+    help="memory to fit in (default: the device's limit)",
+  )
+  parser.add_argument(
+    "--speed-seq",
+    type=int,
+    default=None,
+    help="sequence length for tokens/s (default: what naive fits)",
+  )
+  parser.add_argument("--steps", type=int, default=5)
+  args = parser.parse_args(argv)
+  cfg = PRESETS[args.preset]
+  device = jax.devices()[0]
+  stats = device.memory_stats() or {}
+  capacity = (
+    int(args.capacity_gib * 2**30)
+    if args.capacity_gib
+    else stats.get("bytes_limit", 2**30)
+  )
+  tiny = args.preset == "tiny"
+  low = args.low or (64 if tiny else 8192)
+  high = args.high or (8192 if tiny else 1 << 21)
+  granularity = args.granularity or (64 if tiny else 4096)
+  print(
+    f"jax {jax.__version__} on {device.device_kind}; {args.preset}; fitting in"
+    f" {capacity / 2**30:.1f} GiB; T in [{low:,}, {high:,}] to {granularity:,}",
+    flush=True,
+  )
+  longest = {}
+  for head in ("naive", "mst"):
+    longest[head] = longest_fitting(
+      cfg, head, capacity, low, high, granularity, lambda s: print(s, flush=True)
+    )
+    print(
+      f"longest training sequence, {head} head: {longest[head]:,} tokens", flush=True
+    )
+  seq = args.speed_seq or longest["naive"] or low
+  for head in ("naive", "mst"):
+    rate, loss = tokens_per_second(cfg, head, seq, args.steps)
+    print(
+      f"{head} head at T={seq:,}: {rate:,.0f} tokens/s (loss {loss:.3f})", flush=True
+    )
+
+
+if __name__ == "__main__":
+  main()

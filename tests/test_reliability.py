@@ -1,0 +1,415 @@
+"""Edge cases, determinism, transformations and property tests.
+
+Every row of the README's "Errors and edge cases" table has a test here or in
+test_validation.py / test_linear_cross_entropy.py (named in the table).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import (
+  GRAD_RTOL,
+  LOSS_RTOL,
+  ON_GPU,
+  assert_close,
+  check_against_oracle,
+  make_problem,
+  oracle,
+  to64,
+  value_and_grads,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import mst_jax
+
+IMPLS = ["xla", "pallas"]
+
+
+@pytest.fixture(params=IMPLS)
+def impl(request):
+  return request.param
+
+
+def _finite(*arrays):
+  return all(np.isfinite(np.asarray(a, np.float32)).all() for a in arrays)
+
+
+# ---- Numeric edge cases. ----
+
+
+def test_one_token(rng, impl):
+  problem = make_problem(rng, (1,), mask="none", bias=True)
+  check_against_oracle(problem, "float32", impl=impl, z_loss=1e-3)
+
+
+def test_vocab_smaller_than_one_kernel_block(rng, impl):
+  problem = make_problem(rng, (2, 9), vocab=37, mask="scattered")
+  check_against_oracle(problem, "float32", impl=impl, label_smoothing=0.1)
+
+
+@pytest.mark.parametrize("grad_mode", ["fused", "recompute"])
+def test_float32_logits_of_magnitude_1e4(rng, impl, grad_mode):
+  """No inf or NaN; the error is float32 rounding of 1e4-sized logits."""
+  problem = make_problem(rng, (3, 7), mask="none", logit_scale=1e4)
+  loss, grads = value_and_grads(
+    mst_jax.linear_cross_entropy, problem, impl=impl, grad_mode=grad_mode
+  )
+  assert _finite(loss, *grads)
+  ref_loss, ref_grads = oracle(problem)
+  assert_close(loss, ref_loss, 1e-5, "loss")
+  for g, r in zip(grads, ref_grads, strict=True):
+    assert_close(g, r, 4e-3, "grad")  # p = exp(s - lse): ulp(1e4) ~ 1e-3
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_logits_beyond_the_input_dtype_range(rng, impl, dtype):
+  """Logits of ~2e5 overflow float16 (max 65504): they are float32 inside."""
+  problem = make_problem(rng, (3, 7), dtype=dtype, mask="none")
+  problem.hidden = (problem.hidden * 100).astype(dtype)
+  problem.weight = (problem.weight * 300).astype(dtype)
+  logits = to64(problem.hidden) @ to64(problem.weight).T
+  assert np.abs(logits).max() > 65504
+  loss, grads = value_and_grads(mst_jax.linear_cross_entropy, problem, impl=impl)
+  assert _finite(loss, *grads)
+  ref_loss, _ = oracle(problem)
+  assert_close(loss, ref_loss, 1e-5, "loss")
+
+
+def test_softcap_with_extreme_logits(rng, impl):
+  """tanh saturates: the loss is finite and the softcap derivative ~0."""
+  problem = make_problem(rng, (3, 7), mask="none", logit_scale=1e4)
+  check_against_oracle(
+    problem, "float32", impl=impl, logit_softcap=30.0, loss_rtol=1e-5, grad_rtol=1e-4
+  )
+
+
+@pytest.mark.parametrize("label_smoothing", [0.0, 1.0])
+def test_label_smoothing_at_its_ends(rng, impl, label_smoothing):
+  problem = make_problem(rng, (3, 7), bias=True)
+  check_against_oracle(problem, "float32", impl=impl, label_smoothing=label_smoothing)
+
+
+def test_z_loss_with_a_large_lse(rng, impl):
+  problem = make_problem(rng, (3, 7), bias=True)
+  problem.bias = problem.bias + 60.0  # lse ~ 60 + log V
+  check_against_oracle(problem, "float32", impl=impl, z_loss=1e-2)
+
+
+@pytest.mark.parametrize("where", ["hidden", "weight"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_nan_and_inf_inputs_reach_the_loss(rng, impl, where, bad):
+  """A non-finite input of a valid token is never masked away."""
+  problem = make_problem(rng, (3, 7), mask="none")
+  if where == "hidden":
+    problem.hidden = problem.hidden.at[1, 2, 0].set(bad)
+  else:
+    problem.weight = problem.weight.at[5, 0].set(bad)
+  loss = mst_jax.linear_cross_entropy(*problem.args, impl=impl)
+  assert not np.isfinite(float(loss))
+
+
+@pytest.mark.parametrize("grad_mode", ["fused", "recompute"])
+def test_inputs_differing_only_at_masked_tokens(rng, impl, grad_mode):
+  """Identical loss and identical gradients on the rows that count, bit for bit."""
+  problem = make_problem(rng, (4, 9), mask="scattered", bias=True)
+  masked = ~np.asarray(problem.where)
+  other = make_problem(rng, (4, 9), mask="none")
+  hidden = np.asarray(problem.hidden).copy()
+  hidden[masked] = np.asarray(other.hidden)[masked]
+  hidden[np.argwhere(masked)[0][0], np.argwhere(masked)[0][1], 0] = np.nan
+  labels = np.asarray(problem.labels).copy()
+  labels[masked] = -7  # would be an error at a valid token
+  variant = make_problem(rng, (4, 9))
+  variant.hidden, variant.weight, variant.bias = (
+    jnp.asarray(hidden),
+    problem.weight,
+    problem.bias,
+  )
+  variant.labels, variant.where = jnp.asarray(labels), problem.where
+  kw = dict(impl=impl, chunk_size=8, grad_mode=grad_mode, z_loss=1e-3)
+  loss_a, grads_a = value_and_grads(mst_jax.linear_cross_entropy, problem, **kw)
+  loss_b, grads_b = value_and_grads(mst_jax.linear_cross_entropy, variant, **kw)
+  np.testing.assert_array_equal(loss_a, loss_b)
+  np.testing.assert_array_equal(
+    np.asarray(grads_a[0])[~masked], np.asarray(grads_b[0])[~masked]
+  )
+  np.testing.assert_array_equal(np.asarray(grads_b[0])[masked], 0.0)
+  for a, b in zip(grads_a[1:], grads_b[1:], strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
+# ---- Determinism. ----
+
+_DETERMINISM_SCRIPT = """
+import hashlib, sys
+import jax, jax.numpy as jnp, numpy as np
+import mst_jax
+rng = np.random.default_rng(1234)
+hidden = jnp.asarray(rng.standard_normal((4, 33, 48)), jnp.bfloat16)
+weight = jnp.asarray(rng.standard_normal((2053, 48)) * 0.2, jnp.bfloat16)
+labels = jnp.asarray(rng.integers(0, 2053, (4, 33)), jnp.int32)
+where = jnp.asarray(rng.random((4, 33)) > 0.3)
+loss, grads = jax.jit(jax.value_and_grad(
+    lambda h, w: mst_jax.linear_cross_entropy(h, w, labels, where=where,
+        chunk_size=16, impl=sys.argv[1], z_loss=1e-3), argnums=(0, 1)))(hidden, weight)
+digest = hashlib.sha256()
+for x in (loss, *grads):
+  digest.update(np.asarray(x.astype(jnp.float32)).tobytes())
+print(digest.hexdigest())
+"""
+
+
+def _digest_in_fresh_process(impl):
+  result = subprocess.run(
+    [sys.executable, "-c", _DETERMINISM_SCRIPT, impl],
+    capture_output=True,
+    text=True,
+    check=True,
+  )
+  return result.stdout.strip().splitlines()[-1]
+
+
+def _check_determinism(impl):
+  namespace = {}
+  digests = []
+  for _ in range(2):
+    # Same code as the fresh processes run, twice in this process.
+    script = _DETERMINISM_SCRIPT.replace(
+      "print(digest.hexdigest())", "out = digest.hexdigest()"
+    )
+    saved = sys.argv
+    sys.argv = ["-", impl]
+    try:
+      exec(compile(script, "<determinism>", "exec"), namespace)
+    finally:
+      sys.argv = saved
+    digests.append(namespace["out"])
+  digests += [_digest_in_fresh_process(impl) for _ in range(2)]
+  assert len(set(digests)) == 1, digests
+
+
+def test_bitwise_deterministic_on_cpu():
+  if ON_GPU:
+    pytest.skip("the GPU variant is test_bitwise_deterministic_on_gpu")
+  _check_determinism("xla")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_bitwise_deterministic_on_gpu(impl):
+  _check_determinism(impl)
+
+
+# ---- Transformations and training patterns. ----
+
+
+def test_vmap_over_a_leading_batch_axis(rng, impl):
+  """vmap works (its lax.cond becomes a select: every chunk is computed)."""
+  problem = make_problem(rng, (3, 11), mask="scattered", bias=True)
+
+  def per_sequence(hidden, weight, labels, bias, where):
+    return mst_jax.linear_cross_entropy(
+      hidden, weight, labels, bias, where=where, impl=impl, chunk_size=4
+    )
+
+  def total(hidden, weight, bias):
+    losses = jax.vmap(per_sequence, in_axes=(0, None, 0, None, 0))(
+      hidden, weight, problem.labels, bias, problem.where
+    )
+    return jnp.sum(losses)
+
+  loss, grads = jax.value_and_grad(total, argnums=(0, 1, 2))(
+    problem.hidden, problem.weight, problem.bias
+  )
+  with jax.enable_x64(True):
+    args = [
+      jnp.asarray(to64(x)) for x in (problem.hidden, problem.weight, problem.bias)
+    ]
+
+    def ref_total(hidden, weight, bias):
+      return sum(
+        mst_jax.reference.linear_cross_entropy(
+          hidden[i], weight, problem.labels[i], bias, where=problem.where[i]
+        )
+        for i in range(3)
+      )
+
+    ref, ref_grads = jax.value_and_grad(ref_total, argnums=(0, 1, 2))(*args)
+  assert_close(loss, np.asarray(ref), LOSS_RTOL["float32"], "loss")
+  for g, r in zip(grads, ref_grads, strict=True):
+    assert_close(g, np.asarray(r), GRAD_RTOL["float32"], "grad")
+
+
+def _model_loss(fn, params, tokens, labels, **kwargs):
+  """A two-layer model around the head: embedding, tanh MLP, tied-free head."""
+  embed, mix, head = params
+  hidden = jnp.tanh(embed[tokens] @ mix)
+  return fn(hidden, head, labels, **kwargs)
+
+
+def _model_params(rng, vocab=257, dim=16):
+  return tuple(
+    jnp.asarray(rng.standard_normal(shape) * scale, jnp.float32)
+    for shape, scale in (((vocab, dim), 1.0), ((dim, dim), 0.3), ((vocab, dim), 0.3))
+  )
+
+
+def _model_oracle(params, batches):
+  """float64 gradient of the summed loss over micro-batches."""
+  with jax.enable_x64(True):
+    params64 = tuple(jnp.asarray(to64(p)) for p in params)
+
+    def total(params):
+      return sum(
+        _model_loss(mst_jax.reference.linear_cross_entropy, params, t, y)
+        for t, y in batches
+      )
+
+    return jax.value_and_grad(total)(params64)
+
+
+def test_checkpoint_around_a_larger_model(rng, impl):
+  params = _model_params(rng)
+  tokens = jnp.asarray(rng.integers(0, 257, (2, 9)), jnp.int32)
+  labels = jnp.asarray(rng.integers(0, 257, (2, 9)), jnp.int32)
+  remat_loss = jax.checkpoint(
+    lambda p: _model_loss(mst_jax.linear_cross_entropy, p, tokens, labels, impl=impl)
+  )
+  loss, grads = jax.jit(jax.value_and_grad(remat_loss))(params)
+  ref, ref_grads = _model_oracle(params, [(tokens, labels)])
+  assert_close(loss, np.asarray(ref), LOSS_RTOL["float32"], "loss")
+  for g, r in zip(grads, ref_grads, strict=True):
+    assert_close(g, np.asarray(r), GRAD_RTOL["float32"], "grad")
+
+
+def test_gradient_accumulation_with_scan(rng, impl):
+  params = _model_params(rng)
+  tokens = jnp.asarray(rng.integers(0, 257, (3, 2, 9)), jnp.int32)  # 3 micro-batches
+  labels = jnp.asarray(rng.integers(0, 257, (3, 2, 9)), jnp.int32)
+  step_grad = jax.value_and_grad(
+    lambda p, t, y: _model_loss(mst_jax.linear_cross_entropy, p, t, y, impl=impl)
+  )
+
+  @jax.jit
+  def accumulate(params):
+    def body(carry, batch):
+      loss, grads = step_grad(params, *batch)
+      return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+    zeros = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
+    return jax.lax.scan(body, zeros, (tokens, labels))[0]
+
+  loss, grads = accumulate(params)
+  ref, ref_grads = _model_oracle(params, list(zip(tokens, labels, strict=True)))
+  assert_close(loss, np.asarray(ref), LOSS_RTOL["float32"], "loss")
+  for g, r in zip(grads, ref_grads, strict=True):
+    assert_close(g, np.asarray(r), GRAD_RTOL["float32"], "grad")
+
+
+def test_donated_train_step_and_no_recompilation(rng, impl):
+  """A jitted SGD step with donated parameters, same shapes: traced once."""
+  params = _model_params(rng)
+  traces = []
+
+  @jax.jit
+  def sgd_step(params, tokens, labels):
+    traces.append(1)
+    loss, grads = jax.value_and_grad(
+      lambda p: _model_loss(mst_jax.linear_cross_entropy, p, tokens, labels, impl=impl)
+    )(params)
+    return loss, jax.tree.map(lambda p, g: p - 0.5 * g, params, grads)
+
+  sgd_step = jax.jit(sgd_step.__wrapped__, donate_argnums=(0,))
+  losses = []
+  for _ in range(6):
+    tokens = jnp.asarray(rng.integers(0, 257, (2, 9)), jnp.int32)
+    loss, params = sgd_step(params, tokens, jnp.roll(tokens, -1, axis=1))
+    losses.append(float(loss))
+  assert len(traces) == 1, f"traced {len(traces)} times"
+  assert np.isfinite(losses).all()
+
+
+# ---- Property tests. ----
+
+
+@settings(
+  max_examples=25,
+  deadline=None,
+  derandomize=False,
+  suppress_health_check=[HealthCheck.too_slow],
+)
+@given(
+  data=st.data(),
+  n_rows=st.integers(1, 40),
+  dim=st.integers(1, 12),
+  vocab=st.integers(2, 300),
+  dtype=st.sampled_from(["float32", "bfloat16"]),
+  reduction=st.sampled_from(["mean", "sum", "none"]),
+)
+def test_random_problems_match_the_oracle(data, n_rows, dim, vocab, dtype, reduction):
+  seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
+  rng = np.random.default_rng(seed)
+  problem = make_problem(
+    rng,
+    (n_rows,),
+    dim=dim,
+    vocab=vocab,
+    dtype=dtype,
+    mask=data.draw(st.sampled_from(["none", "prefix", "scattered"]), label="mask"),
+    bias=data.draw(st.booleans(), label="bias"),
+  )
+  options = dict(
+    label_smoothing=data.draw(st.sampled_from([0.0, 0.05, 1.0]), label="smoothing"),
+    z_loss=data.draw(st.sampled_from([0.0, 1e-3]), label="z_loss"),
+    logit_softcap=data.draw(st.sampled_from([None, 2.0, 30.0]), label="softcap"),
+  )
+  chunk_size = data.draw(st.one_of(st.none(), st.integers(1, n_rows)), label="chunk")
+  grad_mode = (
+    "recompute"
+    if reduction == "none"
+    else data.draw(st.sampled_from(["fused", "recompute"]), label="grad_mode")
+  )
+  check_against_oracle(
+    problem,
+    dtype,
+    impl="xla",
+    chunk_size=chunk_size,
+    reduction=reduction,
+    grad_mode=grad_mode,
+    **options,
+  )
+
+
+@pytest.mark.gpu
+def test_repeated_train_steps_keep_peak_memory_flat():
+  """200 jitted SGD steps: memory in use and its peak stop growing after warm-up."""
+  rng = np.random.default_rng(0)
+  device = jax.devices()[0]
+  params = _model_params(rng, vocab=32000, dim=512)
+  tokens = jnp.asarray(rng.integers(0, 32000, (8, 512)), jnp.int32)
+
+  @jax.jit
+  def step(params, tokens):
+    loss, grads = jax.value_and_grad(
+      lambda p: _model_loss(
+        mst_jax.linear_cross_entropy, p, tokens, jnp.roll(tokens, -1, 1)
+      )
+    )(params)
+    return loss, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+  readings = {}
+  for i in range(200):
+    loss, params = step(params, tokens)
+    if i in (9, 199):
+      jax.block_until_ready(params)
+      stats = device.memory_stats()
+      readings[i] = (stats["bytes_in_use"], stats["peak_bytes_in_use"])
+  assert np.isfinite(float(loss))
+  assert readings[199] == readings[9], readings
