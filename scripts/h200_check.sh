@@ -25,11 +25,12 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # peers carried as wheels (README of the
 fi
 for what in "$@"; do
   case $what in
-    gpu_tests) step gpu_tests 240 python3 -m pytest -q -m gpu -rs tests ;;
+    gpu_tests) step gpu_tests ${TESTS_LIMIT:-240} python3 -m pytest -q -m gpu -rs tests ;;
     suite) step suite 300 python3 -m pytest -q -x -m "not gpu" tests/test_linear_cross_entropy.py tests/test_chunked.py ;;
     kernels) step kernels 300 python3 -m mst_jax.bench --kernels --reps 20 --blocks ${BLOCKS:-1x2048x4} ;;
     bench) step bench ${BENCH_LIMIT:-400} python3 -m mst_jax.bench --out "$OUT/bench" $BENCH_ARGS
            cp "$OUT/bench/bench.png" "$OUT/bench/results.json" "$OUT/" 2>/dev/null ;;
+    long) step long_context ${LONG_LIMIT:-300} python3 examples/long_context.py $LONG_ARGS ;;
     hlo) IFS=';' read -ra variants <<< "${HLO_VARIANTS:-}"
          for v in "${variants[@]}"; do step "hlo_$(echo "$v" | tr -c 'a-z0-9' _)" 120 python3 scripts/hlo_report.py $v; done ;;
     *) echo "unknown step $what"; exit 2 ;;
