@@ -167,12 +167,16 @@ print(digest.hexdigest())
 """
 
 
-def _digest_in_fresh_process(impl):
+def _digest_in_fresh_process(impl, xla_flags=None):
+  env = dict(os.environ)
+  if xla_flags:
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + xla_flags).strip()
   result = subprocess.run(
     [sys.executable, "-c", _DETERMINISM_SCRIPT, impl],
     capture_output=True,
     text=True,
     check=True,
+    env=env,
   )
   return result.stdout.strip().splitlines()[-1]
 
