@@ -23,7 +23,7 @@ logit. The gradient with respect to ``s`` is::
 
   dloss/ds_j = p_j * (1 + 2 * zl * lse) - (1 - eps) * [j == y] - eps / V
 
-and ``ds/dz = 1 - (s / c)**2``.
+and ``ds/dz = sech(z / c)**2`` (``softcap_grad``).
 """
 
 from __future__ import annotations
@@ -195,8 +195,19 @@ def backward_rows(
   )
 
 
+def softcap_grad(logits: jax.Array, cap: float) -> jax.Array:
+  """``d softcap / d logits = sech(logits / cap)**2``, without cancellation.
+
+  ``1 - tanh(x)**2`` loses every digit once ``tanh(x)`` rounds near 1 (from
+  ``|x| > 4`` in float32); ``4 e^{-2|x|} / (1 + e^{-2|x|})**2`` is the same
+  function, accurate for every ``x`` and never overflows.
+  """
+  decay = jnp.exp(-2.0 * jnp.abs(logits / cap))
+  return 4.0 * decay / jnp.square(1.0 + decay)
+
+
 def dlogits_block(
-  capped: jax.Array,
+  logits: jax.Array,
   cols: jax.Array,
   labels: jax.Array,
   rows: BackwardRows,
@@ -206,7 +217,7 @@ def dlogits_block(
   """Gradient of the loss with respect to a block of raw logits, in float32.
 
   Args:
-    capped: float32 ``[rows, block]`` softcapped logits of the block.
+    logits: float32 ``[rows, block]`` raw (not softcapped) logits of the block.
     cols: int32 ``[block]`` vocabulary index of each column of the block.
     labels: int32 ``[rows]``.
     rows: the block's rows of ``backward_rows``.
@@ -217,6 +228,7 @@ def dlogits_block(
     float32 ``[rows, block]``.
   """
   eps, cap = options.label_smoothing, options.logit_softcap
+  capped = softcap(logits, cap)
   probs = jnp.exp(capped - rows.lse[:, None])  # [rows, block]
   onehot = cols[None, :] == labels[:, None]  # [rows, block]
   target_weight = jnp.where(onehot, 1.0 - eps, 0.0)
@@ -224,5 +236,5 @@ def dlogits_block(
     target_weight = target_weight + eps / vocab_size
   grad = rows.coef_softmax[:, None] * probs - rows.coef_target[:, None] * target_weight
   if cap is not None:
-    grad = grad * (1.0 - jnp.square(capped / cap))
+    grad = grad * softcap_grad(logits, cap)
   return grad

@@ -44,8 +44,11 @@ def grad_mode(request):
   return request.param
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("option", list(SINGLE_OPTIONS))
+@pytest.mark.parametrize(
+  "option, dtype",
+  [(option, "float32") for option in SINGLE_OPTIONS]
+  + [("plain", "bfloat16"), ("all", "bfloat16")],
+)
 def test_each_option_and_all_together(rng, impl, option, dtype, grad_mode):
   problem = make_problem(
     rng, (3, 13), dtype=dtype, bias=option in ("bias", "all"), mask="scattered"
@@ -69,7 +72,7 @@ def test_mask_kinds(rng, impl, batch_shape, mask, grad_mode):
   )
 
 
-@pytest.mark.parametrize("chunk_size", [1, 5, 16, 36, 37, 1000, None])
+@pytest.mark.parametrize("chunk_size", [1, 5, 36, 1000, None])
 def test_chunk_sizes(rng, impl, chunk_size, grad_mode):
   """Chunks of 1 row, unaligned ones, exactly N, and larger than N."""
   problem = make_problem(rng, (37,), mask="scattered")

@@ -157,8 +157,7 @@ def _write_dlogits(
   z, cols, col_mask = _load_logits(
     logits_ref, row_slice, row_mask, col_block_index, block_v
   )
-  capped = ce_math.softcap(z, options.logit_softcap)
-  grad = ce_math.dlogits_block(capped, cols, labels, rows, options, n_cols)
+  grad = ce_math.dlogits_block(z, cols, labels, rows, options, n_cols)
   out_rows = pl.ds(row_slice.start + row_offset, row_slice.size)
   plgpu.store(
     dlogits_ref.at[out_rows, pl.ds(col_block_index * block_v, block_v)],

@@ -42,9 +42,8 @@ class XlaChunkCE:
     out_dtype: jax.typing.DTypeLike,
   ) -> jax.Array:
     vocab_size = logits.shape[-1]
-    capped = ce_math.softcap(logits, options.logit_softcap)
     cols = jnp.arange(vocab_size, dtype=jnp.int32)
-    grad = ce_math.dlogits_block(capped, cols, labels, rows, options, vocab_size)
+    grad = ce_math.dlogits_block(logits, cols, labels, rows, options, vocab_size)
     return grad.astype(out_dtype)
 
   def forward_backward(
