@@ -109,10 +109,11 @@ def linear_cross_entropy(
       problems). If the Pallas Triton lowering is unavailable, ``"pallas"``
       falls back to ``"xla"`` with one warning.
     accum_dtype: dtype of the ``dweight`` / ``dbias`` accumulators across
-      groups. None (default): ``dweight`` accumulates in the weight's dtype,
-      in place in its output, one rounding per group (on the H200 at the
-      Llama-3 head its error measured 1.1-1.2x that of full-logits autodiff);
-      float32 adds a ``V x D`` float32 buffer and twice the traffic per group.
+      groups. None (default): with at most 8 groups, ``dweight`` accumulates
+      in the weight's dtype, in place in its output, one rounding per group
+      (on the H200 at the Llama-3 head, 2 groups, its error measured 1.06x
+      that of full-logits autodiff); with more, in float32, whose ``V x D``
+      buffer and traffic cost less than the error of many roundings would.
     grad_mode: how gradients are formed. ``"fused"``: during the forward sweep,
       in the same pass as the loss (6 N·D·V FLOPs, like full-logits autodiff;
       needs a scalar ``reduction``; ``aux.lse`` is then not differentiable).
@@ -219,7 +220,8 @@ def linear_cross_entropy(
       rows_per_chunk=chunk,
       rows_per_group=group,
       weight_layout=weight_layout,
-      accum_dtype=accum_dtype,
+      accum_dtype=accum_dtype
+      or config.default_accum_dtype(n_rows, group, rows.weight.dtype),
       options=options,
       backend=backend,
     )

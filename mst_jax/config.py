@@ -80,6 +80,26 @@ def _fewest_rewrites_group(n_rows: int, chunk: int, group_most: int) -> int:
   return min(candidates, key=rewrites) if candidates else chunk
 
 
+# Up to this many groups, dweight accumulates in the weight's dtype in place.
+MAX_GROUPS_IN_PLACE = 8
+
+
+def default_accum_dtype(
+  n_rows: int, rows_per_group: int, weight_dtype: np.dtype
+) -> np.dtype | None:
+  """None (accumulate ``dweight`` in place) for few groups, else float32.
+
+  Each group adds one rounding of the running ``dweight`` in the weight's
+  dtype; their error grows about as the square root of the number of groups.
+  Two (the Llama-3 head at 8192 tokens) measured 1.06x the error of
+  full-logits autodiff; past 8, a float32 accumulator is worth its memory.
+  """
+  n_groups = -(-n_rows // rows_per_group)
+  if n_groups <= MAX_GROUPS_IN_PLACE:
+    return None
+  return np.promote_types(weight_dtype, np.float32)
+
+
 def _is_power_of_2(value: int) -> bool:
   return isinstance(value, int) and value > 0 and value & (value - 1) == 0
 
