@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mst_jax import backends, ce_math, chunked, config, inputs, reference
+from mst_jax import backends, ce_math, chunked, config, inputs, reference, sharded
 
 IMPLEMENTATIONS = (None, "xla", "pallas", "reference")
 GRAD_MODES = (None, "fused", "recompute")
@@ -16,11 +16,46 @@ def _default_grad_mode(reduction: str) -> str:
   return "recompute" if reduction == "none" else "fused"
 
 
-def _resolve_backend(impl: str | None) -> backends.ChunkCE | None:
+def _resolve_backend(impl: str | None, mesh) -> backends.ChunkCE | None:
   """The per-chunk backend for ``impl``; None means the full-logits reference."""
   if impl == "reference":
     return None
-  return backends.select(impl, jax.default_backend())
+  platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+  return backends.select(impl, platform)
+
+
+def _axis_size(mesh, axis: str | None) -> int:
+  return 1 if axis is None else mesh.shape[axis]
+
+
+def _mesh_layout(mesh, batch_axis, vocab_axis, weight_layout, rows):
+  """The ``sharded.Layout`` for a mesh (None without one), after checks."""
+  if mesh is None:
+    if (batch_axis, vocab_axis) != (None, None):
+      raise ValueError("batch_axis and vocab_axis name axes of a mesh: pass mesh=.")
+    return None
+  if not isinstance(mesh, jax.sharding.Mesh):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
+  if batch_axis is None and vocab_axis is None:
+    raise ValueError("with a mesh, give batch_axis, vocab_axis or both.")
+  if batch_axis is not None and batch_axis == vocab_axis:
+    raise ValueError(f"batch_axis and vocab_axis must differ, both are {batch_axis!r}.")
+  for name, axis in (("batch_axis", batch_axis), ("vocab_axis", vocab_axis)):
+    if axis is not None and axis not in mesh.axis_names:
+      raise ValueError(f"{name}={axis!r} is not an axis of the mesh {mesh.axis_names}.")
+  n_rows, vocab = rows.hidden.shape[0], rows.vocab_size
+  if n_rows % _axis_size(mesh, batch_axis):
+    raise ValueError(
+      f"the {n_rows} tokens must split evenly over batch_axis={batch_axis!r}"
+      f" ({_axis_size(mesh, batch_axis)} devices)."
+    )
+  if vocab % _axis_size(mesh, vocab_axis):
+    raise ValueError(
+      f"the vocabulary ({vocab}) must split evenly over vocab_axis={vocab_axis!r}"
+      f" ({_axis_size(mesh, vocab_axis)} devices): pad the weight (and bias) to a"
+      " multiple with rows whose logits never win, e.g. a bias of -1e9."
+    )
+  return sharded.Layout(mesh, batch_axis, vocab_axis, weight_layout)
 
 
 @jax.jit(
@@ -38,6 +73,9 @@ def _resolve_backend(impl: str | None) -> backends.ChunkCE | None:
     "accum_dtype",
     "grad_mode",
     "return_aux",
+    "mesh",
+    "batch_axis",
+    "vocab_axis",
   )
 )
 def linear_cross_entropy(
@@ -60,6 +98,9 @@ def linear_cross_entropy(
   accum_dtype: jax.typing.DTypeLike | None = None,
   grad_mode: str | None = None,
   return_aux: bool = False,
+  mesh: jax.sharding.Mesh | None = None,
+  batch_axis: str | None = None,
+  vocab_axis: str | None = None,
 ):
   r"""Cross-entropy of ``hidden @ weight.T (+ bias)`` without the full logits.
 
@@ -121,6 +162,16 @@ def linear_cross_entropy(
       FLOPs; every reduction; differentiable ``aux.lse``). None: ``"fused"``
       for ``"mean"`` / ``"sum"``, ``"recompute"`` for ``"none"``.
     return_aux: if True, also return a ``LossAux``.
+    mesh: a ``jax.sharding.Mesh`` to compute over (``mst_jax.sharded``): rows
+      split over ``batch_axis`` (data parallel; ``dweight`` summed over it) and
+      the vocabulary over ``vocab_axis`` (vocab parallel: each device holds
+      ``V / m`` rows of the weight, statistics are combined across the axis,
+      no weight all-gather, ``dweight`` stays sharded). N must split evenly
+      over ``batch_axis`` and V over ``vocab_axis``. Without a mesh, inputs
+      sharded under ``jax.jit`` also work (XLA's GSPMD partitions the chunked
+      computation), just not as well.
+    batch_axis: mesh axis of the rows, or None.
+    vocab_axis: mesh axis of the vocabulary, or None.
 
   Returns:
     The loss, float32 (float64 for float64 inputs): a scalar, or the shape of
@@ -195,8 +246,11 @@ def linear_cross_entropy(
   )
 
   n_rows = rows.hidden.shape[0]
-  backend = _resolve_backend(impl)
+  layout = _mesh_layout(mesh, batch_axis, vocab_axis, weight_layout, rows)
+  backend = _resolve_backend(impl, mesh)
   if backend is None or n_rows == 0:
+    if layout is not None and n_rows:
+      raise ValueError("impl='reference' forms the full logits; it takes no mesh.")
     outputs = reference.row_losses(
       rows.hidden,
       rows.weight,
@@ -207,25 +261,33 @@ def linear_cross_entropy(
       weight_layout=weight_layout,
     )
   else:
+    # Chunks are planned for the rows and vocabulary one device holds.
+    local_rows = n_rows // _axis_size(mesh, batch_axis)
+    local_vocab = rows.vocab_size // _axis_size(mesh, vocab_axis)
     if chunk_size is None:
       chunk, group = config.plan_chunks(
-        n_rows,
-        rows.vocab_size,
+        local_rows,
+        local_vocab,
         rows.hidden.dtype,
         memory_budget=memory_budget or config.DEFAULT_MEMORY_BUDGET,
       )
     else:
-      chunk = group = min(chunk_size, n_rows)
+      chunk = group = min(chunk_size, local_rows)
     driver = chunked.DriverConfig(
       rows_per_chunk=chunk,
       rows_per_group=group,
       weight_layout=weight_layout,
       accum_dtype=accum_dtype
-      or config.default_accum_dtype(n_rows, group, rows.weight.dtype),
+      or config.default_accum_dtype(local_rows, group, rows.weight.dtype),
       options=options,
       backend=backend,
+      vocab_total=rows.vocab_size,
     )
-    args = (driver, rows.hidden, rows.weight, rows.bias, rows.labels, rows.valid)
+    if layout is None:
+      plan = chunked.plan_for(driver)
+    else:
+      plan = sharded.plan_for(driver, layout)
+    args = (plan, rows.hidden, rows.weight, rows.bias, rows.labels, rows.valid)
     if (grad_mode or _default_grad_mode(reduction)) == "fused":
       weights = inputs.row_weights(rows, reduction, jnp.float32)
       outputs = chunked.reduced_loss(*args, weights)

@@ -71,6 +71,8 @@ class DriverConfig:
     options: the per-row loss options.
     backend: the per-chunk cross-entropy implementation.
     compact: move valid rows to the front before chunking.
+    vocab_total: the whole vocabulary when ``weight`` holds one shard of it
+      (vocab-parallel); default: the weight's.
     chunk_callback: if set, ``chunk_callback(pass_name, first_row)`` runs on
       the host (``jax.debug.callback``) for every chunk that is computed rather
       than skipped, with ``pass_name`` "forward", "backward" or "fused" and
@@ -86,12 +88,15 @@ class DriverConfig:
   backend: ChunkCE
   compact: bool = True
   chunk_callback: Callable[[str, jax.Array], None] | None = None
+  vocab_total: int | None = None
 
   def announce(self, pass_name: str, first_row: jax.Array) -> None:
     if self.chunk_callback is not None:
       jax.debug.callback(self.chunk_callback, pass_name, first_row)
 
   def vocab_size(self, weight: jax.Array) -> int:
+    if self.vocab_total is not None:
+      return self.vocab_total
     return weight.shape[0 if self.weight_layout == "vd" else 1]
 
 
@@ -344,7 +349,8 @@ def _gradient_sweep(config, hidden, weight, bias, valid, diff, chunk_dlogits, ou
   if chunk_size == group_size:
     outputs, grads = _sweep(chunk_size, valid, chunk_update, (outputs, grads))
   else:
-    buffer = jnp.zeros((group_size, config.vocab_size(weight)), hidden.dtype)
+    width = weight.shape[0 if config.weight_layout == "vd" else 1]  # this shard's
+    buffer = jnp.zeros((group_size, width), hidden.dtype)
     outputs, grads, _ = _sweep(
       group_size, valid, group_update, (outputs, grads, buffer)
     )
@@ -407,12 +413,61 @@ def _fused(config, hidden, weight, bias, labels, valid, row_scale, diff):
   return _gradient_sweep(config, hidden, weight, bias, valid, diff, chunk_dlogits, init)
 
 
-def _compacted_forward(config, hidden, weight, bias, labels, valid):
+def compacted_forward(config, hidden, weight, bias, labels, valid):
+  """Per-row ``(loss, lse, correct)``, valid rows compacted to the front."""
   gather, scatter = _compaction(config, valid)
   outputs = _forward(
     config, gather(hidden), weight, bias, gather(labels), gather(valid)
   )
   return tuple(map(scatter, outputs))
+
+
+def compacted_backward(
+  config, hidden, weight, bias, labels, valid, lse, g_loss, g_lse, diff
+):
+  """``(dhidden, dweight, dbias)`` of the recompute path, rows compacted."""
+  gather, scatter = _compaction(config, valid)  # recomputed: cheaper than saved
+  dhidden, dweight, dbias = _backward(
+    config,
+    gather(hidden),
+    weight,
+    bias,
+    *map(gather, (labels, valid, lse, g_loss, g_lse)),
+    diff,
+  )
+  return (None if dhidden is None else scatter(dhidden)), dweight, dbias
+
+
+def compacted_fused(config, hidden, weight, bias, labels, valid, row_scale, diff):
+  """``((sum(loss * row_scale), lse, correct), grads)`` in one sweep, compacted."""
+  gather, scatter = _compaction(config, valid)
+  (loss, lse, correct), (dhidden, dweight, dbias) = _fused(
+    config,
+    gather(hidden),
+    weight,
+    bias,
+    *map(gather, (labels, valid, row_scale)),
+    diff,
+  )
+  outputs = (jnp.sum(loss * gather(row_scale)), scatter(lse), scatter(correct))
+  return outputs, ((None if dhidden is None else scatter(dhidden)), dweight, dbias)
+
+
+class Plan(NamedTuple):
+  """How the custom VJPs run their three computations (a static, hashable value).
+
+  ``plan_for(config)`` runs them on the arrays as given;
+  ``mst_jax.sharded`` runs them per device inside ``shard_map``.
+  """
+
+  config: DriverConfig
+  forward: Callable
+  backward: Callable
+  fused: Callable
+
+
+def plan_for(config: DriverConfig) -> Plan:
+  return Plan(config, compacted_forward, compacted_backward, compacted_fused)
 
 
 def _instantiate(cotangent, like):
@@ -425,11 +480,11 @@ def _instantiate(cotangent, like):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def row_losses(config, hidden, weight, bias, labels, valid):
+def row_losses(plan, hidden, weight, bias, labels, valid):
   """Per-row loss, lse and argmax-correctness; the backward recomputes logits.
 
   Args:
-    config: a ``DriverConfig``.
+    plan: a ``Plan`` (``plan_for(config)`` with a ``DriverConfig``).
     hidden: ``[N, D]`` float.
     weight: ``[V, D]`` or ``[D, V]`` (``config.weight_layout``), hidden's dtype.
     bias: ``[V]`` float or None.
@@ -440,33 +495,25 @@ def row_losses(config, hidden, weight, bias, labels, valid):
     ``(loss, lse, correct)``: ``[N]`` float32 (float64 for float64 inputs),
     ``[N]`` float32 and ``[N]`` bool. ``loss`` and ``lse`` are differentiable.
   """
-  return _compacted_forward(config, hidden, weight, bias, labels, valid)
+  return plan.forward(plan.config, hidden, weight, bias, labels, valid)
 
 
-def _row_losses_fwd(config, hidden, weight, bias, labels, valid):
+def _row_losses_fwd(plan, hidden, weight, bias, labels, valid):
   differentiated = _Differentiated.of(hidden, weight, bias)
   hidden, weight, bias, labels, valid = _unwrap(hidden, weight, bias, labels, valid)
-  outputs = _compacted_forward(config, hidden, weight, bias, labels, valid)
+  outputs = plan.forward(plan.config, hidden, weight, bias, labels, valid)
   residuals = (hidden, weight, bias, labels, valid, outputs[1], differentiated)
   return outputs, residuals
 
 
-def _row_losses_bwd(config, residuals, cotangents):
+def _row_losses_bwd(plan, residuals, cotangents):
   hidden, weight, bias, labels, valid, lse, differentiated = residuals
   g_loss = _instantiate(cotangents[0], lse)
   g_lse = _instantiate(cotangents[1], lse)
-  gather, scatter = _compaction(config, valid)  # recomputed: cheaper than saved
-  dhidden, dweight, dbias = _backward(
-    config,
-    gather(hidden),
-    weight,
-    bias,
-    *map(gather, (labels, valid, lse, g_loss, g_lse)),
-    differentiated,
+  grads = plan.backward(
+    plan.config, hidden, weight, bias, labels, valid, lse, g_loss, g_lse, differentiated
   )
-  if dhidden is not None:
-    dhidden = scatter(dhidden)
-  return dhidden, dweight, dbias, None, None
+  return (*grads, None, None)
 
 
 row_losses.defvjp(_row_losses_fwd, _row_losses_bwd, symbolic_zeros=True)
@@ -476,11 +523,11 @@ row_losses.defvjp(_row_losses_fwd, _row_losses_bwd, symbolic_zeros=True)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def reduced_loss(config, hidden, weight, bias, labels, valid, row_scale):
+def reduced_loss(plan, hidden, weight, bias, labels, valid, row_scale):
   """``sum(loss * row_scale)``, per-row lse and correctness; grads in the forward.
 
   Args:
-    config, hidden, weight, bias, labels, valid: as for ``row_losses``.
+    plan, hidden, weight, bias, labels, valid: as for ``row_losses``.
     row_scale: float32 ``[N]``, each row's weight in the scalar loss (for a
       mean, ``valid / n_valid``); not differentiated.
 
@@ -489,33 +536,18 @@ def reduced_loss(config, hidden, weight, bias, labels, valid, row_scale):
     Only ``loss`` is differentiable: differentiating through ``lse`` raises
     (use ``row_losses``).
   """
-  loss, lse, correct = _compacted_forward(config, hidden, weight, bias, labels, valid)
+  loss, lse, correct = plan.forward(plan.config, hidden, weight, bias, labels, valid)
   return jnp.sum(loss * row_scale), lse, correct
 
 
-def _reduced_loss_fwd(config, hidden, weight, bias, labels, valid, row_scale):
+def _reduced_loss_fwd(plan, hidden, weight, bias, labels, valid, row_scale):
   differentiated = _Differentiated.of(hidden, weight, bias)
-  hidden, weight, bias, labels, valid, row_scale = _unwrap(
-    hidden, weight, bias, labels, valid, row_scale
-  )
-  gather, scatter = _compaction(config, valid)
-  (loss, lse, correct), (dhidden, dweight, dbias) = _fused(
-    config,
-    gather(hidden),
-    weight,
-    bias,
-    *map(gather, (labels, valid, row_scale)),
-    differentiated,
-  )
-  scale = gather(row_scale)
-  if dhidden is not None:
-    dhidden = scatter(dhidden)
-  outputs = (jnp.sum(loss * scale), scatter(lse), scatter(correct))
-  return outputs, (dhidden, dweight, dbias)
+  args = _unwrap(hidden, weight, bias, labels, valid, row_scale)
+  return plan.fused(plan.config, *args, differentiated)
 
 
-def _reduced_loss_bwd(config, residuals, cotangents):
-  del config
+def _reduced_loss_bwd(plan, residuals, cotangents):
+  del plan
   g_loss, g_lse, _ = cotangents
   if not isinstance(g_lse, jax.custom_derivatives.SymbolicZero):
     raise NotImplementedError(

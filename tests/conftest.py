@@ -168,7 +168,16 @@ def _dlogits_rounding_bounds(problem, kwargs):
   return [eps * np.linalg.norm(term) for term in terms]
 
 
-_REFERENCE_ONLY = ("impl", "chunk_size", "memory_budget", "accum_dtype", "grad_mode")
+_REFERENCE_ONLY = (  # options of the chunked paths the reference does not take
+  "impl",
+  "chunk_size",
+  "memory_budget",
+  "accum_dtype",
+  "grad_mode",
+  "mesh",
+  "batch_axis",
+  "vocab_axis",
+)
 
 
 def reference_dlogits(problem, **kwargs):

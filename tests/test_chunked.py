@@ -40,7 +40,7 @@ def _run_recorded(problem, grad_mode, compact, chunk=8, group=None):
   )
 
   def loss_fn(hidden, weight, labels, bias, where):
-    args = (driver, hidden, weight, bias, labels, where)
+    args = (chunked.plan_for(driver), hidden, weight, bias, labels, where)
     scale = where / jnp.sum(where)
     if grad_mode == "fused":
       return chunked.reduced_loss(*args, scale)[0]

@@ -33,8 +33,14 @@ class ChunkCE(Protocol):
     rows: ce_math.BackwardRows,
     options: ce_math.CEOptions,
     out_dtype: jax.typing.DTypeLike,
+    vocab_size: int | None = None,
   ) -> jax.Array:
-    """Returns ``dloss/dlogits`` (``[rows, V]`` in ``out_dtype``)."""
+    """Returns ``dloss/dlogits`` (``[rows, V]`` in ``out_dtype``).
+
+    ``vocab_size`` is the whole vocabulary when ``logits`` hold one shard of
+    it (label smoothing spreads ``eps / V`` over all of it); default: the width
+    of ``logits``.
+    """
     ...
 
   def forward_backward(
@@ -60,20 +66,26 @@ class ChunkCE(Protocol):
 
 
 def unfused_forward_backward(
-  backend, logits, labels, valid, g_loss, options, out_dtype, into=None
+  backend,
+  logits,
+  labels,
+  valid,
+  g_loss,
+  options,
+  out_dtype,
+  into=None,
+  vocab_size=None,
 ):
-  """``forward_backward`` as a ``forward`` then a ``backward``."""
+  """``forward_backward`` as a ``forward`` then a ``backward``.
+
+  ``vocab_size``: the whole vocabulary when ``logits`` are one shard of it.
+  """
+  vocab_size = vocab_size or logits.shape[-1]
   stats = backend.forward(logits, labels, options)
   rows = ce_math.backward_rows(
-    g_loss,
-    jnp.zeros_like(stats.lse),
-    stats.lse,
-    labels,
-    valid,
-    options,
-    logits.shape[-1],
+    g_loss, jnp.zeros_like(stats.lse), stats.lse, labels, valid, options, vocab_size
   )
-  dlogits = backend.backward(logits, labels, rows, options, out_dtype)
+  dlogits = backend.backward(logits, labels, rows, options, out_dtype, vocab_size)
   if into is not None:  # XLA fuses the elementwise dlogits into this, in place
     buffer, offset = into
     dlogits = lax.dynamic_update_slice_in_dim(buffer, dlogits, offset, 0)

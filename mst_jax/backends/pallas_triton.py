@@ -146,18 +146,20 @@ def _write_dlogits(
   options,
   block_v,
   row_offset=0,
+  vocab_total=None,
 ):
   """Writes one ``[block_rows, block_v]`` block of ``dlogits``.
 
   Its rows land ``row_offset`` rows further down ``dlogits_ref`` (a group's
-  buffer that the chunk writes into in place).
+  buffer that the chunk writes into in place). ``vocab_total`` is the whole
+  vocabulary when the logits are one shard of it (label smoothing's eps / V).
   """
   n_cols = logits_ref.shape[1]
   col_block_index = jnp.asarray(col_block_index, jnp.int32)  # int64 loops under x64
   z, cols, col_mask = _load_logits(
     logits_ref, row_slice, row_mask, col_block_index, block_v
   )
-  grad = ce_math.dlogits_block(z, cols, labels, rows, options, n_cols)
+  grad = ce_math.dlogits_block(z, cols, labels, rows, options, vocab_total or n_cols)
   out_rows = pl.ds(row_slice.start + row_offset, row_slice.size)
   plgpu.store(
     dlogits_ref.at[out_rows, pl.ds(col_block_index * block_v, block_v)],
@@ -177,6 +179,7 @@ def _dlogits_kernel(
   options: ce_math.CEOptions,
   block_rows: int,
   block_v: int,
+  vocab_total: int,
 ):
   row_slice, row_mask = _row_block(pl.program_id(0), block_rows, logits_ref.shape[0])
   labels = _load_rows(labels_ref, row_slice, row_mask, 0)
@@ -196,6 +199,7 @@ def _dlogits_kernel(
     pl.program_id(1),
     options=options,
     block_v=block_v,
+    vocab_total=vocab_total,
   )
 
 
@@ -311,16 +315,17 @@ class PallasTritonChunkCE:
     )
     return ce_math.RowStats(*call(logits, labels))
 
-  def backward(self, logits, labels, rows, options, out_dtype):
-    n_rows, vocab_size = logits.shape
+  def backward(self, logits, labels, rows, options, out_dtype, vocab_size=None):
+    n_rows, n_cols = logits.shape
     call = self._call(
       _dlogits_kernel,
       "mst_ce_dlogits",
-      lambda b: (pl.cdiv(n_rows, b.block_rows), pl.cdiv(vocab_size, b.block_v)),
+      lambda b: (pl.cdiv(n_rows, b.block_rows), pl.cdiv(n_cols, b.block_v)),
       jax.ShapeDtypeStruct(logits.shape, out_dtype),
-      vocab_size,
+      n_cols,
       options,
       n_inputs=5,
+      vocab_total=vocab_size or n_cols,
     )
     return call(logits, labels, *rows)
 

@@ -40,9 +40,10 @@ class XlaChunkCE:
     rows: ce_math.BackwardRows,
     options: ce_math.CEOptions,
     out_dtype: jax.typing.DTypeLike,
+    vocab_size: int | None = None,
   ) -> jax.Array:
-    vocab_size = logits.shape[-1]
-    cols = jnp.arange(vocab_size, dtype=jnp.int32)
+    cols = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+    vocab_size = vocab_size or logits.shape[-1]
     grad = ce_math.dlogits_block(logits, cols, labels, rows, options, vocab_size)
     return grad.astype(out_dtype)
 

@@ -1,0 +1,245 @@
+"""The loss over a device mesh: rows over a batch axis, vocabulary over a model axis.
+
+``linear_cross_entropy(..., mesh=mesh, batch_axis="data", vocab_axis="model")``
+runs the chunked driver on every device inside ``jax.shard_map``:
+
+* **Data parallel** (``batch_axis``): each device holds a slice of the rows and
+  the whole weight; ``dweight`` and ``dbias`` are summed over the batch axis
+  (``psum``).
+* **Vocab parallel** (``vocab_axis``, Megatron style): each device holds a
+  ``[V / m, D]`` slice of the weight. Per chunk it forms only its shard's
+  logits; ``VocabShardedCE`` combines the row statistics across the model
+  axis (``pmax`` of the row max, ``psum`` of the rescaled sum-exp, the target
+  logit from the shard that holds the label, ``pmin`` for the first argmax),
+  so every device sees the global lse. ``dlogits`` stay local, ``dhidden`` is
+  summed over the model axis, ``dweight`` stays sharded. No weight all-gather
+  and no ``[N, V]`` array anywhere.
+
+The custom VJPs are the single-device ones (``chunked.row_losses`` and
+``chunked.reduced_loss``) with a ``Plan`` whose three computations are
+``shard_map``-ped, so ``shard_map`` itself is never differentiated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from mst_jax import ce_math, chunked
+from mst_jax.backends import ChunkCE, base
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabShardedCE:
+  """A ``ChunkCE`` on one vocabulary shard, with statistics combined over ``axis``.
+
+  Attributes:
+    inner: the backend that reduces this device's ``[rows, V / m]`` logits.
+    axis: the mesh axis the vocabulary is split over.
+    shard_size: ``V / m``.
+    vocab_size: ``V``.
+  """
+
+  inner: ChunkCE
+  axis: str
+  shard_size: int
+  vocab_size: int
+  name: str = "vocab-sharded"
+
+  def _local(self, labels):
+    """Labels as this shard's column indices (outside ``[0, V/m)``: not here)."""
+    local = labels - lax.axis_index(self.axis) * self.shard_size
+    return local, (local >= 0) & (local < self.shard_size)
+
+  def forward(self, logits, labels, options):
+    local, here = self._local(labels)
+    stats = self.inner.forward(logits, local, options)
+    row_max = lax.pmax(stats.row_max, self.axis)
+    # Each shard's sum-exp, rescaled from its own max to the global one.
+    sum_exp = lax.psum(jnp.exp(stats.row_max - row_max + stats.log_sum_exp), self.axis)
+    target = lax.psum(jnp.where(here, stats.target, 0.0), self.axis)
+    mean_logit = lax.psum(stats.mean_logit * self.shard_size, self.axis)
+    offset = lax.axis_index(self.axis) * self.shard_size
+    candidates = jnp.where(
+      stats.row_max == row_max, stats.argmax + offset, self.vocab_size
+    )
+    return ce_math.RowStats(
+      row_max=row_max,
+      log_sum_exp=jnp.log(sum_exp),
+      target=target,
+      mean_logit=mean_logit / self.vocab_size,
+      argmax=lax.pmin(candidates, self.axis),
+    )
+
+  def backward(self, logits, labels, rows, options, out_dtype, vocab_size=None):
+    del vocab_size  # always the whole vocabulary's
+    local, _ = self._local(labels)
+    return self.inner.backward(
+      logits, local, rows, options, out_dtype, vocab_size=self.vocab_size
+    )
+
+  def forward_backward(
+    self, logits, labels, valid, g_loss, options, out_dtype, *, into=None
+  ):
+    return base.unfused_forward_backward(
+      self, logits, labels, valid, g_loss, options, out_dtype, into, self.vocab_size
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Where the arrays live on the mesh (static, hashable)."""
+
+  mesh: jax.sharding.Mesh
+  batch_axis: str | None
+  vocab_axis: str | None
+  weight_layout: str
+
+  @property
+  def rows(self):
+    return P(self.batch_axis)
+
+  @property
+  def hidden(self):
+    return P(self.batch_axis, None)
+
+  @property
+  def weight(self):
+    if self.weight_layout == "vd":
+      return P(self.vocab_axis, None)
+    return P(None, self.vocab_axis)
+
+  @property
+  def bias(self):
+    return P(self.vocab_axis)
+
+  def constrain(self, x, spec):
+    """Puts ``x`` where ``spec`` says (reshard on Explicit meshes)."""
+    sharding = NamedSharding(self.mesh, spec)
+    if AxisType.Explicit in tuple(self.mesh.axis_types):
+      return jax.sharding.reshard(x, sharding)
+    return lax.with_sharding_constraint(x, sharding)
+
+  def shard_map(self, fn, args, in_specs, out_specs):
+    args = [self.constrain(x, s) for x, s in zip(args, in_specs, strict=True)]
+    mapped = jax.shard_map(
+      fn,
+      mesh=self.mesh,
+      in_specs=tuple(in_specs),
+      out_specs=out_specs,
+      check_vma=False,
+    )
+    return mapped(*args)
+
+  def sum_over(self, x, axis):
+    return x if x is None or axis is None else lax.psum(x, axis)
+
+
+def _bias_args(bias, layout):
+  """``bias`` and its spec, or nothing: shard_map takes no None arguments."""
+  return ([bias], [layout.bias]) if bias is not None else ([], [])
+
+
+def _with_bias(fn, has_bias):
+  """``fn(h, w, bias, *rest)`` called with a bias argument only if there is one."""
+  if has_bias:
+    return fn
+  return lambda h, w, *rest: fn(h, w, None, *rest)
+
+
+def _sharded_forward(layout, config, hidden, weight, bias, labels, valid):
+  bias_args, bias_specs = _bias_args(bias, layout)
+  body = _with_bias(
+    functools.partial(chunked.compacted_forward, config), bias is not None
+  )
+  return layout.shard_map(
+    body,
+    [hidden, weight, *bias_args, labels, valid],
+    [layout.hidden, layout.weight, *bias_specs, layout.rows, layout.rows],
+    (layout.rows, layout.rows, layout.rows),
+  )
+
+
+def _grad_specs(layout, diff):
+  return (
+    layout.hidden if diff.hidden else None,
+    layout.weight if diff.weight else None,
+    layout.bias if diff.bias else None,
+  )
+
+
+def _reduce_grads(layout, grads):
+  """Partial gradients to whole ones: dhidden over the vocabulary shards,
+  dweight and dbias over the row shards."""
+  dhidden, dweight, dbias = grads
+  return (
+    layout.sum_over(dhidden, layout.vocab_axis),
+    layout.sum_over(dweight, layout.batch_axis),
+    layout.sum_over(dbias, layout.batch_axis),
+  )
+
+
+def _sharded_backward(
+  layout, config, hidden, weight, bias, labels, valid, lse, g_loss, g_lse, diff
+):
+  bias_args, bias_specs = _bias_args(bias, layout)
+
+  def body(h, w, b, y, v, s, gl, gs):
+    grads = chunked.compacted_backward(config, h, w, b, y, v, s, gl, gs, diff)
+    return _reduce_grads(layout, grads)
+
+  rows = layout.rows
+  return layout.shard_map(
+    _with_bias(body, bias is not None),
+    [hidden, weight, *bias_args, labels, valid, lse, g_loss, g_lse],
+    [layout.hidden, layout.weight, *bias_specs, rows, rows, rows, rows, rows],
+    _grad_specs(layout, diff),
+  )
+
+
+def _sharded_fused(
+  layout, config, hidden, weight, bias, labels, valid, row_scale, diff
+):
+  bias_args, bias_specs = _bias_args(bias, layout)
+
+  def body(h, w, b, y, v, scale):
+    (loss, lse, correct), grads = chunked.compacted_fused(
+      config, h, w, b, y, v, scale, diff
+    )
+    return (layout.sum_over(loss, layout.batch_axis), lse, correct), _reduce_grads(
+      layout, grads
+    )
+
+  rows = layout.rows
+  return layout.shard_map(
+    _with_bias(body, bias is not None),
+    [hidden, weight, *bias_args, labels, valid, row_scale],
+    [layout.hidden, layout.weight, *bias_specs, rows, rows, rows],
+    ((P(), rows, rows), _grad_specs(layout, diff)),
+  )
+
+
+def plan_for(config: chunked.DriverConfig, layout: Layout) -> chunked.Plan:
+  """A ``chunked.Plan`` whose computations run per device on ``layout.mesh``.
+
+  With a vocabulary axis, ``config.backend`` is wrapped in ``VocabShardedCE``.
+  """
+  if layout.vocab_axis is not None:
+    vocab_size = config.vocab_total
+    shard = vocab_size // layout.mesh.shape[layout.vocab_axis]
+    config = dataclasses.replace(
+      config,
+      backend=VocabShardedCE(config.backend, layout.vocab_axis, shard, vocab_size),
+    )
+  return chunked.Plan(
+    config,
+    functools.partial(_sharded_forward, layout),
+    functools.partial(_sharded_backward, layout),
+    functools.partial(_sharded_fused, layout),
+  )

@@ -1,0 +1,200 @@
+"""Multi-device: data and vocab parallel on 8 simulated CPU devices.
+
+The tests need ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` before
+JAX starts, so in a normal run ``test_on_8_cpu_devices`` reruns this file in a
+fresh process with that flag, and the others skip.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import check_against_oracle, make_problem
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import mst_jax
+
+N_DEVICES = 8
+ON_8 = jax.device_count() >= N_DEVICES and jax.devices()[0].platform == "cpu"
+needs_8 = pytest.mark.skipif(not ON_8, reason="run by test_on_8_cpu_devices")
+MESHES = [(8, 1), (1, 8), (2, 4), (4, 2)]
+# V = 1032 splits into 8 shards of 129 or 4 of 258: neither a multiple of the
+# kernels' vocabulary blocks.
+N, D, V = 48, 16, 1032
+OPTIONS = dict(label_smoothing=0.1, z_loss=1e-3, logit_softcap=4.0)
+
+
+def test_on_8_cpu_devices():
+  if ON_8:
+    pytest.skip("this process already has 8 devices")
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = (
+    env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={N_DEVICES}"
+  ).strip()
+  env["JAX_PLATFORMS"] = "cpu"
+  result = subprocess.run(
+    [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+    env=env,
+    capture_output=True,
+    text=True,
+    cwd=os.path.dirname(__file__),
+  )
+  assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+  assert re.search(r"\d+ passed", result.stdout) and "failed" not in result.stdout
+
+
+def _mesh(shape):
+  return Mesh(np.array(jax.devices()[:N_DEVICES]).reshape(shape), ("data", "model"))
+
+
+@needs_8
+@pytest.mark.parametrize("grad_mode", ["fused", "recompute"])
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_meshes_match_the_oracle(rng, shape, grad_mode):
+  problem = make_problem(rng, (N,), dim=D, vocab=V, bias=True, mask="scattered")
+  check_against_oracle(
+    problem,
+    "float32",
+    mesh=_mesh(shape),
+    batch_axis="data",
+    vocab_axis="model",
+    impl="xla",
+    chunk_size=4,
+    grad_mode=grad_mode,
+    **OPTIONS,
+  )
+
+
+@needs_8
+@pytest.mark.parametrize("shape", [(8, 1), (2, 4)], ids=["8x1", "2x4"])
+def test_devices_without_a_valid_token(rng, shape):
+  """The first half of the rows is masked: half the row shards hold none."""
+  problem = make_problem(rng, (N,), dim=D, vocab=V, bias=True, mask="none")
+  problem.where = jnp.asarray(np.arange(N) >= N // 2)
+  check_against_oracle(
+    problem,
+    "float32",
+    mesh=_mesh(shape),
+    batch_axis="data",
+    vocab_axis="model",
+    impl="xla",
+    chunk_size=4,
+    **OPTIONS,
+  )
+
+
+@needs_8
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_reductions_and_aux(rng, reduction):
+  problem = make_problem(rng, (4, 12), dim=D, vocab=V, mask="prefix")
+  kwargs = dict(mesh=_mesh((2, 4)), batch_axis="data", vocab_axis="model", impl="xla")
+  check_against_oracle(problem, "float32", reduction=reduction, **kwargs)
+  _, aux = mst_jax.linear_cross_entropy(*problem.args, return_aux=True, **kwargs)
+  _, ref = mst_jax.reference.linear_cross_entropy(*problem.args, return_aux=True)
+  np.testing.assert_allclose(aux.lse, ref.lse, rtol=1e-5)
+  assert int(aux.n_correct) == int(ref.n_correct)
+  assert int(aux.n_valid) == int(ref.n_valid)
+
+
+@needs_8
+def test_pallas_kernels_in_each_shard(rng):
+  problem = make_problem(rng, (N,), dim=D, vocab=V, bias=True, mask="scattered")
+  check_against_oracle(
+    problem,
+    "float32",
+    mesh=_mesh((2, 4)),
+    batch_axis="data",
+    vocab_axis="model",
+    impl="pallas",
+    **OPTIONS,
+  )
+
+
+@needs_8
+@pytest.mark.parametrize("axes", [("data", None), (None, "model")], ids=["dp", "vp"])
+def test_one_axis_only_and_dv_layout(rng, axes):
+  problem = make_problem(
+    rng, (N,), dim=D, vocab=V, weight_layout="dv", mask="scattered"
+  )
+  check_against_oracle(
+    problem,
+    "float32",
+    mesh=_mesh((4, 2)),
+    batch_axis=axes[0],
+    vocab_axis=axes[1],
+    weight_layout="dv",
+    impl="xla",
+  )
+
+
+@needs_8
+def test_no_weight_all_gather_and_no_full_logits(rng):
+  problem = make_problem(rng, (N,), dim=D, vocab=V, mask="scattered")
+  mesh = _mesh((2, 4))
+  hidden = jax.device_put(problem.hidden, NamedSharding(mesh, P("data", None)))
+  weight = jax.device_put(problem.weight, NamedSharding(mesh, P("model", None)))
+
+  def loss(hidden, weight):
+    return mst_jax.linear_cross_entropy(
+      hidden,
+      weight,
+      problem.labels,
+      where=problem.where,
+      mesh=mesh,
+      batch_axis="data",
+      vocab_axis="model",
+      impl="xla",
+      chunk_size=4,
+    )
+
+  hlo = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(hidden, weight)
+  text = hlo.compile().as_text()
+  assert "all-gather" not in text
+  # Logits exist only as [chunk, V / 4] = [4, 258] per device.
+  widths = {int(m) for m in re.findall(r"\[(\d+),258\]", text)}
+  assert widths and max(widths) <= 4, widths
+  assert "1032]" not in text
+
+
+@needs_8
+def test_plain_gspmd_sharded_inputs(rng):
+  """No mesh argument: sharded inputs under jit, partitioned by XLA."""
+  problem = make_problem(rng, (N,), dim=D, vocab=V, bias=True, mask="scattered")
+  mesh = _mesh((2, 4))
+  problem.hidden = jax.device_put(problem.hidden, NamedSharding(mesh, P("data", None)))
+  problem.weight = jax.device_put(problem.weight, NamedSharding(mesh, P("model", None)))
+  check_against_oracle(problem, "float32", impl="xla", chunk_size=8, **OPTIONS)
+
+
+@needs_8
+def test_mesh_arguments_are_checked(rng):
+  problem = make_problem(rng, (N,), dim=D, vocab=V)
+  mesh = _mesh((2, 4))
+  call = lambda **kw: mst_jax.linear_cross_entropy(*problem.args, **kw)
+  with pytest.raises(ValueError, match="pass mesh="):
+    call(batch_axis="data")
+  with pytest.raises(ValueError, match="not an axis of the mesh"):
+    call(mesh=mesh, batch_axis="rows")
+  with pytest.raises(ValueError, match="give batch_axis, vocab_axis or both"):
+    call(mesh=mesh)
+  with pytest.raises(ValueError, match="must differ"):
+    call(mesh=mesh, batch_axis="data", vocab_axis="data")
+  odd = make_problem(rng, (N,), dim=D, vocab=V - 1)
+  with pytest.raises(ValueError, match=r"vocabulary \(1031\) must split evenly"):
+    mst_jax.linear_cross_entropy(*odd.args, mesh=mesh, vocab_axis="model")
+  with pytest.raises(ValueError, match="47 tokens must split evenly"):
+    mst_jax.linear_cross_entropy(
+      problem.hidden[:47],
+      problem.weight,
+      problem.labels[:47],
+      mesh=mesh,
+      batch_axis="data",
+    )
