@@ -37,6 +37,10 @@ GRAD_RTOL = GPU_GRAD_RTOL if ON_GPU else CPU_GRAD_RTOL
 _SEEDS = itertools.count(np.random.SeedSequence().entropy % (2**31))
 
 
+# tests/multidevice needs 8 devices; test_multidevice.py runs it in a child.
+collect_ignore = ["multidevice"] if jax.device_count() < 8 else []
+
+
 def pytest_collection_modifyitems(config, items):
   if ON_GPU:
     return

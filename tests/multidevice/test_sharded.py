@@ -1,16 +1,13 @@
 """Multi-device: data and vocab parallel on 8 simulated CPU devices.
 
-The tests need ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` before
-JAX starts, so in a normal run ``test_on_8_cpu_devices`` reruns this file in a
-fresh process with that flag, and the others skip.
+These need ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` before JAX
+starts: ``tests/test_multidevice.py`` runs this directory in a fresh process
+with that flag (a plain run on fewer devices does not collect it).
 """
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +20,6 @@ from jax.sharding import PartitionSpec as P
 import mst_jax
 
 N_DEVICES = 8
-ON_8 = jax.device_count() >= N_DEVICES and jax.devices()[0].platform == "cpu"
-needs_8 = pytest.mark.skipif(not ON_8, reason="run by test_on_8_cpu_devices")
 MESHES = [(8, 1), (1, 8), (2, 4), (4, 2)]
 # V = 1032 splits into 8 shards of 129 or 4 of 258: neither a multiple of the
 # kernels' vocabulary blocks.
@@ -32,30 +27,10 @@ N, D, V = 48, 16, 1032
 OPTIONS = dict(label_smoothing=0.1, z_loss=1e-3, logit_softcap=4.0)
 
 
-def test_on_8_cpu_devices():
-  if ON_8:
-    pytest.skip("this process already has 8 devices")
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = (
-    env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={N_DEVICES}"
-  ).strip()
-  env["JAX_PLATFORMS"] = "cpu"
-  result = subprocess.run(
-    [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-    env=env,
-    capture_output=True,
-    text=True,
-    cwd=os.path.dirname(__file__),
-  )
-  assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-  assert re.search(r"\d+ passed", result.stdout) and "failed" not in result.stdout
-
-
 def _mesh(shape):
   return Mesh(np.array(jax.devices()[:N_DEVICES]).reshape(shape), ("data", "model"))
 
 
-@needs_8
 @pytest.mark.parametrize("grad_mode", ["fused", "recompute"])
 @pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_meshes_match_the_oracle(rng, shape, grad_mode):
@@ -73,7 +48,6 @@ def test_meshes_match_the_oracle(rng, shape, grad_mode):
   )
 
 
-@needs_8
 @pytest.mark.parametrize("shape", [(8, 1), (2, 4)], ids=["8x1", "2x4"])
 def test_devices_without_a_valid_token(rng, shape):
   """The first half of the rows is masked: half the row shards hold none."""
@@ -91,7 +65,6 @@ def test_devices_without_a_valid_token(rng, shape):
   )
 
 
-@needs_8
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_reductions_and_aux(rng, reduction):
   problem = make_problem(rng, (4, 12), dim=D, vocab=V, mask="prefix")
@@ -104,7 +77,6 @@ def test_reductions_and_aux(rng, reduction):
   assert int(aux.n_valid) == int(ref.n_valid)
 
 
-@needs_8
 def test_pallas_kernels_in_each_shard(rng):
   problem = make_problem(rng, (N,), dim=D, vocab=V, bias=True, mask="scattered")
   check_against_oracle(
@@ -118,7 +90,6 @@ def test_pallas_kernels_in_each_shard(rng):
   )
 
 
-@needs_8
 @pytest.mark.parametrize("axes", [("data", None), (None, "model")], ids=["dp", "vp"])
 def test_one_axis_only_and_dv_layout(rng, axes):
   problem = make_problem(
@@ -135,7 +106,6 @@ def test_one_axis_only_and_dv_layout(rng, axes):
   )
 
 
-@needs_8
 def test_no_weight_all_gather_and_no_full_logits(rng):
   problem = make_problem(rng, (N,), dim=D, vocab=V, mask="scattered")
   mesh = _mesh((2, 4))
@@ -164,7 +134,6 @@ def test_no_weight_all_gather_and_no_full_logits(rng):
   assert "1032]" not in text
 
 
-@needs_8
 def test_plain_gspmd_sharded_inputs(rng):
   """No mesh argument: sharded inputs under jit, partitioned by XLA."""
   problem = make_problem(rng, (N,), dim=D, vocab=V, bias=True, mask="scattered")
@@ -174,7 +143,6 @@ def test_plain_gspmd_sharded_inputs(rng):
   check_against_oracle(problem, "float32", impl="xla", chunk_size=8, **OPTIONS)
 
 
-@needs_8
 def test_mesh_arguments_are_checked(rng):
   problem = make_problem(rng, (N,), dim=D, vocab=V)
   mesh = _mesh((2, 4))

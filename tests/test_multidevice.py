@@ -1,0 +1,36 @@
+"""Runs tests/multidevice on 8 simulated CPU devices, in a fresh process.
+
+``--xla_force_host_platform_device_count`` must be set before JAX starts, so
+it cannot apply to this process; the multi-device tests run in a child pytest
+with it, and this test fails if any of them fails.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+
+def test_multidevice_suite_on_8_cpu_devices():
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = (
+    env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  ).strip()
+  env["JAX_PLATFORMS"] = "cpu"
+  result = subprocess.run(
+    [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "multidevice"],
+    env=env,
+    capture_output=True,
+    text=True,
+    cwd=HERE,
+  )
+  summary = result.stdout[-4000:] + result.stderr[-2000:]
+  assert result.returncode == 0, summary
+  passed = re.search(r"(\d+) passed", result.stdout)
+  assert passed and int(passed.group(1)) >= 19, summary
+  assert not re.search(r"\d+ (failed|skipped|error)", result.stdout), summary
