@@ -7,6 +7,7 @@ they hold parameters; both compute through ``head_loss`` and ``head_logits``.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -59,19 +60,26 @@ class HeadLossOptions:
       )
 
 
+class HeadParams(NamedTuple):
+  """A head's parameters as a module holds them."""
+
+  weight: jax.Array  # [D, V] kernel ("dv") or a tied [V, D] table ("vd")
+  weight_layout: str
+  bias: jax.Array | None
+
+
 def head_loss(
+  params: HeadParams,
   hidden: jax.Array,
-  weight: jax.Array,
   labels: jax.Array,
-  bias: jax.Array | None,
   *,
-  weight_layout: str,
   dtype,
   options: HeadLossOptions,
   where: jax.Array | None,
   return_aux: bool,
 ):
   """``linear_cross_entropy`` with inputs promoted to ``dtype`` like Flax's Dense."""
+  weight, weight_layout, bias = params
   hidden, weight, bias = dtypes.promote_dtype((hidden, weight, bias), dtype=dtype)
   return api.linear_cross_entropy(
     hidden,
@@ -86,15 +94,10 @@ def head_loss(
 
 
 def head_logits(
-  hidden: jax.Array,
-  weight: jax.Array,
-  bias: jax.Array | None,
-  *,
-  weight_layout: str,
-  dtype,
-  logit_softcap: float | None,
+  params: HeadParams, hidden: jax.Array, *, dtype, logit_softcap: float | None
 ) -> jax.Array:
   """Full logits ``[..., V]`` in the computation dtype, softcapped like the loss."""
+  weight, weight_layout, bias = params
   hidden, weight, bias = dtypes.promote_dtype((hidden, weight, bias), dtype=dtype)
   kernel = weight if weight_layout == "dv" else weight.T
   logits = jnp.dot(hidden, kernel)

@@ -77,11 +77,11 @@ class LMHeadLoss(nn.Module):
           f"the tied embedding table is {embedding.shape}, but the head needs"
           f" (vocab_size, in_features) = {(self.vocab_size, in_features)}."
         )
-      return embedding, "vd", bias
+      return head.HeadParams(embedding, "vd", bias)
     kernel = self.param(
       "kernel", self.kernel_init, (in_features, self.vocab_size), self.param_dtype
     )
-    return kernel, "dv", bias
+    return head.HeadParams(kernel, "dv", bias)
 
   def __call__(
     self,
@@ -97,13 +97,10 @@ class LMHeadLoss(nn.Module):
     Returns what ``mst_jax.linear_cross_entropy`` returns with this module's
     options: the float32 loss, and with ``return_aux`` a ``LossAux`` too.
     """
-    weight, layout, bias = self._weight(hidden.shape[-1], embedding)
     return head.head_loss(
+      self._weight(hidden.shape[-1], embedding),
       hidden,
-      weight,
       labels,
-      bias,
-      weight_layout=layout,
       dtype=self.dtype,
       options=self.options,
       where=where,
@@ -112,12 +109,9 @@ class LMHeadLoss(nn.Module):
 
   def logits(self, hidden: jax.Array, *, embedding: jax.Array | None = None):
     """Full logits ``[..., V]`` (softcapped like the loss), for inference."""
-    weight, layout, bias = self._weight(hidden.shape[-1], embedding)
     return head.head_logits(
+      self._weight(hidden.shape[-1], embedding),
       hidden,
-      weight,
-      bias,
-      weight_layout=layout,
       dtype=self.dtype,
       logit_softcap=self.options.logit_softcap,
     )

@@ -110,11 +110,11 @@ class LMHeadLoss(nnx.Module):
     self.dtype = dtype
     self.param_dtype = param_dtype
 
-  def _weight(self) -> tuple[jax.Array, str, jax.Array | None]:
+  def _weight(self) -> head.HeadParams:
     bias = None if self.bias is None else self.bias[...]
     if self.embedding is not None:
-      return self.embedding.embedding[...], "vd", bias
-    return self.kernel[...], "dv", bias
+      return head.HeadParams(self.embedding.embedding[...], "vd", bias)
+    return head.HeadParams(self.kernel[...], "dv", bias)
 
   def __call__(
     self,
@@ -129,13 +129,10 @@ class LMHeadLoss(nnx.Module):
     Returns what ``mst_jax.linear_cross_entropy`` returns with this module's
     options: the float32 loss, and with ``return_aux`` a ``LossAux`` too.
     """
-    weight, layout, bias = self._weight()
     return head.head_loss(
+      self._weight(),
       hidden,
-      weight,
       labels,
-      bias,
-      weight_layout=layout,
       dtype=self.dtype,
       options=self.options,
       where=where,
@@ -144,12 +141,9 @@ class LMHeadLoss(nnx.Module):
 
   def logits(self, hidden: jax.Array) -> jax.Array:
     """Full logits ``[..., V]`` (softcapped like the loss), for inference."""
-    weight, layout, bias = self._weight()
     return head.head_logits(
+      self._weight(),
       hidden,
-      weight,
-      bias,
-      weight_layout=layout,
       dtype=self.dtype,
       logit_softcap=self.options.logit_softcap,
     )
