@@ -156,7 +156,6 @@ class _Chunk(NamedTuple):
   """A run of consecutive rows: a chunk, or a group of chunks.
 
   Attributes:
-    index: its index among its siblings.
     start: its first row (global).
     offset: its first row within its group (its start, for a group).
     owned: bool ``[size]``: rows no earlier sibling or enclosing group covered.
@@ -164,7 +163,6 @@ class _Chunk(NamedTuple):
     valid: bool ``[size]``: owned rows that count.
   """
 
-  index: jax.Array
   start: jax.Array
   offset: jax.Array
   owned: jax.Array
@@ -215,7 +213,7 @@ def _sweep(size, valid, update, carry, *, group=None, skipped=None):
       owned = local_owned & lax.dynamic_slice_in_dim(group.owned, offset, size)
       start = group.start + offset
     chunk_valid = lax.dynamic_slice_in_dim(valid, offset, size) & local_owned
-    chunk = _Chunk(index, start, offset, owned, local_owned, chunk_valid)
+    chunk = _Chunk(start, offset, owned, local_owned, chunk_valid)
     return lax.cond(jnp.any(chunk_valid), update, skipped, carry, chunk), None
 
   carry, _ = lax.scan(body, carry, jnp.arange(-(-n_rows // size)))
