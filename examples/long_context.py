@@ -26,6 +26,7 @@ import optax
 from flax import nnx
 
 import mst_jax
+from mst_jax.bench.fit import compiled_footprint, largest_fitting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,37 +133,10 @@ def make_step(cfg: Config, head: str):
 
 
 def footprint(cfg: Config, head: str, seq: int) -> float:
-  """Compiled bytes of one training step at batch 1 x ``seq`` (inf: no compile).
-
-  Compiling can itself run out of memory (GEMM autotuning allocates the
-  operands it times); that counts as not fitting.
-  """
+  """Compiled bytes of one training step at batch 1 x ``seq`` (inf: no compile)."""
   step, model, optimizer = make_step(cfg, head)
   tokens = jax.ShapeDtypeStruct((1, seq), jnp.int32)
-  try:
-    analysis = step.lower(model, optimizer, tokens).compile().memory_analysis()
-  except jax.errors.JaxRuntimeError as e:
-    if "RESOURCE_EXHAUSTED" not in str(e) and "Out of memory" not in str(e):
-      raise
-    return float("inf")
-  return (
-    analysis.argument_size_in_bytes
-    + analysis.output_size_in_bytes
-    + analysis.temp_size_in_bytes
-    - analysis.alias_size_in_bytes
-  )
-
-
-def longest_fitting(cfg, head, capacity, low, high, granularity, log):
-  """Bisects ``seq`` in ``[low, high]`` for the largest footprint <= capacity."""
-  if footprint(cfg, head, low) > capacity:
-    return 0
-  while high - low > granularity:
-    mid = (low + high) // 2 // granularity * granularity
-    fits = footprint(cfg, head, mid) <= capacity
-    log(f"  {head}: T={mid:,} {'fits' if fits else 'does not fit'}")
-    low, high = (mid, high) if fits else (low, mid)
-  return low
+  return compiled_footprint(lambda: step.lower(model, optimizer, tokens))
 
 
 def tokens_per_second(cfg, head, seq, steps):
@@ -222,8 +196,12 @@ def main(argv=None):
   )
   longest = {}
   for head in ("naive", "mst"):
-    longest[head] = longest_fitting(
-      cfg, head, capacity, low, high, granularity, lambda s: print(s, flush=True)
+    longest[head] = largest_fitting(
+      lambda seq, head=head: footprint(cfg, head, seq) <= capacity,
+      low,
+      high,
+      granularity,
+      lambda s, head=head: print(f"  {head}: T={s.strip()}", flush=True),
     )
     print(
       f"longest training sequence, {head} head: {longest[head]:,} tokens", flush=True

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # One build-check-measure cycle on the lent H200, from the repo root there:
-#   [BENCH_ARGS=...] [HLO_VARIANTS="k=v k=v;..."] scripts/h200_check.sh [gpu_tests] [suite] [kernels] [bench] [hlo] ...
+#   [BENCH_ARGS=...] [HLO_VARIANTS="k=v k=v;..."] scripts/h200_check.sh [gpu_tests] [suite] [kernels] [bench] [hlo]
+#     [multi] [fit] [long] [bundle]
 # Logs go under $OUT; each step has its own time limit so the call ends in time.
+# "multi" needs two GPUs; "bundle" packs $OUT into one bundle.tgz (the device
+# tool returns at most 8 files). SKIP_INSTALL=1 skips the editable install (for
+# a second copy running beside the first on another GPU).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
@@ -9,7 +13,9 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
   python3 -c 'import jax, jaxlib; print("jax", jax.__version__, "jaxlib", jaxlib.__version__, jax.devices())'
 } 2>&1 | tee "$OUT/env.txt"
-pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.txt" 2>&1 || { cat "$OUT/pip.txt"; exit 1; }
+if [ -z "${SKIP_INSTALL:-}" ]; then
+  pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.txt" 2>&1 || { cat "$OUT/pip.txt"; exit 1; }
+fi
 
 step() {  # step NAME SECONDS CMD...
   local name=$1 limit=$2; shift 2
@@ -30,6 +36,11 @@ for what in "$@"; do
     kernels) step kernels 300 python3 -m mst_jax.bench --kernels --reps 20 --blocks ${BLOCKS:-1x2048x4} ;;
     bench) step bench ${BENCH_LIMIT:-400} python3 -m mst_jax.bench --out "$OUT/bench" $BENCH_ARGS
            cp "$OUT/bench/bench.png" "$OUT/bench/results.json" "$OUT/" 2>/dev/null ;;
+    multi) step multi ${MULTI_LIMIT:-300} python3 -m mst_jax.bench --out "$OUT/multi" \
+             --cases llama_16k llama_16k_dp llama_16k_vp --impls naive_cast mst_jax ;;
+    fit) XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 step fit ${FIT_LIMIT:-300} python3 -m mst_jax.bench \
+             --fit --cases llama --impls naive_cast mst_jax --out "$OUT/fit" ;;
+    bundle) (cd "$OUT" && tar czf ../bundle.tgz . && rm -rf ./* && mv ../bundle.tgz .) ;;
     long) step long_context ${LONG_LIMIT:-300} python3 examples/long_context.py $LONG_ARGS ;;
     hlo) IFS=';' read -ra variants <<< "${HLO_VARIANTS:-}"
          for v in "${variants[@]}"; do step "hlo_$(echo "$v" | tr -c 'a-z0-9' _)" 120 python3 scripts/hlo_report.py $v; done ;;

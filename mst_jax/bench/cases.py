@@ -8,6 +8,8 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import mst_jax
 
@@ -28,6 +30,12 @@ class Case:
     masked_fraction: see ``mask``.
     seq_len: sequence length for "prefix" masks.
     wrt: "hidden_weight" (gradients of both) or "hidden" (a frozen head).
+    parallel: "" (one device), "data" (rows split over all local devices,
+      the weight replicated) or "vocab" (the weight's rows split, the hidden
+      states replicated). Inputs are placed that way; naive specs then run as
+      plain GSPMD programs and ``mst_jax`` specs get ``mesh=`` with the
+      matching ``batch_axis`` or ``vocab_axis``.
+    devices: how many local devices a parallel case spans.
     description: one line for the table.
   """
 
@@ -40,6 +48,8 @@ class Case:
   masked_fraction: float = 0.0
   seq_len: int = 2048
   wrt: str = "hidden_weight"
+  parallel: str = ""
+  devices: int = 1
   description: str = ""
 
   @property
@@ -53,6 +63,25 @@ class Case:
 
   def with_tokens(self, tokens: int) -> Case:
     return dataclasses.replace(self, name=f"{self.name}@{tokens}", tokens=tokens)
+
+  @property
+  def mesh(self) -> Mesh | None:
+    """A ``("data", "model")`` mesh over the case's devices (None: one device)."""
+    if not self.parallel:
+      return None
+    devices = jax.devices()
+    if len(devices) < self.devices:
+      raise Unsupported(f"needs {self.devices} devices, found {len(devices)}")
+    shape = (self.devices, 1) if self.parallel == "data" else (1, self.devices)
+    return Mesh(np.array(devices[: self.devices]).reshape(shape), ("data", "model"))
+
+  @property
+  def mesh_axes(self) -> dict:
+    """``linear_cross_entropy``'s mesh arguments for this case."""
+    if not self.parallel:
+      return {}
+    axis = {"data": "batch_axis", "vocab": "vocab_axis"}[self.parallel]
+    return {"mesh": self.mesh, axis: "data" if self.parallel == "data" else "model"}
 
 
 _LLAMA = dict(dim=4096, vocab=128256)
@@ -80,8 +109,27 @@ CASES = {
       description="4b: 40% masked at random",
     ),
     Case("llama_frozen", 8192, **_LLAMA, wrt="hidden", description="5: frozen head"),
+    # Issue 7's two-GPU table: one GPU against two, data or vocab parallel.
+    Case("llama_16k", 16384, **_LLAMA, description="Llama-3 head, 16k, one GPU"),
+    Case(
+      "llama_16k_dp",
+      16384,
+      **_LLAMA,
+      parallel="data",
+      devices=2,
+      description="Llama-3 head, 16k, 2 GPUs data parallel",
+    ),
+    Case(
+      "llama_16k_vp",
+      16384,
+      **_LLAMA,
+      parallel="vocab",
+      devices=2,
+      description="Llama-3 head, 16k, 2 GPUs vocab parallel",
+    ),
   ]
 }
+MULTI_DEVICE_CASES = ["llama_16k", "llama_16k_dp", "llama_16k_vp"]
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "dtype", "blocks"))
@@ -119,6 +167,15 @@ def make_inputs(case: Case, seed: int = 0):
     where = jax.random.uniform(k_m, (case.tokens,)) >= case.masked_fraction
   else:
     where = jnp.ones((case.tokens,), bool)
+  mesh = case.mesh
+  if mesh is not None:
+    rows = P("data") if case.parallel == "data" else P()
+    vocab = P("model") if case.parallel == "vocab" else P()
+    specs = (rows, vocab, rows, rows)
+    hidden, weight, labels, where = (
+      jax.device_put(x, NamedSharding(mesh, spec))
+      for x, spec in zip((hidden, weight, labels, where), specs, strict=True)
+    )
   return hidden, weight, labels, where
 
 
@@ -172,11 +229,14 @@ def make_loss(spec: str, case: Case):
   if name in ("naive", "naive_cast"):
     return functools.partial(naive_loss, cast_logits=name == "naive_cast")
   if name == "mst_jax":
+    kwargs.update(case.mesh_axes)
 
     def loss(hidden, weight, labels, where):
       return mst_jax.linear_cross_entropy(hidden, weight, labels, where=where, **kwargs)
 
     return loss
+  if case.parallel and name in ("jax_cce", "tokamax"):
+    raise Unsupported(f"{name} is benchmarked on one device only")
   if case.mask != "none" and name in ("jax_cce", "tokamax"):
     raise Unsupported(f"{name} takes no token mask")
   if name == "jax_cce":

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import jax
 
-from mst_jax.bench import kernels, measure
+from mst_jax.bench import fit, kernels, measure
 from mst_jax.bench.cases import CASES
 
 GPU_CASES = [
@@ -75,6 +75,30 @@ def run_sweep(args: argparse.Namespace) -> list[dict]:
     row["description"] = case.description
     rows.append(row)
   _add_ratios(rows)
+  return rows
+
+
+def run_fit(args: argparse.Namespace) -> list[dict]:
+  """The largest N that fits per case and impl, each confirmed by one real step."""
+  device = jax.devices()[0]
+  capacity = (device.memory_stats() or {}).get("bytes_limit")
+  if capacity is None:
+    raise SystemExit("--fit needs a device that reports memory_stats() (a GPU)")
+  print(f"fitting in {capacity / 2**30:.1f} GiB (bytes_limit)", flush=True)
+  env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # the rest of os.environ too
+  rows = []
+  for name in args.cases:
+    for impl in args.impls:
+      case = CASES[name]
+      log = lambda text, impl=impl: print(f"{impl}: {text}", flush=True)
+      tokens = fit.largest_tokens(impl, case, capacity, args.fit_granularity, log)
+      row = {"case": name, "impl": impl, "largest_tokens": tokens}
+      if tokens:
+        check = measure.run_isolated(impl, case.with_tokens(tokens), "memory", 0, env)
+        row["confirmed"] = "error" not in check
+        row["check"] = check
+      print(f"{name} {impl}: largest N {tokens:,} {row}", flush=True)
+      rows.append(row)
   return rows
 
 
@@ -214,6 +238,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     default=["1x2048x4"],
     help="with --kernels: Pallas KernelBlocks ROWSxBLOCK_VxWARPS[xSTAGES]",
   )
+  parser.add_argument(
+    "--fit",
+    action="store_true",
+    help="bisect the largest N that fits per case and impl (GPU)",
+  )
+  parser.add_argument(
+    "--fit-granularity", type=int, default=8192, help="with --fit: N's step"
+  )
   parser.add_argument("--seed", type=int, default=0)
   return parser.parse_args(argv)
 
@@ -226,6 +258,12 @@ def main(argv: Sequence[str] | None = None) -> None:
   )
   if args.kernels:
     kernels.run_kernels(args)
+    return
+  if args.fit:
+    rows = run_fit(args)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "fit.json"), "w") as f:
+      json.dump({"device": device.device_kind, "jax": jax.__version__, "rows": rows}, f)
     return
   args.memory = args.memory and args.isolate
   rows = run_sweep(args)

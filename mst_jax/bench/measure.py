@@ -28,8 +28,14 @@ from mst_jax.bench.cases import Case, Unsupported, make_inputs, make_loss
 _RESULT_TAG = "MST_BENCH_RESULT "
 
 
-def _nbytes(tree) -> int:
-  return sum(x.nbytes for x in jax.tree.leaves(tree))
+def _nbytes(tree, device=None) -> int:
+  """Bytes of ``tree``'s arrays, or of their shards on ``device``."""
+  leaves = jax.tree.leaves(tree)
+  if device is None:
+    return sum(x.nbytes for x in leaves)
+  return sum(
+    s.data.nbytes for x in leaves for s in x.addressable_shards if s.device == device
+  )
 
 
 def _step(spec: str, case: Case):
@@ -68,9 +74,13 @@ def time_step(spec: str, case: Case, reps: int, warmup_s: float) -> dict:
 
 
 def peak_extra_bytes(spec: str, case: Case) -> dict:
-  """Runs the step once; peak bytes in use minus inputs and gradients."""
-  device = jax.devices()[0]
-  before = device.memory_stats()["bytes_in_use"]
+  """Runs the step once; peak bytes in use minus inputs and gradients.
+
+  For a case over several devices, per device (each device's peak minus its
+  own shards); ``extra_bytes`` is then the largest of them.
+  """
+  devices = jax.devices()[: case.devices]
+  before = [d.memory_stats()["bytes_in_use"] for d in devices]
   inputs = make_inputs(case)
   step = _step(spec, case)
   start = time.perf_counter()
@@ -78,12 +88,20 @@ def peak_extra_bytes(spec: str, case: Case) -> dict:
   load_s = time.perf_counter() - start
   loss, grads = compiled(*inputs)
   jax.block_until_ready(grads)
-  peak = device.memory_stats()["peak_bytes_in_use"]
-  return {
-    "extra_bytes": peak - before - _nbytes(inputs) - _nbytes(grads) - loss.nbytes,
+  extra = [
+    d.memory_stats()["peak_bytes_in_use"]
+    - b
+    - _nbytes((inputs, grads, loss), d if case.devices > 1 else None)
+    for d, b in zip(devices, before, strict=True)
+  ]
+  result = {
+    "extra_bytes": max(extra),
     "extra_method": "peak memory_stats",
     "load_s": load_s,
   }
+  if case.devices > 1:
+    result["extra_bytes_per_device"] = extra
+  return result
 
 
 def accuracy(spec: str, case: Case) -> dict:

@@ -7,6 +7,7 @@ with that flag (a plain run on fewer devices does not collect it).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -166,3 +167,22 @@ def test_mesh_arguments_are_checked(rng):
       mesh=mesh,
       batch_axis="data",
     )
+
+
+@pytest.mark.parametrize("parallel", ["data", "vocab"])
+@pytest.mark.parametrize("impl", ["naive", "mst_jax:chunk_size=32"])
+def test_benchmark_parallel_cases_match_one_device(parallel, impl):
+  """What ``python -m mst_jax.bench --cases llama_16k_dp ...`` runs on GPUs."""
+  from mst_jax.bench.cases import CASES, make_inputs, make_loss
+
+  small = dict(tokens=128, dim=16, vocab=1032, dtype="float32", devices=N_DEVICES)
+  one = dataclasses.replace(CASES["llama_16k"], **small)
+  many = dataclasses.replace(CASES["llama_16k"], **small, parallel=parallel)
+  inputs = make_inputs(many)
+  spec = inputs[1].sharding.spec if parallel == "vocab" else inputs[0].sharding.spec
+  assert spec[0] == ("model" if parallel == "vocab" else "data")
+  step = lambda case: jax.jit(jax.value_and_grad(make_loss(impl, case), (0, 1)))
+  want = step(one)(*make_inputs(one))
+  got = step(many)(*inputs)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)

@@ -1,0 +1,92 @@
+"""How large a problem fits: bisection over compiled memory footprints.
+
+A program fits when XLA's own accounting of the compiled step (arguments +
+outputs + temporaries - donated aliases, ``memory_analysis()``) is at most the
+device's allocator limit (``memory_stats()["bytes_limit"]``; raise it with
+``XLA_PYTHON_CLIENT_MEM_FRACTION=0.95``). Compiling can itself run out of
+memory (GEMM autotuning allocates the operands it times): that counts as not
+fitting. ``--fit`` then runs the largest size once, to confirm.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from mst_jax.bench.cases import Case, make_loss
+
+_OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")
+
+
+def compiled_footprint(lowered: Callable[[], jax.stages.Lowered]) -> float:
+  """Bytes the compiled program needs on the device (inf: it did not compile)."""
+  try:
+    analysis = lowered().compile().memory_analysis()
+  except jax.errors.JaxRuntimeError as e:
+    if not any(text in str(e) for text in _OUT_OF_MEMORY):
+      raise
+    return float("inf")
+  return (
+    analysis.argument_size_in_bytes
+    + analysis.output_size_in_bytes
+    + analysis.temp_size_in_bytes
+    - analysis.alias_size_in_bytes
+  )
+
+
+def largest_fitting(
+  fits: Callable[[int], bool],
+  low: int,
+  high: int,
+  granularity: int,
+  log: Callable[[str], None] = print,
+) -> int:
+  """The largest multiple of ``granularity`` in ``[low, high]`` that fits (0: none)."""
+  if not fits(low):
+    return 0
+  if fits(high):
+    return high
+  while high - low > granularity:
+    mid = (low + high) // 2 // granularity * granularity
+    ok = fits(mid)
+    log(f"  {mid:,}: {'fits' if ok else 'does not fit'}")
+    low, high = (mid, high) if ok else (low, mid)
+  return low
+
+
+def step_footprint(spec: str, case: Case) -> float:
+  """Compiled footprint of ``spec``'s value-and-grad on ``case``."""
+  dtype = jnp.dtype(case.dtype)
+  shapes = (
+    jax.ShapeDtypeStruct((case.tokens, case.dim), dtype),
+    jax.ShapeDtypeStruct((case.vocab, case.dim), dtype),
+    jax.ShapeDtypeStruct((case.tokens,), jnp.int32),
+    jax.ShapeDtypeStruct((case.tokens,), jnp.bool_),
+  )
+  step = jax.jit(jax.value_and_grad(make_loss(spec, case), argnums=case.argnums))
+  return compiled_footprint(lambda: step.lower(*shapes))
+
+
+def largest_tokens(
+  spec: str, case: Case, capacity: int, granularity: int, log=print
+) -> int:
+  """The largest N (a multiple of ``granularity``) whose step fits ``capacity``."""
+
+  @functools.cache
+  def fits(n: int) -> bool:
+    return step_footprint(spec, dataclasses.replace(case, tokens=n)) <= capacity
+
+  high = granularity
+  while fits(high):
+    high *= 2  # a bracket first: footprints grow about linearly in N
+  return largest_fitting(
+    fits,
+    max(granularity, high // 2),
+    high,
+    granularity,
+    log,
+  )

@@ -1,0 +1,94 @@
+"""The benchmark's measurement plumbing on small CPU shapes.
+
+Speed and memory are measured on the GPU, not asserted here; these check that
+what the benchmark runs computes the right thing and that its bisection finds
+the boundary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from mst_jax import reference
+from mst_jax.bench import cli, fit, measure
+from mst_jax.bench.cases import CASES, make_inputs, make_loss
+
+SMALL = dict(tokens=300, dim=24, vocab=1031, dtype="float32", seq_len=100)
+
+
+@pytest.mark.parametrize("case", ["llama", "llama_sft_prefix", "llama_sft_random"])
+@pytest.mark.parametrize("impl", ["naive", "naive_cast", "mst_jax:chunk_size=64"])
+def test_every_impl_computes_the_masked_mean_loss(case, impl):
+  case = dataclasses.replace(CASES[case], **SMALL)
+  hidden, weight, labels, where = make_inputs(case, seed=3)
+  got = jax.jit(make_loss(impl, case))(hidden, weight, labels, where)
+  with jax.enable_x64():
+    want = reference.linear_cross_entropy(
+      np.asarray(hidden, np.float64),
+      np.asarray(weight, np.float64),
+      labels,
+      where=where,
+    )
+  np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+  if case.mask == "none":
+    assert bool(where.all())
+  else:
+    assert 0.3 < 1 - float(where.mean()) < 0.7
+
+
+def test_isolated_measurement_reports_time_and_accuracy():
+  case = dataclasses.replace(CASES["llama"], **SMALL)
+  row = measure.run_isolated("mst_jax", case, "time", 2, env={})
+  assert row["median_ms"] > 0 and row["extra_bytes"] >= 0, row
+  errors = measure.run_here("naive", case, "accuracy")
+  assert errors["dhidden_rel_err"] < 1e-5 and errors["dweight_rel_err"] < 1e-5
+
+
+@pytest.mark.parametrize("boundary", [0, 1, 17, 40, 63, 64])
+def test_bisection_finds_the_largest_fitting_multiple(boundary):
+  calls = []
+
+  def fits(n):
+    calls.append(n)
+    return n <= boundary * 8
+
+  got = fit.largest_fitting(fits, 8, 512, 8, log=lambda _: None)
+  want = 0 if boundary == 0 else min(boundary, 64) * 8
+  assert got == want
+  assert len(calls) <= 2 + 6
+
+
+def test_footprint_holds_naive_logits_and_mst_does_not():
+  case = dataclasses.replace(CASES["llama"], dim=32, vocab=4099, dtype="bfloat16")
+  at = lambda spec, n: fit.step_footprint(spec, case.with_tokens(n))
+  logits = 4096 * case.vocab * 4
+  assert at("naive", 4096) > logits > at("naive", 1024)
+  assert at("mst_jax:memory_budget=4194304", 4096) < logits / 2
+
+
+def test_fit_rejects_a_device_without_memory_stats(tmp_path):
+  with pytest.raises(SystemExit, match="memory_stats"):
+    cli.main(["--fit", "--cases", "cpu", "--impls", "naive", "--out", str(tmp_path)])
+
+
+def test_cpu_sweep_writes_table_and_json(tmp_path, capsys):
+  cli.main(
+    ["--tokens", "256", "--impls", "naive", "mst_jax", "--reps", "1"]
+    + ["--out", str(tmp_path)]
+  )
+  table = capsys.readouterr().out
+  assert "mst_jax" in table and "naive" in table
+  assert (tmp_path / "results.json").exists()
+
+
+def test_parallel_cases_skip_without_their_devices():
+  case = dataclasses.replace(
+    CASES["llama_16k_vp"], **SMALL, devices=len(jax.devices()) + 1
+  )
+  row = measure.run_here("mst_jax", case, "time", 1)
+  assert "median_ms" not in row
+  assert f"needs {case.devices} devices" in row["skipped"]
