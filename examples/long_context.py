@@ -201,7 +201,7 @@ def main(argv=None):
       low,
       high,
       granularity,
-      lambda s, head=head: print(f"  {head}: T={s.strip()}", flush=True),
+      lambda s, head=head: print(f"  {head}: T={s}", flush=True),
     )
     print(
       f"longest training sequence, {head} head: {longest[head]:,} tokens", flush=True

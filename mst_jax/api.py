@@ -69,6 +69,7 @@ def _mesh_layout(mesh, batch_axis, vocab_axis, weight_layout, rows):
     "weight_layout",
     "chunk_size",
     "memory_budget",
+    "vocab_block_size",
     "impl",
     "accum_dtype",
     "grad_mode",
@@ -94,6 +95,7 @@ def linear_cross_entropy(
   weight_layout: str = "vd",
   chunk_size: int | None = None,
   memory_budget: int | None = None,
+  vocab_block_size: int | None = None,
   impl: str | None = None,
   accum_dtype: jax.typing.DTypeLike | None = None,
   grad_mode: str | None = None,
@@ -142,7 +144,18 @@ def linear_cross_entropy(
     memory_budget: bytes for the chunk temporaries: one chunk's float32 logits
       and one group's ``dlogits``, whose matmuls run once per group (default
       2 GiB, ``config.DEFAULT_MEMORY_BUDGET``; ``config.plan_chunks``). Peak
-      extra memory is about this plus ``dhidden``-sized buffers.
+      extra memory is about this plus ``dhidden``-sized buffers. It is per
+      device; with ``vocab_axis`` the default is divided by that axis's size
+      (each device holds that fraction of the vocabulary).
+    vocab_block_size: the low-memory loop order (``mst_jax.vocab_blocked``):
+      each row chunk walks the vocabulary in blocks of this many columns,
+      once for the statistics and once for the gradients, so only
+      ``[rows, vocab_block_size]`` logits exist and nothing grows with V.
+      Costs 8 N·D·V FLOPs (the logits are formed twice) and one in-place pass
+      over ``dweight`` per row chunk; rows are not compacted. Rows per chunk
+      come from ``chunk_size`` or ``memory_budget``
+      (``config.plan_vocab_blocked_rows``). Multiples of 128 suit tensor
+      cores; V need not be a multiple. None (default): whole-row chunks.
     impl: None (automatic: ``"pallas"`` on a GPU, ``"xla"`` elsewhere),
       ``"xla"`` (chunked, per-chunk math in XLA), ``"pallas"`` (chunked,
       per-chunk math in Pallas kernels; on a CPU they run in interpret mode,
@@ -219,14 +232,17 @@ def linear_cross_entropy(
     memory_budget = inputs.check_int("memory_budget", memory_budget, minimum=1)
     if chunk_size is not None:
       raise ValueError("give chunk_size or memory_budget, not both.")
+  if vocab_block_size is not None:
+    vocab_block_size = inputs.check_int("vocab_block_size", vocab_block_size, minimum=1)
   accum_dtype = inputs.as_dtype("accum_dtype", accum_dtype)
   if grad_mode not in GRAD_MODES:
     raise ValueError(f"grad_mode must be one of {GRAD_MODES}, got {grad_mode!r}.")
-  chunked_only = (chunk_size, memory_budget, accum_dtype, grad_mode)
-  if impl == "reference" and chunked_only != (None,) * 4:
+  chunked_only = (chunk_size, memory_budget, vocab_block_size, accum_dtype, grad_mode)
+  if impl == "reference" and chunked_only != (None,) * 5:
     raise ValueError(
-      "chunk_size, memory_budget, accum_dtype and grad_mode apply to the chunked"
-      " implementations, not impl='reference' (which forms the full logits)."
+      "chunk_size, memory_budget, vocab_block_size, accum_dtype and grad_mode"
+      " apply to the chunked implementations, not impl='reference' (which forms"
+      " the full logits)."
     )
   if grad_mode == "fused" and reduction == "none":
     raise NotImplementedError(
@@ -264,12 +280,23 @@ def linear_cross_entropy(
     # Chunks are planned for the rows and vocabulary one device holds.
     local_rows = n_rows // _axis_size(mesh, batch_axis)
     local_vocab = rows.vocab_size // _axis_size(mesh, vocab_axis)
-    if chunk_size is None:
+    if vocab_block_size is not None and chunk_size is None:
+      chunk = group = config.plan_vocab_blocked_rows(
+        local_rows,
+        rows.hidden.shape[1],
+        min(vocab_block_size, local_vocab),
+        rows.hidden.dtype,
+        memory_budget=memory_budget or config.DEFAULT_MEMORY_BUDGET,
+      )
+    elif chunk_size is None:
       chunk, group = config.plan_chunks(
         local_rows,
         local_vocab,
         rows.hidden.dtype,
-        memory_budget=memory_budget or config.DEFAULT_MEMORY_BUDGET,
+        # The default budget is the whole head's: vocab shards split it, so
+        # each device plans the row chunks one device would use.
+        memory_budget=memory_budget
+        or config.DEFAULT_MEMORY_BUDGET // _axis_size(mesh, vocab_axis),
       )
     else:
       chunk = group = min(chunk_size, local_rows)
@@ -282,11 +309,11 @@ def linear_cross_entropy(
       options=options,
       backend=backend,
       vocab_total=rows.vocab_size,
+      vocab_block=vocab_block_size,
     )
-    if layout is None:
-      plan = chunked.plan_for(driver)
-    else:
-      plan = sharded.plan_for(driver, layout)
+    plan = chunked.plan_for(driver)
+    if layout is not None:
+      plan = sharded.plan_for(plan, layout)
     args = (plan, rows.hidden, rows.weight, rows.bias, rows.labels, rows.valid)
     if (grad_mode or _default_grad_mode(reduction)) == "fused":
       weights = inputs.row_weights(rows, reduction, jnp.float32)

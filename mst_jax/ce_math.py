@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -88,6 +89,50 @@ class RowStats(NamedTuple):
   @property
   def lse(self) -> jax.Array:
     return self.row_max + self.log_sum_exp
+
+
+def combine_stats(
+  parts: RowStats,
+  here: jax.Array,
+  offset: jax.Array,
+  width: jax.Array,
+  vocab_size: int,
+  *,
+  reduce_max: Callable[[jax.Array], jax.Array],
+  reduce_sum: Callable[[jax.Array], jax.Array],
+  reduce_min: Callable[[jax.Array], jax.Array],
+) -> RowStats:
+  """The ``RowStats`` of whole rows from those of their column ranges.
+
+  The parts are reductions of disjoint column ranges of the same rows
+  (vocabulary blocks, or the shards of a vocab-parallel weight). ``reduce_*``
+  reduce over the parts: over a stacked leading axis (``jnp.max(x, 0)``) or
+  over a mesh axis (``lax.pmax(x, axis)``).
+
+  Args:
+    parts: each part's statistics, computed with labels relative to its first
+      column (``argmax`` likewise).
+    here: bool, per part and row: the label is in the part's range.
+    offset: each part's first column.
+    width: each part's number of columns (for the mean logit).
+    vocab_size: ``V`` (an argmax sentinel above every column).
+    reduce_max, reduce_sum, reduce_min: reductions over the parts.
+
+  Returns:
+    The combined ``RowStats``: one max/sum-exp merge, the target logit from
+    the part that holds the label, the width-weighted mean, the first argmax.
+  """
+  row_max = reduce_max(parts.row_max)
+  # Each part's sum-exp, rescaled from its own max to the combined one.
+  sum_exp = reduce_sum(jnp.exp(parts.row_max - row_max + parts.log_sum_exp))
+  first = jnp.where(parts.row_max == row_max, parts.argmax + offset, vocab_size)
+  return RowStats(
+    row_max=row_max,
+    log_sum_exp=jnp.log(sum_exp),
+    target=reduce_sum(jnp.where(here, parts.target, 0.0)),
+    mean_logit=reduce_sum(parts.mean_logit * width) / reduce_sum(width),
+    argmax=reduce_min(first),
+  )
 
 
 def softcap(logits: jax.Array, cap: float | None) -> jax.Array:

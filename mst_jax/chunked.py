@@ -73,6 +73,8 @@ class DriverConfig:
     compact: move valid rows to the front before chunking.
     vocab_total: the whole vocabulary when ``weight`` holds one shard of it
       (vocab-parallel); default: the weight's.
+    vocab_block: if set, the low-memory loop order (``mst_jax.vocab_blocked``):
+      each row chunk walks the vocabulary in blocks of this many columns.
     chunk_callback: if set, ``chunk_callback(pass_name, first_row)`` runs on
       the host (``jax.debug.callback``) for every chunk that is computed rather
       than skipped, with ``pass_name`` "forward", "backward" or "fused" and
@@ -89,6 +91,7 @@ class DriverConfig:
   compact: bool = True
   chunk_callback: Callable[[str, jax.Array], None] | None = None
   vocab_total: int | None = None
+  vocab_block: int | None = None
 
   def announce(self, pass_name: str, first_row: jax.Array) -> None:
     if self.chunk_callback is not None:
@@ -126,7 +129,7 @@ def _unwrap(*primals):
 # ---- Matmuls, per weight layout. ----
 
 
-def _logits(hidden, weight, bias, layout):
+def logits_matmul(hidden, weight, bias, layout):
   acc = jnp.promote_types(hidden.dtype, jnp.float32)
   logits = lax.dot_general(
     hidden, weight, _LOGITS_DIMS[layout], preferred_element_type=acc
@@ -134,7 +137,7 @@ def _logits(hidden, weight, bias, layout):
   return logits if bias is None else logits + bias.astype(acc)
 
 
-def _dhidden(dlogits, weight, layout, dtype):
+def dhidden_matmul(dlogits, weight, layout, dtype):
   acc = jnp.promote_types(dlogits.dtype, jnp.float32)
   dh = lax.dot_general(
     dlogits, weight, _DHIDDEN_DIMS[layout], preferred_element_type=acc
@@ -142,7 +145,7 @@ def _dhidden(dlogits, weight, layout, dtype):
   return dh.astype(dtype)
 
 
-def _dweight(dlogits, hidden, layout, accum_dtype):
+def dweight_matmul(dlogits, hidden, layout, accum_dtype):
   contract_rows = (((0,), (0,)), ((), ()))
   # "vd": dlogits^T @ hidden -> [V, D]; "dv": hidden^T @ dlogits -> [D, V].
   operands = (dlogits, hidden) if layout == "vd" else (hidden, dlogits)
@@ -194,7 +197,7 @@ class _Chunk(NamedTuple):
     return jnp.where(self.valid[:, None], h, jnp.zeros_like(h))
 
 
-def _sweep(size, valid, update, carry, *, group=None, skipped=None):
+def sweep_chunks(size, valid, update, carry, *, group=None, skipped=None):
   """``carry = update(carry, chunk)`` for every chunk of ``size`` rows.
 
   Walks the rows of ``valid`` (all rows, or those of ``group``). The last chunk
@@ -241,7 +244,7 @@ def _compaction(config, valid):
 # ---- The sweeps. ----
 
 
-def _output_init(n_rows, dtype):
+def output_init(n_rows, dtype):
   """Per-row ``(loss, lse, correct)`` buffers; excluded rows stay zero."""
   return (
     jnp.zeros((n_rows,), dtype),
@@ -250,21 +253,29 @@ def _output_init(n_rows, dtype):
   )
 
 
-def _forward(config, hidden, weight, bias, labels, valid):
-  """Per-row ``(loss, lse, correct)``, in the given row order."""
+def full_row_stats(config, h, weight, bias, labels) -> ce_math.RowStats:
+  """A chunk's row statistics from its whole ``[rows, V]`` float32 logits."""
+  logits = logits_matmul(h, weight, bias, config.weight_layout)
+  return config.backend.forward(logits, labels, config.options)
+
+
+def forward_rows(config, hidden, weight, bias, labels, valid, row_stats=full_row_stats):
+  """Per-row ``(loss, lse, correct)``, in the given row order.
+
+  ``row_stats(config, h, weight, bias, labels)`` reduces one chunk's rows.
+  """
   vocab_size = config.vocab_size(weight)
 
   def update(outputs, chunk):
     config.announce("forward", chunk.start)
     y = chunk.take(labels)
-    logits = _logits(chunk.hidden(hidden), weight, bias, config.weight_layout)
-    stats = config.backend.forward(logits, y, config.options)
+    stats = row_stats(config, chunk.hidden(hidden), weight, bias, y)
     rows = ce_math.row_outputs(stats, y, chunk.valid, config.options, vocab_size)
     return tuple(map(chunk.put, outputs, rows))
 
   stat_dtype = jnp.promote_types(hidden.dtype, jnp.float32)
-  init = _output_init(hidden.shape[0], stat_dtype)
-  return _sweep(config.rows_per_chunk, valid, update, init)
+  init = output_init(hidden.shape[0], stat_dtype)
+  return sweep_chunks(config.rows_per_chunk, valid, update, init)
 
 
 def _accumulate(config, grads, group, h, dlogits, weight):
@@ -272,11 +283,34 @@ def _accumulate(config, grads, group, h, dlogits, weight):
   dhidden, dweight, dbias = grads
   layout = config.weight_layout
   if dhidden is not None:
-    dhidden = group.put(dhidden, _dhidden(dlogits, weight, layout, dhidden.dtype))
+    dhidden = group.put(dhidden, dhidden_matmul(dlogits, weight, layout, dhidden.dtype))
   if dweight is not None:
-    dweight = dweight + _dweight(dlogits, h, layout, dweight.dtype)
+    dweight = dweight + dweight_matmul(dlogits, h, layout, dweight.dtype)
   if dbias is not None:
     dbias = dbias + jnp.sum(dlogits, axis=0, dtype=dbias.dtype)
+  return dhidden, dweight, dbias
+
+
+def gradient_init(config, hidden, weight, bias, diff):
+  """Zero ``(dhidden, dweight, dbias)`` accumulators (None: not differentiated)."""
+  dbias = None
+  if diff.bias:  # [V] only: always accumulated in at least float32
+    accum = config.accum_dtype or jnp.promote_types(bias.dtype, jnp.float32)
+    dbias = jnp.zeros(bias.shape, accum)
+  return (
+    _zeros_if(diff.hidden, hidden.shape, hidden.dtype),
+    _zeros_if(diff.weight, weight.shape, config.accum_dtype or weight.dtype),
+    dbias,
+  )
+
+
+def gradient_finish(grads, weight, bias):
+  """The accumulators in their inputs' dtypes."""
+  dhidden, dweight, dbias = grads
+  if dweight is not None:
+    dweight = dweight.astype(weight.dtype)
+  if dbias is not None:
+    dbias = dbias.astype(bias.dtype)
   return dhidden, dweight, dbias
 
 
@@ -319,7 +353,7 @@ def _gradient_sweep(config, hidden, weight, bias, valid, diff, chunk_dlogits, ou
       outputs, dlogits = chunk_dlogits(outputs, chunk, None)
       return outputs, chunk.put(buffer, dlogits, local=True)
 
-    outputs, buffer = _sweep(
+    outputs, buffer = sweep_chunks(
       chunk_size, group.valid, fill, (outputs, buffer), group=group
     )
     grads = _accumulate(config, grads, group, group.hidden(hidden), buffer, weight)
@@ -327,7 +361,7 @@ def _gradient_sweep(config, hidden, weight, bias, valid, diff, chunk_dlogits, ou
 
   def chunk_by_chunk(carry, group):
     outputs, grads, buffer = carry
-    outputs, grads = _sweep(
+    outputs, grads = sweep_chunks(
       chunk_size, group.valid, chunk_update, (outputs, grads), group=group
     )
     return outputs, grads, buffer
@@ -335,29 +369,16 @@ def _gradient_sweep(config, hidden, weight, bias, valid, diff, chunk_dlogits, ou
   def group_update(carry, group):
     return lax.cond(jnp.all(group.valid), whole_group, chunk_by_chunk, carry, group)
 
-  grads = (
-    _zeros_if(diff.hidden, hidden.shape, hidden.dtype),
-    _zeros_if(diff.weight, weight.shape, config.accum_dtype or weight.dtype),
-    None,
-  )
-  if diff.bias:  # [V] only: always accumulated in at least float32
-    grads = grads[:2] + (
-      jnp.zeros(bias.shape, config.accum_dtype or jnp.promote_types(bias.dtype, "f4")),
-    )
+  grads = gradient_init(config, hidden, weight, bias, diff)
   if chunk_size == group_size:
-    outputs, grads = _sweep(chunk_size, valid, chunk_update, (outputs, grads))
+    outputs, grads = sweep_chunks(chunk_size, valid, chunk_update, (outputs, grads))
   else:
     width = weight.shape[0 if config.weight_layout == "vd" else 1]  # this shard's
     buffer = jnp.zeros((group_size, width), hidden.dtype)
-    outputs, grads, _ = _sweep(
+    outputs, grads, _ = sweep_chunks(
       group_size, valid, group_update, (outputs, grads, buffer)
     )
-  dhidden, dweight, dbias = grads
-  if dweight is not None:
-    dweight = dweight.astype(weight.dtype)
-  if dbias is not None:
-    dbias = dbias.astype(bias.dtype)
-  return outputs, (dhidden, dweight, dbias)
+  return outputs, gradient_finish(grads, weight, bias)
 
 
 def _backward(config, hidden, weight, bias, labels, valid, lse, g_loss, g_lse, diff):
@@ -376,7 +397,7 @@ def _backward(config, hidden, weight, bias, labels, valid, lse, g_loss, g_lse, d
       config.options,
       vocab_size,
     )
-    logits = _logits(chunk.hidden(hidden), weight, bias, config.weight_layout)
+    logits = logits_matmul(chunk.hidden(hidden), weight, bias, config.weight_layout)
     dlogits = config.backend.backward(logits, y, rows, config.options, hidden.dtype)
     if into is not None:
       buffer, row = into
@@ -399,7 +420,7 @@ def _fused(config, hidden, weight, bias, labels, valid, row_scale, diff):
     config.announce("fused", chunk.start)
     y = chunk.take(labels)
     g_loss = jnp.where(chunk.valid, chunk.take(row_scale), 0.0)
-    logits = _logits(chunk.hidden(hidden), weight, bias, config.weight_layout)
+    logits = logits_matmul(chunk.hidden(hidden), weight, bias, config.weight_layout)
     stats, dlogits = config.backend.forward_backward(
       logits, y, chunk.valid, g_loss, config.options, hidden.dtype, into=into
     )
@@ -407,14 +428,14 @@ def _fused(config, hidden, weight, bias, labels, valid, row_scale, diff):
     return tuple(map(chunk.put, outputs, rows)), dlogits
 
   stat_dtype = jnp.promote_types(hidden.dtype, jnp.float32)
-  init = _output_init(hidden.shape[0], stat_dtype)
+  init = output_init(hidden.shape[0], stat_dtype)
   return _gradient_sweep(config, hidden, weight, bias, valid, diff, chunk_dlogits, init)
 
 
 def compacted_forward(config, hidden, weight, bias, labels, valid):
   """Per-row ``(loss, lse, correct)``, valid rows compacted to the front."""
   gather, scatter = _compaction(config, valid)
-  outputs = _forward(
+  outputs = forward_rows(
     config, gather(hidden), weight, bias, gather(labels), gather(valid)
   )
   return tuple(map(scatter, outputs))
@@ -465,6 +486,13 @@ class Plan(NamedTuple):
 
 
 def plan_for(config: DriverConfig) -> Plan:
+  """The single-device plan: row chunks, or vocabulary blocks within them."""
+  if config.vocab_block is not None:
+    from mst_jax import vocab_blocked  # it builds on this module
+
+    return Plan(
+      config, vocab_blocked.forward, vocab_blocked.backward, vocab_blocked.fused
+    )
   return Plan(config, compacted_forward, compacted_backward, compacted_fused)
 
 

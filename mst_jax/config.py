@@ -80,6 +80,27 @@ def _fewest_rewrites_group(n_rows: int, chunk: int, group_most: int) -> int:
   return min(candidates, key=rewrites) if candidates else chunk
 
 
+def plan_vocab_blocked_rows(
+  n_rows: int,
+  dim: int,
+  vocab_block: int,
+  dtype: np.dtype,
+  *,
+  memory_budget: int = DEFAULT_MEMORY_BUDGET,
+) -> int:
+  """Rows per chunk for the vocabulary-blocked loop order (``vocab_block_size``).
+
+  A row costs a float32 ``dhidden`` accumulator row (``4 D`` bytes) and a row
+  of the block's float32 logits and ``dlogits`` (``(4 + itemsize) B``). Fewer,
+  bigger chunks mean fewer passes over ``dweight``; chunks are multiples of
+  128 rows when the budget allows, else of 8.
+  """
+  per_row = 4 * dim + (4 + np.dtype(dtype).itemsize) * vocab_block
+  rows = memory_budget // per_row
+  align = _ROW_ALIGN if rows >= _ROW_ALIGN else 8
+  return int(min(n_rows, max(align, rows // align * align)))
+
+
 # Up to this many groups, dweight accumulates in the weight's dtype in place.
 MAX_GROUPS_IN_PLACE = 8
 

@@ -52,34 +52,29 @@ class VocabShardedCE:
   vocab_size: int
   name: str = "vocab-sharded"
 
-  def _local(self, labels):
-    """Labels as this shard's column indices (outside ``[0, V/m)``: not here)."""
+  def _local(self, labels, width):
+    """Labels as this shard's column indices (outside ``[0, width)``: not here)."""
     local = labels - lax.axis_index(self.axis) * self.shard_size
-    return local, (local >= 0) & (local < self.shard_size)
+    return local, (local >= 0) & (local < width)
 
   def forward(self, logits, labels, options):
-    local, here = self._local(labels)
-    stats = self.inner.forward(logits, local, options)
-    row_max = lax.pmax(stats.row_max, self.axis)
-    # Each shard's sum-exp, rescaled from its own max to the global one.
-    sum_exp = lax.psum(jnp.exp(stats.row_max - row_max + stats.log_sum_exp), self.axis)
-    target = lax.psum(jnp.where(here, stats.target, 0.0), self.axis)
-    mean_logit = lax.psum(stats.mean_logit * self.shard_size, self.axis)
-    offset = lax.axis_index(self.axis) * self.shard_size
-    candidates = jnp.where(
-      stats.row_max == row_max, stats.argmax + offset, self.vocab_size
-    )
-    return ce_math.RowStats(
-      row_max=row_max,
-      log_sum_exp=jnp.log(sum_exp),
-      target=target,
-      mean_logit=mean_logit / self.vocab_size,
-      argmax=lax.pmin(candidates, self.axis),
+    width = logits.shape[-1]  # the shard, or a block of it (vocab_block_size)
+    local, here = self._local(labels, width)
+    reduce = lambda collective: functools.partial(collective, axis_name=self.axis)
+    return ce_math.combine_stats(
+      self.inner.forward(logits, local, options),
+      here,
+      lax.axis_index(self.axis) * self.shard_size,
+      jnp.float32(width),
+      self.vocab_size,
+      reduce_max=reduce(lax.pmax),
+      reduce_sum=reduce(lax.psum),
+      reduce_min=reduce(lax.pmin),
     )
 
   def backward(self, logits, labels, rows, options, out_dtype, vocab_size=None):
     del vocab_size  # always the whole vocabulary's
-    local, _ = self._local(labels)
+    local, _ = self._local(labels, logits.shape[-1])
     return self.inner.backward(
       logits, local, rows, options, out_dtype, vocab_size=self.vocab_size
     )
@@ -153,11 +148,9 @@ def _with_bias(fn, has_bias):
   return lambda h, w, *rest: fn(h, w, None, *rest)
 
 
-def _sharded_forward(layout, config, hidden, weight, bias, labels, valid):
+def _sharded_forward(layout, local, config, hidden, weight, bias, labels, valid):
   bias_args, bias_specs = _bias_args(bias, layout)
-  body = _with_bias(
-    functools.partial(chunked.compacted_forward, config), bias is not None
-  )
+  body = _with_bias(functools.partial(local.forward, config), bias is not None)
   return layout.shard_map(
     body,
     [hidden, weight, *bias_args, labels, valid],
@@ -186,12 +179,12 @@ def _reduce_grads(layout, grads):
 
 
 def _sharded_backward(
-  layout, config, hidden, weight, bias, labels, valid, lse, g_loss, g_lse, diff
+  layout, local, config, hidden, weight, bias, labels, valid, lse, g_loss, g_lse, diff
 ):
   bias_args, bias_specs = _bias_args(bias, layout)
 
   def body(h, w, b, y, v, s, gl, gs):
-    grads = chunked.compacted_backward(config, h, w, b, y, v, s, gl, gs, diff)
+    grads = local.backward(config, h, w, b, y, v, s, gl, gs, diff)
     return _reduce_grads(layout, grads)
 
   rows = layout.rows
@@ -204,14 +197,12 @@ def _sharded_backward(
 
 
 def _sharded_fused(
-  layout, config, hidden, weight, bias, labels, valid, row_scale, diff
+  layout, local, config, hidden, weight, bias, labels, valid, row_scale, diff
 ):
   bias_args, bias_specs = _bias_args(bias, layout)
 
   def body(h, w, b, y, v, scale):
-    (loss, lse, correct), grads = chunked.compacted_fused(
-      config, h, w, b, y, v, scale, diff
-    )
+    (loss, lse, correct), grads = local.fused(config, h, w, b, y, v, scale, diff)
     return (layout.sum_over(loss, layout.batch_axis), lse, correct), _reduce_grads(
       layout, grads
     )
@@ -225,11 +216,12 @@ def _sharded_fused(
   )
 
 
-def plan_for(config: chunked.DriverConfig, layout: Layout) -> chunked.Plan:
-  """A ``chunked.Plan`` whose computations run per device on ``layout.mesh``.
+def plan_for(local: chunked.Plan, layout: Layout) -> chunked.Plan:
+  """``local`` (a single-device plan) run per device on ``layout.mesh``.
 
-  With a vocabulary axis, ``config.backend`` is wrapped in ``VocabShardedCE``.
+  With a vocabulary axis, the config's backend is wrapped in ``VocabShardedCE``.
   """
+  config = local.config
   if layout.vocab_axis is not None:
     vocab_size = config.vocab_total
     shard = vocab_size // layout.mesh.shape[layout.vocab_axis]
@@ -239,7 +231,7 @@ def plan_for(config: chunked.DriverConfig, layout: Layout) -> chunked.Plan:
     )
   return chunked.Plan(
     config,
-    functools.partial(_sharded_forward, layout),
-    functools.partial(_sharded_backward, layout),
-    functools.partial(_sharded_fused, layout),
+    functools.partial(_sharded_forward, layout, local),
+    functools.partial(_sharded_backward, layout, local),
+    functools.partial(_sharded_fused, layout, local),
   )

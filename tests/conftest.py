@@ -176,6 +176,7 @@ _REFERENCE_ONLY = (  # options of the chunked paths the reference does not take
   "impl",
   "chunk_size",
   "memory_budget",
+  "vocab_block_size",
   "accum_dtype",
   "grad_mode",
   "mesh",

@@ -10,8 +10,6 @@ fitting. ``--fit`` then runs the largest size once, to confirm.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from collections.abc import Callable
 
 import jax
@@ -45,15 +43,28 @@ def largest_fitting(
   granularity: int,
   log: Callable[[str], None] = print,
 ) -> int:
-  """The largest multiple of ``granularity`` in ``[low, high]`` that fits (0: none)."""
+  """The largest multiple of ``granularity`` in ``[low, high]`` that fits (0: none).
+
+  Doubles from ``low`` to bracket the boundary before bisecting, so it never
+  compiles a size far past the boundary (compiling a program much too large
+  can take minutes: GEMM autotuning retries allocations it cannot get).
+  """
   if not fits(low):
     return 0
-  if fits(high):
-    return high
+  while low < high:
+    step = min(2 * low, high)
+    ok = fits(step)
+    log(f"{step:,}: {'fits' if ok else 'does not fit'}")
+    if not ok:
+      high = step
+      break
+    low = step
+  else:
+    return low
   while high - low > granularity:
     mid = (low + high) // 2 // granularity * granularity
     ok = fits(mid)
-    log(f"  {mid:,}: {'fits' if ok else 'does not fit'}")
+    log(f"{mid:,}: {'fits' if ok else 'does not fit'}")
     low, high = (mid, high) if ok else (low, mid)
   return low
 
@@ -75,18 +86,5 @@ def largest_tokens(
   spec: str, case: Case, capacity: int, granularity: int, log=print
 ) -> int:
   """The largest N (a multiple of ``granularity``) whose step fits ``capacity``."""
-
-  @functools.cache
-  def fits(n: int) -> bool:
-    return step_footprint(spec, dataclasses.replace(case, tokens=n)) <= capacity
-
-  high = granularity
-  while fits(high):
-    high *= 2  # a bracket first: footprints grow about linearly in N
-  return largest_fitting(
-    fits,
-    max(granularity, high // 2),
-    high,
-    granularity,
-    log,
-  )
+  fits = lambda n: step_footprint(spec, case.with_tokens(n)) <= capacity
+  return largest_fitting(fits, granularity, 2**26, granularity, log)

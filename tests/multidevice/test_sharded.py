@@ -186,3 +186,22 @@ def test_benchmark_parallel_cases_match_one_device(parallel, impl):
   got = step(many)(*inputs)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (2, 4)], ids=["1x8", "2x4"])
+@pytest.mark.parametrize("grad_mode", ["fused", "recompute"])
+def test_vocab_blocks_inside_vocab_shards(rng, shape, grad_mode):
+  """vocab_block_size walks each shard's 129 or 258 columns in 50-column blocks."""
+  problem = make_problem(rng, (N,), dim=D, vocab=V, bias=True, mask="scattered")
+  check_against_oracle(
+    problem,
+    "float32",
+    mesh=_mesh(shape),
+    batch_axis="data",
+    vocab_axis="model",
+    impl="xla",
+    vocab_block_size=50,
+    chunk_size=8,
+    grad_mode=grad_mode,
+    **OPTIONS,
+  )
