@@ -31,7 +31,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # peers carried as wheels (README of the
 fi
 for what in "$@"; do
   case $what in
-    gpu_tests) step gpu_tests ${TESTS_LIMIT:-240} python3 -m pytest -q -m gpu -rs tests ;;
+    gpu_tests) step gpu_tests ${TESTS_LIMIT:-240} python3 -m pytest -q -m gpu -rs ${TESTS_K:+-k "$TESTS_K"} tests ;;
     suite) step suite 300 python3 -m pytest -q -x -m "not gpu" tests/test_linear_cross_entropy.py tests/test_chunked.py ;;
     kernels) step kernels 300 python3 -m mst_jax.bench --kernels --reps 20 --blocks ${BLOCKS:-1x2048x4} ;;
     bench) step bench ${BENCH_LIMIT:-400} python3 -m mst_jax.bench --out "$OUT/bench" $BENCH_ARGS
@@ -39,7 +39,7 @@ for what in "$@"; do
     multi) step multi ${MULTI_LIMIT:-300} python3 -m mst_jax.bench --out "$OUT/multi" \
              --cases llama_16k llama_16k_dp llama_16k_vp --impls naive_cast mst_jax ;;
     fit) XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 step fit ${FIT_LIMIT:-300} python3 -m mst_jax.bench \
-             --fit --cases llama --impls naive_cast mst_jax --out "$OUT/fit" ;;
+             --fit --fit-granularity ${FIT_GRANULARITY:-32768} --cases llama --impls naive_cast mst_jax --out "$OUT/fit" ;;
     bundle) (cd "$OUT" && tar czf ../bundle.tgz . && rm -rf ./* && mv ../bundle.tgz .) ;;
     long) step long_context ${LONG_LIMIT:-300} python3 examples/long_context.py $LONG_ARGS ;;
     hlo) IFS=';' read -ra variants <<< "${HLO_VARIANTS:-}"

@@ -207,3 +207,18 @@ def test_invalid_block_size():
     mst_jax.linear_cross_entropy(h, w, y, vocab_block_size=0)
   with pytest.raises(ValueError, match="vocab_block_size"):
     mst_jax.linear_cross_entropy(h, w, y, vocab_block_size=8, impl="reference")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_real_vocabulary(rng, dtype):
+  """The Llama-3 vocabulary in 2048-column blocks (62 full + a 1280 remainder)."""
+  problem = make_problem(rng, (1000,), dim=256, vocab=128256, dtype=dtype, bias=True)
+  check_against_oracle(
+    problem,
+    dtype,
+    impl="pallas",
+    vocab_block_size=2048,
+    chunk_size=384,
+    **ALL_OPTIONS,
+  )
