@@ -176,6 +176,12 @@ def main(argv=None):
     help="sequence length for tokens/s (default: what naive fits)",
   )
   parser.add_argument("--steps", type=int, default=5)
+  parser.add_argument(
+    "--fit",
+    action=argparse.BooleanOptionalAction,
+    default=True,
+    help="bisect the longest sequence (--no-fit: only tokens/s at --speed-seq)",
+  )
   args = parser.parse_args(argv)
   cfg = PRESETS[args.preset]
   device = jax.devices()[0]
@@ -195,7 +201,7 @@ def main(argv=None):
     flush=True,
   )
   longest = {}
-  for head in ("naive", "mst"):
+  for head in ("naive", "mst") if args.fit else ():
     longest[head] = largest_fitting(
       lambda seq, head=head: footprint(cfg, head, seq) <= capacity,
       low,
@@ -206,7 +212,7 @@ def main(argv=None):
     print(
       f"longest training sequence, {head} head: {longest[head]:,} tokens", flush=True
     )
-  seq = args.speed_seq or longest["naive"] or low
+  seq = args.speed_seq or longest.get("naive") or low
   for head in ("naive", "mst"):
     rate, loss = tokens_per_second(cfg, head, seq, args.steps)
     print(
