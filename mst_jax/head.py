@@ -31,6 +31,7 @@ class HeadLossOptions:
   logit_softcap: float | None = None
   chunk_size: int | None = None
   memory_budget: int | None = None
+  vocab_block_size: int | None = None
   impl: str | None = None
   grad_mode: str | None = None
 
@@ -49,7 +50,7 @@ class HeadLossOptions:
       if self.logit_softcap is None
       else inputs.check_finite_float("logit_softcap", self.logit_softcap),
     )
-    for name in ("chunk_size", "memory_budget"):
+    for name in ("chunk_size", "memory_budget", "vocab_block_size"):
       if getattr(self, name) is not None:
         inputs.check_int(name, getattr(self, name), minimum=1)
     if self.impl not in api.IMPLEMENTATIONS:

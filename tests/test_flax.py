@@ -46,8 +46,13 @@ def _oracle(hidden, weight, labels, bias, where, weight_layout, argnums, **optio
     return np.asarray(value), [np.asarray(g) for g in grads]
 
 
-def test_nnx_module_matches_the_oracle(rng):
-  head = mst_jax.nnx.LMHeadLoss(D, V, use_bias=True, rngs=nnx.Rngs(0), **OPTIONS)
+@pytest.mark.parametrize(
+  "order", [{}, dict(vocab_block_size=256, chunk_size=16)], ids=["rows", "low_memory"]
+)
+def test_nnx_module_matches_the_oracle(rng, order):
+  head = mst_jax.nnx.LMHeadLoss(
+    D, V, use_bias=True, rngs=nnx.Rngs(0), **OPTIONS, **order
+  )
   head.bias[...] = jnp.asarray(rng.standard_normal(V) * 0.3, jnp.float32)
   hidden, labels, where = _data(rng)
 
@@ -235,6 +240,8 @@ def test_bad_module_arguments_raise_at_construction():
     mst_jax.nnx.LMHeadLoss(D, V, reduction="avg", rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="z_loss"):
     mst_jax.linen.LMHeadLoss.create(V, z_loss=-1.0)
+  with pytest.raises(ValueError, match="vocab_block_size"):
+    mst_jax.linen.LMHeadLoss.create(V, vocab_block_size=0)
 
 
 @pytest.mark.parametrize("module", ["mst_jax.api", "mst_jax.nnx", "mst_jax.linen"])
