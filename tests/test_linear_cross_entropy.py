@@ -298,7 +298,8 @@ def test_under_user_jit_and_grad(rng, impl):
   assert_close(grad_only, ref_grads[1], GRAD_RTOL["float32"], "grad only")
 
 
-def test_check_grads_float64(rng, impl, grad_mode):
+@pytest.mark.parametrize("vocab_block_size", [None, 5], ids=["rows", "vocab_blocks"])
+def test_check_grads_float64(rng, impl, grad_mode, vocab_block_size):
   """Finite differences against the hand-written VJP, float64.
 
   Second order only for XLA: a pallas_call has no derivative of its own.
@@ -319,6 +320,7 @@ def test_check_grads_float64(rng, impl, grad_mode):
         where=problem.where,
         impl=impl,
         chunk_size=4,
+        vocab_block_size=vocab_block_size,
         grad_mode=grad_mode,
         **ALL_OPTIONS,
       )

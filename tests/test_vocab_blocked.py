@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import jax.test_util
 import numpy as np
 import pytest
 from conftest import (
@@ -160,31 +159,6 @@ def test_label_in_the_remainder_block_and_out_of_range(rng):
     reduction="none",
   )
   assert np.isnan(np.asarray(loss)[7]) and np.isfinite(np.asarray(loss)[:7]).all()
-
-
-def test_check_grads_float64(rng, grad_mode):
-  problem = make_problem(rng, (11,), dim=5, vocab=23, bias=True)
-  with jax.enable_x64(True):
-    args = tuple(
-      jnp.asarray(np.asarray(x, np.float64))
-      for x in (problem.hidden, problem.weight, problem.bias)
-    )
-
-    def f(hidden, weight, bias):
-      return mst_jax.linear_cross_entropy(
-        hidden,
-        weight,
-        problem.labels,
-        bias,
-        where=problem.where,
-        impl="xla",
-        chunk_size=4,
-        vocab_block_size=5,
-        grad_mode=grad_mode,
-        **ALL_OPTIONS,
-      )
-
-    jax.test_util.check_grads(f, args, order=2, modes=["rev"])
 
 
 def test_frozen_weight_runs_no_dweight_matmul(rng):

@@ -32,9 +32,11 @@ def _mesh(shape):
   return Mesh(np.array(jax.devices()[:N_DEVICES]).reshape(shape), ("data", "model"))
 
 
+@pytest.mark.parametrize("vocab_block_size", [None, 50], ids=["rows", "vocab_blocks"])
 @pytest.mark.parametrize("grad_mode", ["fused", "recompute"])
 @pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_meshes_match_the_oracle(rng, shape, grad_mode):
+def test_meshes_match_the_oracle(rng, shape, grad_mode, vocab_block_size):
+  """vocab_blocks: each shard's 129 to 1032 columns in 50-column blocks."""
   problem = make_problem(rng, (N,), dim=D, vocab=V, bias=True, mask="scattered")
   check_against_oracle(
     problem,
@@ -44,6 +46,7 @@ def test_meshes_match_the_oracle(rng, shape, grad_mode):
     vocab_axis="model",
     impl="xla",
     chunk_size=4,
+    vocab_block_size=vocab_block_size,
     grad_mode=grad_mode,
     **OPTIONS,
   )
@@ -186,22 +189,3 @@ def test_benchmark_parallel_cases_match_one_device(parallel, impl):
   got = step(many)(*inputs)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)
-
-
-@pytest.mark.parametrize("shape", [(1, 8), (2, 4)], ids=["1x8", "2x4"])
-@pytest.mark.parametrize("grad_mode", ["fused", "recompute"])
-def test_vocab_blocks_inside_vocab_shards(rng, shape, grad_mode):
-  """vocab_block_size walks each shard's 129 or 258 columns in 50-column blocks."""
-  problem = make_problem(rng, (N,), dim=D, vocab=V, bias=True, mask="scattered")
-  check_against_oracle(
-    problem,
-    "float32",
-    mesh=_mesh(shape),
-    batch_axis="data",
-    vocab_axis="model",
-    impl="xla",
-    vocab_block_size=50,
-    chunk_size=8,
-    grad_mode=grad_mode,
-    **OPTIONS,
-  )
