@@ -154,8 +154,11 @@ def linear_cross_entropy(
       Costs 8 N·D·V FLOPs (the logits are formed twice) and one in-place pass
       over ``dweight`` per row chunk; rows are not compacted. Rows per chunk
       come from ``chunk_size`` or ``memory_budget``
-      (``config.plan_vocab_blocked_rows``). Multiples of 128 suit tensor
-      cores; V need not be a multiple. None (default): whole-row chunks.
+      (``config.plan_vocab_blocked_rows``; the default budget is not divided
+      over vocab shards here: a row's cost does not depend on V), and
+      ``dweight`` accumulates in the weight's dtype unless ``accum_dtype``
+      says otherwise. Multiples of 128 suit tensor cores; V need not be a
+      multiple. None (default): whole-row chunks.
     impl: None (automatic: ``"pallas"`` on a GPU, ``"xla"`` elsewhere),
       ``"xla"`` (chunked, per-chunk math in XLA), ``"pallas"`` (chunked,
       per-chunk math in Pallas kernels; on a CPU they run in interpret mode,
@@ -168,6 +171,7 @@ def linear_cross_entropy(
       (on the H200 at the Llama-3 head, 2 groups, its error measured 1.06x
       that of full-logits autodiff); with more, in float32, whose ``V x D``
       buffer and traffic cost less than the error of many roundings would.
+      With ``vocab_block_size``, always in the weight's dtype.
     grad_mode: how gradients are formed. ``"fused"``: during the forward sweep,
       in the same pass as the loss (6 N·D·V FLOPs, like full-logits autodiff;
       needs a scalar ``reduction``; ``aux.lse`` is then not differentiable).
@@ -304,8 +308,14 @@ def linear_cross_entropy(
       rows_per_chunk=chunk,
       rows_per_group=group,
       weight_layout=weight_layout,
+      # The low-memory order keeps dweight in place (a float32 [V, D] buffer
+      # would be its largest); the row-chunked one switches past 8 groups.
       accum_dtype=accum_dtype
-      or config.default_accum_dtype(local_rows, group, rows.weight.dtype),
+      or (
+        None
+        if vocab_block_size is not None
+        else config.default_accum_dtype(local_rows, group, rows.weight.dtype)
+      ),
       options=options,
       backend=backend,
       vocab_total=rows.vocab_size,

@@ -40,7 +40,8 @@ class VocabShardedCE:
   """A ``ChunkCE`` on one vocabulary shard, with statistics combined over ``axis``.
 
   Attributes:
-    inner: the backend that reduces this device's ``[rows, V / m]`` logits.
+    inner: the backend that reduces this device's ``[rows, V / m]`` logits
+      (or, with ``vocab_block_size``, blocks of them).
     axis: the mesh axis the vocabulary is split over.
     shard_size: ``V / m``.
     vocab_size: ``V``.
@@ -52,31 +53,45 @@ class VocabShardedCE:
   vocab_size: int
   name: str = "vocab-sharded"
 
-  def _local(self, labels, width):
-    """Labels as this shard's column indices (outside ``[0, width)``: not here)."""
-    local = labels - lax.axis_index(self.axis) * self.shard_size
-    return local, (local >= 0) & (local < width)
+  def local_labels(self, labels):
+    """Labels as this shard's column indices (outside ``[0, shard_size)``: not here)."""
+    return labels - lax.axis_index(self.axis) * self.shard_size
 
-  def forward(self, logits, labels, options):
-    width = logits.shape[-1]  # the shard, or a block of it (vocab_block_size)
-    local, here = self._local(labels, width)
+  def combine(self, stats, local_labels):
+    """Whole-row statistics from each shard's, over the model axis.
+
+    ``stats`` reduce this shard's ``shard_size`` columns with ``local_labels``
+    (``inner.forward``, or ``mst_jax.vocab_blocked`` merging the shard's
+    blocks first, so that the collectives run once per chunk).
+    """
+    here = (local_labels >= 0) & (local_labels < self.shard_size)
     reduce = lambda collective: functools.partial(collective, axis_name=self.axis)
     return ce_math.combine_stats(
-      self.inner.forward(logits, local, options),
+      stats,
       here,
       lax.axis_index(self.axis) * self.shard_size,
-      jnp.float32(width),
+      jnp.float32(self.shard_size),
       self.vocab_size,
       reduce_max=reduce(lax.pmax),
       reduce_sum=reduce(lax.psum),
       reduce_min=reduce(lax.pmin),
     )
 
+  def forward(self, logits, labels, options):
+    local = self.local_labels(labels)
+    return self.combine(self.inner.forward(logits, local, options), local)
+
   def backward(self, logits, labels, rows, options, out_dtype, vocab_size=None):
+    """``dlogits`` of this shard's columns (or a block of them: the inner
+    backend compares columns with the labels as given, less the shard offset)."""
     del vocab_size  # always the whole vocabulary's
-    local, _ = self._local(labels, logits.shape[-1])
     return self.inner.backward(
-      logits, local, rows, options, out_dtype, vocab_size=self.vocab_size
+      logits,
+      self.local_labels(labels),
+      rows,
+      options,
+      out_dtype,
+      vocab_size=self.vocab_size,
     )
 
   def forward_backward(

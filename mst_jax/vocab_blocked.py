@@ -20,7 +20,10 @@ written once per row chunk (in place, block by block). The forward runs pass
 1; the backward (or, for a scalar loss, the forward itself) runs both.
 
 Row chunks without a valid row are skipped (``lax.cond``). Rows are not
-compacted: compaction gathers a copy of ``hidden``, which this mode saves.
+compacted (``DriverConfig.compact`` is ignored): compaction gathers a copy of
+``hidden``, which this mode saves. ``dweight`` accumulates in the weight's
+dtype by default, whatever the number of row chunks: a float32 ``[V, D]``
+accumulator would be the largest buffer of a mode meant to be small.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mst_jax import ce_math, chunked
+from mst_jax import ce_math, chunked, sharded
 
 
 def _vocab_axis(config) -> int:
@@ -62,7 +65,16 @@ def _block(config, weight, bias, start, size):
 
 
 def row_stats(config, h, weight, bias, labels) -> ce_math.RowStats:
-  """Whole-row statistics of ``h``'s logits, merged block by block."""
+  """Whole-row statistics of ``h``'s logits, merged block by block.
+
+  On a vocab-parallel shard (``VocabShardedCE``) the blocks of this shard are
+  merged first and the shards combined once, so the collectives run once per
+  row chunk, not once per block.
+  """
+  backend, local = config.backend, labels
+  shards = isinstance(backend, sharded.VocabShardedCE)
+  if shards:
+    backend, local = backend.inner, backend.local_labels(labels)
   stacked = lambda reduce: functools.partial(reduce, axis=0)
   merge = functools.partial(
     ce_math.combine_stats,
@@ -72,18 +84,11 @@ def row_stats(config, h, weight, bias, labels) -> ce_math.RowStats:
     reduce_min=stacked(jnp.min),
   )
 
-  # This device's columns: all V, or one vocab-parallel shard of them, whose
-  # backend (VocabShardedCE) then combines each block across the shards; a
-  # label is in block [start, start + size) of some shard iff its column
-  # within a shard is.
-  shard_width = weight.shape[_vocab_axis(config)]
-  column = jnp.remainder(labels, shard_width)
-
   def block_stats(start, size):
     w, b = _block(config, weight, bias, start, size)
     logits = chunked.logits_matmul(h, w, b, config.weight_layout)
-    stats = config.backend.forward(logits, labels - start, config.options)
-    return stats, (column >= start) & (column < start + size)
+    stats = backend.forward(logits, local - start, config.options)
+    return stats, (local >= start) & (local < start + size)
 
   def step(carry, start, size):
     running, covered = carry
@@ -97,7 +102,7 @@ def row_stats(config, h, weight, bias, labels) -> ce_math.RowStats:
     )
     return merged, covered + size
 
-  first_size = min(config.vocab_block, shard_width)
+  first_size = min(config.vocab_block, weight.shape[_vocab_axis(config)])
   first, here = block_stats(jnp.int32(0), first_size)
   one = lambda x: x[None]
   running = merge(
@@ -108,7 +113,7 @@ def row_stats(config, h, weight, bias, labels) -> ce_math.RowStats:
   )
   covered = jnp.asarray(first_size, first.mean_logit.dtype)
   running, _ = _over_blocks(config, weight, step, (running, covered), skip_first=True)
-  return running
+  return config.backend.combine(running, local) if shards else running
 
 
 def _chunk_gradients(config, grads, chunk, hidden, weight, bias, labels, rows):

@@ -75,6 +75,11 @@ def test_fit_rejects_a_device_without_memory_stats(tmp_path):
     cli.main(["--fit", "--cases", "cpu", "--impls", "naive", "--out", str(tmp_path)])
 
 
+def test_fit_rejects_cases_over_several_devices(tmp_path):
+  with pytest.raises(SystemExit, match="spans devices"):
+    cli.main(["--fit", "--cases", "llama_16k_vp", "--out", str(tmp_path)])
+
+
 def test_cpu_sweep_writes_table_and_json(tmp_path, capsys):
   cli.main(
     ["--tokens", "256", "--impls", "naive", "mst_jax", "--reps", "1"]

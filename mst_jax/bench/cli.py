@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import jax
 
-from mst_jax.bench import fit, kernels, measure
+from mst_jax.bench import kernels, measure
 from mst_jax.bench.cases import CASES
 
 GPU_CASES = [
@@ -79,20 +79,27 @@ def run_sweep(args: argparse.Namespace) -> list[dict]:
 
 
 def run_fit(args: argparse.Namespace) -> list[dict]:
-  """The largest N that fits per case and impl, each confirmed by one real step."""
-  device = jax.devices()[0]
-  capacity = (device.memory_stats() or {}).get("bytes_limit")
-  if capacity is None:
-    raise SystemExit("--fit needs a device that reports memory_stats() (a GPU)")
-  print(f"fitting in {capacity / 2**30:.1f} GiB (bytes_limit)", flush=True)
+  """The largest N that fits per case and impl, each confirmed by one real step.
+
+  The bisection (compiles only) and each confirmation run in their own fresh
+  processes, so no process holds device memory while another measures.
+  """
   env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # the rest of os.environ too
   rows = []
   for name in args.cases:
+    case = CASES[name]
+    if case.parallel:
+      raise SystemExit(f"--fit bisects one-device cases; {name!r} spans devices")
     for impl in args.impls:
-      case = CASES[name]
       log = lambda text, impl=impl: print(f"{impl}: {text}", flush=True)
-      tokens = fit.largest_tokens(impl, case, capacity, args.fit_granularity, log)
+      bisect = measure.run_isolated(impl, case, "fit", 0, env, args.fit_granularity)
+      if "footprint_tokens" not in bisect:
+        raise SystemExit(f"--fit: {bisect.get('skipped') or bisect.get('error')}")
+      for line in bisect["log"]:
+        log(line)
+      tokens = bisect["footprint_tokens"]
       row = {"case": name, "impl": impl, "footprint_tokens": tokens}
+      row["capacity"] = bisect["capacity"]
       # The footprint ignores fragmentation: the allocator may not find one
       # contiguous block for the step's temporaries next to the inputs. Step
       # down (by 1/16) until a real step runs.
@@ -104,7 +111,7 @@ def run_fit(args: argparse.Namespace) -> list[dict]:
         if "error" not in check:
           row.update(largest_tokens=tokens, check=check)
           break
-        row.setdefault("failed_runs", []).append((tokens, check["error"][-200:]))
+        row.setdefault("failed_runs", []).append((tokens, check["error"][-300:]))
         step = max(args.fit_granularity, tokens // 16)
         tokens = (tokens - step) // args.fit_granularity * args.fit_granularity
       print(f"{name} {impl}: {row}", flush=True)

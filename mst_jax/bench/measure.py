@@ -23,6 +23,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from mst_jax.bench import fit
 from mst_jax.bench.cases import Case, Unsupported, make_inputs, make_loss
 
 _RESULT_TAG = "MST_BENCH_RESULT "
@@ -126,11 +127,25 @@ def accuracy(spec: str, case: Case) -> dict:
   return {name: rel(g, r) for name, g, r in zip(names, grads, ref, strict=False)}
 
 
-def run_here(spec: str, case: Case, what: str, reps: int = 10) -> dict:
-  """One measurement in this process; ``what`` is "time", "memory" or "accuracy"."""
+def run_here(
+  spec: str, case: Case, what: str, reps: int = 10, granularity: int = 8192
+) -> dict:
+  """One measurement in this process.
+
+  ``what``: "time", "memory", "accuracy", or "fit" (the largest N, a multiple
+  of ``granularity``, whose compiled step fits the device: ``bench.fit``).
+  """
   result = {"case": case.name, "impl": spec, "tokens": case.tokens}
   try:
-    if what == "time":
+    if what == "fit":
+      stats = jax.devices()[0].memory_stats()
+      if stats is None:
+        raise Unsupported("--fit needs a device that reports memory_stats() (a GPU)")
+      capacity = stats["bytes_limit"]
+      log = []
+      tokens = fit.largest_tokens(spec, case, capacity, granularity, log.append)
+      result.update(footprint_tokens=tokens, capacity=capacity, log=log)
+    elif what == "time":
       warmup_s = 1.0 if jax.default_backend() == "gpu" else 0.0
       result.update(time_step(spec, case, reps, warmup_s))
       if jax.devices()[0].memory_stats() is None:
@@ -146,10 +161,18 @@ def run_here(spec: str, case: Case, what: str, reps: int = 10) -> dict:
   return result
 
 
-def run_isolated(spec: str, case: Case, what: str, reps: int, env: dict) -> dict:
+def run_isolated(
+  spec: str, case: Case, what: str, reps: int, env: dict, granularity: int = 8192
+) -> dict:
   """``run_here`` in a fresh process (see the module docstring)."""
   payload = json.dumps(
-    {"case": dataclasses.asdict(case), "impl": spec, "what": what, "reps": reps}
+    {
+      "case": dataclasses.asdict(case),
+      "impl": spec,
+      "what": what,
+      "reps": reps,
+      "granularity": granularity,
+    }
   )
   proc = subprocess.run(
     [sys.executable, "-m", "mst_jax.bench.measure", payload],
@@ -173,7 +196,9 @@ def run_isolated(spec: str, case: Case, what: str, reps: int, env: dict) -> dict
 def main(argv=None) -> None:
   request = json.loads((argv or sys.argv[1:])[0])
   case = Case(**request["case"])
-  result = run_here(request["impl"], case, request["what"], request["reps"])
+  result = run_here(
+    request["impl"], case, request["what"], request["reps"], request["granularity"]
+  )
   print(_RESULT_TAG + json.dumps(result, default=float), flush=True)
 
 

@@ -189,3 +189,38 @@ def test_benchmark_parallel_cases_match_one_device(parallel, impl):
   got = step(many)(*inputs)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)
+
+
+def _collective_scan_depths(jaxpr, depth=0):
+  """The ``lax.scan`` nesting depth of every pmax/psum/pmin in ``jaxpr``."""
+  depths = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in ("pmax", "psum", "pmin"):
+      depths.append(depth)
+    inner = depth + (eqn.primitive.name == "scan")
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (list, tuple)) else [param]:
+        sub = getattr(sub, "jaxpr", sub)
+        if isinstance(sub, jax.extend.core.Jaxpr):
+          depths += _collective_scan_depths(sub, inner)
+  return depths
+
+
+def test_vocab_blocks_combine_shards_once_per_row_chunk(rng):
+  """The model-axis collectives sit in the row-chunk scan, not the block scan."""
+  problem = make_problem(rng, (N,), dim=D, vocab=V, mask="none")
+  f = lambda h, w: mst_jax.linear_cross_entropy(
+    h,
+    w,
+    problem.labels,
+    mesh=_mesh((1, 8)),
+    vocab_axis="model",
+    impl="xla",
+    chunk_size=16,
+    vocab_block_size=16,
+    reduction="none",
+  )
+  depths = _collective_scan_depths(
+    jax.make_jaxpr(f)(problem.hidden, problem.weight).jaxpr
+  )
+  assert depths and set(depths) == {1}, depths
