@@ -197,16 +197,16 @@ class _Chunk(NamedTuple):
     return jnp.where(self.valid[:, None], h, jnp.zeros_like(h))
 
 
-def sweep_chunks(size, valid, update, carry, *, group=None, skipped=None):
+def sweep_chunks(size, valid, update, carry, *, group=None):
   """``carry = update(carry, chunk)`` for every chunk of ``size`` rows.
 
   Walks the rows of ``valid`` (all rows, or those of ``group``). The last chunk
   is clamped to end at the last row and owns only the rows the previous chunk
   did not cover. A chunk without a valid row is skipped by ``lax.cond`` on a
-  device-side predicate: ``carry = skipped(carry, chunk)`` (default: as is).
+  device-side predicate (the carry passes through).
   """
   n_rows = valid.shape[0]
-  skipped = skipped or (lambda carry, chunk: carry)
+  skipped = lambda carry, chunk: carry
 
   def body(carry, index):
     offset = jnp.minimum(index * size, n_rows - size)

@@ -41,14 +41,19 @@ def _vocab_axis(config) -> int:
   return 0 if config.weight_layout == "vd" else 1
 
 
+def _widths(config, weight) -> tuple[int, int]:
+  """``(columns, block)``: this device's vocabulary and its block width."""
+  vocab = weight.shape[_vocab_axis(config)]
+  return vocab, min(config.vocab_block, vocab)
+
+
 def _over_blocks(config, weight, step, carry, *, skip_first=False):
   """``carry = step(carry, start, size)`` for each vocabulary block in order.
 
   Full blocks run in a ``lax.scan``; a remainder of ``V mod B`` columns runs
   once more at its own (static) width. ``skip_first`` leaves out block 0.
   """
-  vocab = weight.shape[_vocab_axis(config)]
-  block = min(config.vocab_block, vocab)
+  vocab, block = _widths(config, weight)
   n_full, tail = divmod(vocab, block)
   starts = jnp.arange(int(skip_first), n_full, dtype=jnp.int32) * block
   carry, _ = lax.scan(lambda c, start: (step(c, start, block), None), carry, starts)
@@ -102,7 +107,7 @@ def row_stats(config, h, weight, bias, labels) -> ce_math.RowStats:
     )
     return merged, covered + size
 
-  first_size = min(config.vocab_block, weight.shape[_vocab_axis(config)])
+  _, first_size = _widths(config, weight)
   first, here = block_stats(jnp.int32(0), first_size)
   one = lambda x: x[None]
   running = merge(

@@ -179,6 +179,18 @@ def make_inputs(case: Case, seed: int = 0):
   return hidden, weight, labels, where
 
 
+def input_shapes(case: Case):
+  """``jax.ShapeDtypeStruct`` s of ``make_inputs(case)`` (one device), to compile
+  without allocating."""
+  dtype = jnp.dtype(case.dtype)
+  return (
+    jax.ShapeDtypeStruct((case.tokens, case.dim), dtype),
+    jax.ShapeDtypeStruct((case.vocab, case.dim), dtype),
+    jax.ShapeDtypeStruct((case.tokens,), jnp.int32),
+    jax.ShapeDtypeStruct((case.tokens,), jnp.bool_),
+  )
+
+
 class Unsupported(Exception):
   """This implementation cannot run this case (a missing peer, say)."""
 
@@ -259,3 +271,8 @@ def make_loss(spec: str, case: Case):
       h, y, w.T, reduction="mean", implementation="chunked_xla"
     )
   raise ValueError(f"unknown implementation {spec!r}")
+
+
+def make_step(spec: str, case: Case):
+  """The benchmarked step: jitted value-and-grad of ``spec``'s loss on ``case``."""
+  return jax.jit(jax.value_and_grad(make_loss(spec, case), argnums=case.argnums))

@@ -13,9 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 
-from mst_jax.bench.cases import Case, make_loss
+from mst_jax.bench.cases import Case, input_shapes, make_step
 
 _OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")
 
@@ -51,11 +50,15 @@ def largest_fitting(
   """
   if not fits(low):
     return 0
+
+  def probe(n: int) -> bool:
+    ok = fits(n)
+    log(f"{n:,}: {'fits' if ok else 'does not fit'}")
+    return ok
+
   while low < high:
     step = min(2 * low, high)
-    ok = fits(step)
-    log(f"{step:,}: {'fits' if ok else 'does not fit'}")
-    if not ok:
+    if not probe(step):
       high = step
       break
     low = step
@@ -63,23 +66,14 @@ def largest_fitting(
     return low
   while high - low > granularity:
     mid = (low + high) // 2 // granularity * granularity
-    ok = fits(mid)
-    log(f"{mid:,}: {'fits' if ok else 'does not fit'}")
-    low, high = (mid, high) if ok else (low, mid)
+    low, high = (mid, high) if probe(mid) else (low, mid)
   return low
 
 
 def step_footprint(spec: str, case: Case) -> float:
   """Compiled footprint of ``spec``'s value-and-grad on ``case``."""
-  dtype = jnp.dtype(case.dtype)
-  shapes = (
-    jax.ShapeDtypeStruct((case.tokens, case.dim), dtype),
-    jax.ShapeDtypeStruct((case.vocab, case.dim), dtype),
-    jax.ShapeDtypeStruct((case.tokens,), jnp.int32),
-    jax.ShapeDtypeStruct((case.tokens,), jnp.bool_),
-  )
-  step = jax.jit(jax.value_and_grad(make_loss(spec, case), argnums=case.argnums))
-  return compiled_footprint(lambda: step.lower(*shapes))
+  step = make_step(spec, case)
+  return compiled_footprint(lambda: step.lower(*input_shapes(case)))
 
 
 def largest_tokens(

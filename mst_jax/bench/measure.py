@@ -24,29 +24,25 @@ import jax
 import jax.numpy as jnp
 
 from mst_jax.bench import fit
-from mst_jax.bench.cases import Case, Unsupported, make_inputs, make_loss
+from mst_jax.bench.cases import Case, Unsupported, make_inputs, make_loss, make_step
 
 _RESULT_TAG = "MST_BENCH_RESULT "
 
 
-def _nbytes(tree, device=None) -> int:
-  """Bytes of ``tree``'s arrays, or of their shards on ``device``."""
-  leaves = jax.tree.leaves(tree)
-  if device is None:
-    return sum(x.nbytes for x in leaves)
+def _nbytes(tree, device) -> int:
+  """Bytes of ``tree``'s shards on ``device``."""
   return sum(
-    s.data.nbytes for x in leaves for s in x.addressable_shards if s.device == device
+    s.data.nbytes
+    for x in jax.tree.leaves(tree)
+    for s in x.addressable_shards
+    if s.device == device
   )
-
-
-def _step(spec: str, case: Case):
-  return jax.jit(jax.value_and_grad(make_loss(spec, case), argnums=case.argnums))
 
 
 def time_step(spec: str, case: Case, reps: int, warmup_s: float) -> dict:
   """Compiles, warms up (clocks), then times ``reps`` synchronised steps."""
   inputs = make_inputs(case)
-  step = _step(spec, case)
+  step = make_step(spec, case)
   start = time.perf_counter()
   compiled = step.lower(*inputs).compile()
   compile_s = time.perf_counter() - start
@@ -83,16 +79,14 @@ def peak_extra_bytes(spec: str, case: Case) -> dict:
   devices = jax.devices()[: case.devices]
   before = [d.memory_stats()["bytes_in_use"] for d in devices]
   inputs = make_inputs(case)
-  step = _step(spec, case)
+  step = make_step(spec, case)
   start = time.perf_counter()
   compiled = step.lower(*inputs).compile()
   load_s = time.perf_counter() - start
   loss, grads = compiled(*inputs)
   jax.block_until_ready(grads)
   extra = [
-    d.memory_stats()["peak_bytes_in_use"]
-    - b
-    - _nbytes((inputs, grads, loss), d if case.devices > 1 else None)
+    d.memory_stats()["peak_bytes_in_use"] - b - _nbytes((inputs, grads, loss), d)
     for d, b in zip(devices, before, strict=True)
   ]
   result = {
@@ -108,7 +102,7 @@ def peak_extra_bytes(spec: str, case: Case) -> dict:
 def accuracy(spec: str, case: Case) -> dict:
   """Relative error of dhidden and dweight against float32 HIGHEST logits."""
   inputs = make_inputs(case)
-  grads = _step(spec, case)(*inputs)[1]
+  grads = make_step(spec, case)(*inputs)[1]
   hidden, weight, labels, where = inputs
 
   def reference(h, w):
