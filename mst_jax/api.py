@@ -72,6 +72,7 @@ def _mesh_layout(mesh, batch_axis, vocab_axis, weight_layout, rows):
     "vocab_block_size",
     "impl",
     "accum_dtype",
+    "logits_dtype",
     "grad_mode",
     "return_aux",
     "mesh",
@@ -98,6 +99,7 @@ def linear_cross_entropy(
   vocab_block_size: int | None = None,
   impl: str | None = None,
   accum_dtype: jax.typing.DTypeLike | None = None,
+  logits_dtype: jax.typing.DTypeLike | None = None,
   grad_mode: str | None = None,
   return_aux: bool = False,
   mesh: jax.sharding.Mesh | None = None,
@@ -107,7 +109,7 @@ def linear_cross_entropy(
   r"""Cross-entropy of ``hidden @ weight.T (+ bias)`` without the full logits.
 
   For each token with logits ``z = hidden @ weight.T + bias`` (``[V]``, float32
-  accumulation) and label ``y``::
+  accumulation, stored in ``logits_dtype``) and label ``y``::
 
     s    = logit_softcap * tanh(z / logit_softcap)   (s = z if no softcap)
     lse  = logsumexp(s)
@@ -138,15 +140,17 @@ def linear_cross_entropy(
       each sequence is excluded. ``hidden`` is not sliced or copied, and
       per-token outputs keep the shape of ``labels``.
     weight_layout: ``"vd"`` or ``"dv"``, see ``weight``.
-    chunk_size: rows per chunk (their float32 logits exist at once; the
-      ``dhidden`` / ``dweight`` matmuls also run per chunk). None plans chunks
-      and groups of chunks from ``memory_budget``.
-    memory_budget: bytes for the chunk temporaries: one chunk's float32 logits
-      and one group's ``dlogits``, whose matmuls run once per group (default
-      2 GiB, ``config.DEFAULT_MEMORY_BUDGET``; ``config.plan_chunks``). Peak
-      extra memory is about this plus ``dhidden``-sized buffers. It is per
-      device; with ``vocab_axis`` the default is divided by that axis's size
-      (each device holds that fraction of the vocabulary).
+    chunk_size: rows per chunk (their logits exist at once; the ``dhidden`` /
+      ``dweight`` matmuls also run per chunk). None plans chunks (and, for
+      float32 logits, groups of chunks) from ``memory_budget``.
+    memory_budget: bytes for the chunk temporaries (default 2 GiB,
+      ``config.DEFAULT_MEMORY_BUDGET``; ``config.plan_chunks``): with logits in
+      the compute dtype, one chunk's logits, overwritten in place by its
+      ``dlogits``; with float32 logits, one chunk's logits and one group's
+      ``dlogits``, whose matmuls run once per group. Peak extra memory is about
+      this plus ``dhidden``-sized buffers. It is per device; with
+      ``vocab_axis`` the default is divided by that axis's size (each device
+      holds that fraction of the vocabulary).
     vocab_block_size: the low-memory loop order (``mst_jax.vocab_blocked``):
       each row chunk walks the vocabulary in blocks of this many columns,
       once for the statistics and once for the gradients, so only
@@ -172,6 +176,14 @@ def linear_cross_entropy(
       that of full-logits autodiff); with more, in float32, whose ``V x D``
       buffer and traffic cost less than the error of many roundings would.
       With ``vocab_block_size``, always in the weight's dtype.
+    logits_dtype: the dtype the logits matmul writes (it accumulates in
+      float32 either way; the cross-entropy math is float32). None (default):
+      bfloat16 for bfloat16 inputs, as a bfloat16 ``Dense`` head feeding a
+      float32 loss has (the same gradient error as that full-logits version,
+      with half the logits traffic, and each chunk's ``dlogits`` overwrite its
+      logits in place); otherwise at least float32. ``jnp.float32`` keeps
+      float32 logits for bfloat16 inputs: a loss exact to float32 rounding,
+      for about 5% more time at the Llama-3 head (docs/benchmarks.md).
     grad_mode: how gradients are formed. ``"fused"``: during the forward sweep,
       in the same pass as the loss (6 N·D·V FLOPs, like full-logits autodiff;
       needs a scalar ``reduction``; ``aux.lse`` is then not differentiable).
@@ -239,14 +251,22 @@ def linear_cross_entropy(
   if vocab_block_size is not None:
     vocab_block_size = inputs.check_int("vocab_block_size", vocab_block_size, minimum=1)
   accum_dtype = inputs.as_dtype("accum_dtype", accum_dtype)
+  logits_dtype = inputs.as_dtype("logits_dtype", logits_dtype)
   if grad_mode not in GRAD_MODES:
     raise ValueError(f"grad_mode must be one of {GRAD_MODES}, got {grad_mode!r}.")
-  chunked_only = (chunk_size, memory_budget, vocab_block_size, accum_dtype, grad_mode)
-  if impl == "reference" and chunked_only != (None,) * 5:
+  chunked_only = (
+    chunk_size,
+    memory_budget,
+    vocab_block_size,
+    accum_dtype,
+    logits_dtype,
+    grad_mode,
+  )
+  if impl == "reference" and chunked_only != (None,) * len(chunked_only):
     raise ValueError(
-      "chunk_size, memory_budget, vocab_block_size, accum_dtype and grad_mode"
-      " apply to the chunked implementations, not impl='reference' (which forms"
-      " the full logits)."
+      "chunk_size, memory_budget, vocab_block_size, accum_dtype, logits_dtype"
+      " and grad_mode apply to the chunked implementations, not"
+      " impl='reference' (which forms the full logits)."
     )
   if grad_mode == "fused" and reduction == "none":
     raise NotImplementedError(
@@ -281,6 +301,8 @@ def linear_cross_entropy(
       weight_layout=weight_layout,
     )
   else:
+    if logits_dtype is None and rows.hidden.dtype == jnp.bfloat16:
+      logits_dtype = rows.hidden.dtype
     # Chunks are planned for the rows and vocabulary one device holds.
     local_rows = n_rows // _axis_size(mesh, batch_axis)
     local_vocab = rows.vocab_size // _axis_size(mesh, vocab_axis)
@@ -301,6 +323,7 @@ def linear_cross_entropy(
         # each device plans the row chunks one device would use.
         memory_budget=memory_budget
         or config.DEFAULT_MEMORY_BUDGET // _axis_size(mesh, vocab_axis),
+        logits_dtype=logits_dtype or jnp.promote_types(rows.hidden.dtype, jnp.float32),
       )
     else:
       chunk = group = min(chunk_size, local_rows)
@@ -320,6 +343,7 @@ def linear_cross_entropy(
       backend=backend,
       vocab_total=rows.vocab_size,
       vocab_block=vocab_block_size,
+      logits_dtype=logits_dtype,
     )
     plan = chunked.plan_for(driver)
     if layout is not None:

@@ -1,8 +1,9 @@
 """The chunked custom-VJP driver: the loss without ``[N, V]`` logits.
 
 Rows are walked in chunks of ``rows_per_chunk`` with ``lax.scan``. Each
-chunk's logits (``[rows_per_chunk, V]``, float32) are formed by one matmul,
-handed to a ``ChunkCE`` backend, and dropped. Two custom VJPs share that
+chunk's logits (``[rows_per_chunk, V]``, in ``logits_dtype``: float32, or
+bfloat16 for bfloat16 inputs by default) are formed by one matmul, handed to a
+``ChunkCE`` backend (which computes in float32), and dropped. Two custom VJPs share that
 sweep:
 
 * ``row_losses`` (the Mini-Sequence Transformer design): the forward keeps
@@ -60,7 +61,7 @@ class DriverConfig:
   """Static configuration of the chunked sweeps.
 
   Attributes:
-    rows_per_chunk: rows whose float32 logits exist at once,
+    rows_per_chunk: rows whose logits exist at once,
       ``1 <= rows_per_chunk <= rows_per_group``.
     rows_per_group: rows whose ``dlogits`` (in the compute dtype) are gathered
       before the ``dhidden`` and ``dweight`` matmuls, ``<= N``.
@@ -75,6 +76,9 @@ class DriverConfig:
       (vocab-parallel); default: the weight's.
     vocab_block: if set, the low-memory loop order (``mst_jax.vocab_blocked``):
       each row chunk walks the vocabulary in blocks of this many columns.
+    logits_dtype: dtype the logits matmul writes; None: at least float32.
+      In the compute dtype (bfloat16), a chunk's ``dlogits`` overwrite its
+      logits in place and the logits traffic halves.
     chunk_callback: if set, ``chunk_callback(pass_name, first_row)`` runs on
       the host (``jax.debug.callback``) for every chunk that is computed rather
       than skipped, with ``pass_name`` "forward", "backward" or "fused" and
@@ -92,6 +96,7 @@ class DriverConfig:
   chunk_callback: Callable[[str, jax.Array], None] | None = None
   vocab_total: int | None = None
   vocab_block: int | None = None
+  logits_dtype: jnp.dtype | None = None
 
   def announce(self, pass_name: str, first_row: jax.Array) -> None:
     if self.chunk_callback is not None:
@@ -129,12 +134,22 @@ def _unwrap(*primals):
 # ---- Matmuls, per weight layout. ----
 
 
-def logits_matmul(hidden, weight, bias, layout):
+def logits_matmul(hidden, weight, bias, layout, dtype=None):
+  """``hidden @ weight (+ bias)`` in ``dtype`` (default: at least float32).
+
+  The matmul accumulates in float32 either way; ``dtype`` is what it writes
+  (with a bias, after adding it in float32: one rounding).
+  """
   acc = jnp.promote_types(hidden.dtype, jnp.float32)
+  dtype = dtype or acc
+  if bias is None:
+    return lax.dot_general(
+      hidden, weight, _LOGITS_DIMS[layout], preferred_element_type=dtype
+    )
   logits = lax.dot_general(
     hidden, weight, _LOGITS_DIMS[layout], preferred_element_type=acc
   )
-  return logits if bias is None else logits + bias.astype(acc)
+  return (logits + bias.astype(acc)).astype(dtype)
 
 
 def dhidden_matmul(dlogits, weight, layout, dtype):
@@ -197,18 +212,20 @@ class _Chunk(NamedTuple):
     return jnp.where(self.valid[:, None], h, jnp.zeros_like(h))
 
 
-def sweep_chunks(size, valid, update, carry, *, group=None):
+def sweep_chunks(size, valid, update, carry, *, group=None, first=None):
   """``carry = update(carry, chunk)`` for every chunk of ``size`` rows.
 
   Walks the rows of ``valid`` (all rows, or those of ``group``). The last chunk
   is clamped to end at the last row and owns only the rows the previous chunk
   did not cover. A chunk without a valid row is skipped by ``lax.cond`` on a
-  device-side predicate (the carry passes through).
+  device-side predicate (the carry passes through). With ``first``, the first
+  chunk runs ``first(carry, chunk)`` instead, always (it may start
+  accumulators rather than add to zeros).
   """
   n_rows = valid.shape[0]
   skipped = lambda carry, chunk: carry
 
-  def body(carry, index):
+  def chunk_at(index):
     offset = jnp.minimum(index * size, n_rows - size)
     local_owned = offset + jnp.arange(size) >= index * size
     owned, start = local_owned, offset
@@ -216,10 +233,17 @@ def sweep_chunks(size, valid, update, carry, *, group=None):
       owned = local_owned & lax.dynamic_slice_in_dim(group.owned, offset, size)
       start = group.start + offset
     chunk_valid = lax.dynamic_slice_in_dim(valid, offset, size) & local_owned
-    chunk = _Chunk(start, offset, owned, local_owned, chunk_valid)
-    return lax.cond(jnp.any(chunk_valid), update, skipped, carry, chunk), None
+    return _Chunk(start, offset, owned, local_owned, chunk_valid)
 
-  carry, _ = lax.scan(body, carry, jnp.arange(-(-n_rows // size)))
+  def body(carry, index):
+    chunk = chunk_at(index)
+    return lax.cond(jnp.any(chunk.valid), update, skipped, carry, chunk), None
+
+  indices = jnp.arange(-(-n_rows // size))
+  if first is not None:
+    carry = first(carry, chunk_at(0))
+    indices = indices[1:]
+  carry, _ = lax.scan(body, carry, indices)
   return carry
 
 
@@ -255,7 +279,7 @@ def output_init(n_rows, dtype):
 
 def full_row_stats(config, h, weight, bias, labels) -> ce_math.RowStats:
   """A chunk's row statistics from its whole ``[rows, V]`` float32 logits."""
-  logits = logits_matmul(h, weight, bias, config.weight_layout)
+  logits = logits_matmul(h, weight, bias, config.weight_layout, config.logits_dtype)
   return config.backend.forward(logits, labels, config.options)
 
 
@@ -278,16 +302,22 @@ def forward_rows(config, hidden, weight, bias, labels, valid, row_stats=full_row
   return sweep_chunks(config.rows_per_chunk, valid, update, init)
 
 
-def _accumulate(config, grads, group, h, dlogits, weight):
-  """Adds one group's ``dlogits`` to ``(dhidden, dweight, dbias)``."""
+def _accumulate(config, grads, group, h, dlogits, weight, *, first=False):
+  """Adds one group's ``dlogits`` to ``(dhidden, dweight, dbias)``.
+
+  ``first``: the first group's contributions replace the (zero) ``dweight``
+  and ``dbias`` instead of being added to them, which spares a pass of
+  zero-filling and re-reading ``dweight``.
+  """
   dhidden, dweight, dbias = grads
   layout = config.weight_layout
+  add = (lambda old, new: new) if first else jnp.add
   if dhidden is not None:
     dhidden = group.put(dhidden, dhidden_matmul(dlogits, weight, layout, dhidden.dtype))
   if dweight is not None:
-    dweight = dweight + dweight_matmul(dlogits, h, layout, dweight.dtype)
+    dweight = add(dweight, dweight_matmul(dlogits, h, layout, dweight.dtype))
   if dbias is not None:
-    dbias = dbias + jnp.sum(dlogits, axis=0, dtype=dbias.dtype)
+    dbias = add(dbias, jnp.sum(dlogits, axis=0, dtype=dbias.dtype))
   return dhidden, dweight, dbias
 
 
@@ -337,10 +367,11 @@ def _gradient_sweep(config, hidden, weight, bias, valid, diff, chunk_dlogits, ou
   # Chunks tile a whole group exactly: the backend may write into its buffer.
   in_place = group_size % chunk_size == 0
 
-  def chunk_update(carry, chunk):
+  def chunk_update(carry, chunk, first=False):
     outputs, grads = carry
     outputs, dlogits = chunk_dlogits(outputs, chunk, None)
-    grads = _accumulate(config, grads, chunk, chunk.hidden(hidden), dlogits, weight)
+    h = chunk.hidden(hidden)
+    grads = _accumulate(config, grads, chunk, h, dlogits, weight, first=first)
     return outputs, grads
 
   def whole_group(carry, group):
@@ -371,7 +402,11 @@ def _gradient_sweep(config, hidden, weight, bias, valid, diff, chunk_dlogits, ou
 
   grads = gradient_init(config, hidden, weight, bias, diff)
   if chunk_size == group_size:
-    outputs, grads = sweep_chunks(chunk_size, valid, chunk_update, (outputs, grads))
+    # Compacted, the first chunk holds valid rows unless none is valid.
+    first = functools.partial(chunk_update, first=True) if config.compact else None
+    outputs, grads = sweep_chunks(
+      chunk_size, valid, chunk_update, (outputs, grads), first=first
+    )
   else:
     width = weight.shape[0 if config.weight_layout == "vd" else 1]  # this shard's
     buffer = jnp.zeros((group_size, width), hidden.dtype)
@@ -397,7 +432,9 @@ def _backward(config, hidden, weight, bias, labels, valid, lse, g_loss, g_lse, d
       config.options,
       vocab_size,
     )
-    logits = logits_matmul(chunk.hidden(hidden), weight, bias, config.weight_layout)
+    logits = logits_matmul(
+      chunk.hidden(hidden), weight, bias, config.weight_layout, config.logits_dtype
+    )
     dlogits = config.backend.backward(logits, y, rows, config.options, hidden.dtype)
     if into is not None:
       buffer, row = into
@@ -420,7 +457,9 @@ def _fused(config, hidden, weight, bias, labels, valid, row_scale, diff):
     config.announce("fused", chunk.start)
     y = chunk.take(labels)
     g_loss = jnp.where(chunk.valid, chunk.take(row_scale), 0.0)
-    logits = logits_matmul(chunk.hidden(hidden), weight, bias, config.weight_layout)
+    logits = logits_matmul(
+      chunk.hidden(hidden), weight, bias, config.weight_layout, config.logits_dtype
+    )
     stats, dlogits = config.backend.forward_backward(
       logits, y, chunk.valid, g_loss, config.options, hidden.dtype, into=into
     )

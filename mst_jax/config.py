@@ -24,23 +24,34 @@ def plan_chunks(
   dtype: np.dtype,
   *,
   memory_budget: int = DEFAULT_MEMORY_BUDGET,
+  logits_dtype: np.dtype | None = None,
 ) -> tuple[int, int]:
   """``(rows_per_chunk, rows_per_group)`` whose temporaries fit the budget.
 
-  A chunk's float32 logits (``4 V`` bytes a row) take at most a quarter of the
-  budget and a group's dlogits (``itemsize V`` bytes a row) the rest: big
-  groups mean few read-modify-writes of ``dweight``, small chunks leave room
-  for them. The group is a whole number of chunks (no chunk straddles two
-  groups) and splits ``n_rows`` into as few groups as evenly as it can: 8192
-  rows at most 6300 a group make two groups of 4096, not 6144 and a clamped
-  remainder. Chunks are multiples of 128 rows (tensor cores) when the budget
-  allows it, else of 8.
+  Logits in the compute dtype (``logits_dtype`` of ``dtype``'s size: bfloat16
+  logits of bfloat16 inputs, float32 of float32 ones): each chunk's
+  ``dlogits`` overwrite its logits, so a row costs ``itemsize V`` bytes once
+  and chunks are their own groups. ``n_rows`` is split into as few chunks as
+  fit, as evenly as multiples of the alignment allow: 32768 rows at most 8372
+  a chunk make four of 8192.
+
+  float32 logits (``logits_dtype`` None or wider than ``dtype``): a chunk's
+  float32 logits (``4 V`` bytes a row) take at most a quarter of the budget
+  and a group's dlogits (``itemsize V`` bytes a row) the rest: big groups mean
+  few read-modify-writes of ``dweight``, small chunks leave room for them. The
+  group is a whole number of chunks (no chunk straddles two groups) and splits
+  ``n_rows`` into as few groups as evenly as it can: 8192 rows at most 6300 a
+  group make two groups of 4096, not 6144 and a clamped remainder.
+
+  Chunks are multiples of 128 rows (tensor cores) when the budget allows it,
+  else of 8.
 
   Args:
     n_rows: ``N``, the number of rows (tokens); neither size exceeds it.
     vocab_size: ``V``.
     dtype: the compute dtype of the matmuls (that of ``dlogits``).
-    memory_budget: bytes for one chunk's logits plus one group's dlogits.
+    memory_budget: bytes for the chunk temporaries.
+    logits_dtype: the dtype of a chunk's logits; None: float32.
 
   Returns:
     ``(rows_per_chunk, rows_per_group)``, ``1 <= chunk <= group <= n_rows``.
@@ -49,13 +60,27 @@ def plan_chunks(
   # No more than the whole logits in the compute dtype (what a full-logits head
   # holds): at small N, chunking must not cost more memory than it saves.
   memory_budget = min(memory_budget, max(n_rows * vocab_size * itemsize, 1))
-  chunk = memory_budget // 4 // (4 * vocab_size)
-  align = _ROW_ALIGN if chunk >= _ROW_ALIGN else 8
-  chunk = max(align, chunk // align * align)
+  if logits_dtype is not None and np.dtype(logits_dtype).itemsize == itemsize:
+    most = memory_budget // (itemsize * vocab_size)
+    if most >= n_rows:
+      return n_rows, n_rows
+    chunk = _aligned_rows(most)
+    n_chunks = -(-n_rows // chunk)
+    even = _aligned_rows(-(-n_rows // n_chunks), up=True)
+    chunk = min(chunk, even)
+    return chunk, chunk
+  chunk = _aligned_rows(memory_budget // 4 // (4 * vocab_size))
   if chunk >= n_rows:
     return n_rows, n_rows
   group_most = (memory_budget - chunk * 4 * vocab_size) // (itemsize * vocab_size)
   return chunk, _fewest_rewrites_group(n_rows, chunk, max(chunk, group_most))
+
+
+def _aligned_rows(rows: int, *, up: bool = False) -> int:
+  """``rows`` rounded to a multiple of 128 (of 8 below 128), at least 8."""
+  align = _ROW_ALIGN if rows >= _ROW_ALIGN else 8
+  rounded = _round_up(rows, align) if up else rows // align * align
+  return max(align, rounded)
 
 
 def _fewest_rewrites_group(n_rows: int, chunk: int, group_most: int) -> int:
@@ -96,9 +121,7 @@ def plan_vocab_blocked_rows(
   128 rows when the budget allows, else of 8.
   """
   per_row = 4 * dim + (4 + np.dtype(dtype).itemsize) * vocab_block
-  rows = memory_budget // per_row
-  align = _ROW_ALIGN if rows >= _ROW_ALIGN else 8
-  return int(min(n_rows, max(align, rows // align * align)))
+  return int(min(n_rows, _aligned_rows(memory_budget // per_row)))
 
 
 # Up to this many groups, dweight accumulates in the weight's dtype in place.

@@ -91,7 +91,7 @@ def row_stats(config, h, weight, bias, labels) -> ce_math.RowStats:
 
   def block_stats(start, size):
     w, b = _block(config, weight, bias, start, size)
-    logits = chunked.logits_matmul(h, w, b, config.weight_layout)
+    logits = chunked.logits_matmul(h, w, b, config.weight_layout, config.logits_dtype)
     stats = backend.forward(logits, local - start, config.options)
     return stats, (local >= start) & (local < start + size)
 
@@ -136,7 +136,7 @@ def _chunk_gradients(config, grads, chunk, hidden, weight, bias, labels, rows):
   def step(carry, start, size):
     dh, dw, db = carry
     w, b = _block(config, weight, bias, start, size)
-    logits = chunked.logits_matmul(h, w, b, layout)
+    logits = chunked.logits_matmul(h, w, b, layout, config.logits_dtype)
     dlogits = config.backend.backward(
       logits, labels - start, rows, config.options, hidden.dtype, vocab_size
     )

@@ -22,8 +22,10 @@ def has_gpu() -> bool:
 
 # Relative error ||out - ref|| / ||ref|| allowed against the float64 oracle,
 # keyed by input dtype. Logits accumulate in float32 from exact products, so
-# the loss is float32-accurate for every input dtype; gradients pass through
-# dlogits and a matmul output in the input dtype.
+# with float32 logits the loss is float32-accurate for every input dtype;
+# gradients pass through dlogits and a matmul output in the input dtype.
+# bfloat16 logits (the default for bfloat16 inputs) add their rounding, which
+# check_against_oracle bounds from the float64 logits (_logits_rounding).
 CPU_LOSS_RTOL = {"float32": 2e-6, "bfloat16": 2e-6, "float16": 2e-6, "float64": 1e-12}
 CPU_GRAD_RTOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3, "float64": 1e-12}
 # On a GPU, float32 matmuls may run in TF32 (10-bit mantissa) and reductions
@@ -150,9 +152,42 @@ def oracle(problem, **kwargs):
     return np.asarray(loss), [np.asarray(g) for g in grads]
 
 
+def bf16_logits(problem, kwargs) -> bool:
+  """Whether ``linear_cross_entropy(**kwargs)`` rounds its logits to bfloat16."""
+  if kwargs.get("impl") == "reference":
+    return False
+  dtype = kwargs.get("logits_dtype") or problem.hidden.dtype
+  return np.dtype(dtype) == np.dtype(jnp.bfloat16)
+
+
+# Rounding a logit to bfloat16 moves it by at most this fraction of itself.
+_BF16_HALF_ULP = 2.0**-8
+
+
+def _logits_rounding(problem, kwargs):
+  """``(loss_bound, row_shift)`` of rounding the logits to bfloat16.
+
+  Rounding moves each logit by at most ``u |z|`` (``u`` half an ulp), hence a
+  row's lse and target logit by at most ``u max|z|`` each (softcap and label
+  smoothing are 1-Lipschitz; z_loss scales the lse's share by
+  ``1 + 2 z_loss |lse|``), and each probability by at most ``p 2 u max|z|``.
+  Returns the bound on the reduced loss (per row for ``reduction="none"``) and
+  each row's ``2 u max|z|`` (weighted as the loss is), for the gradients.
+  """
+  _, rows, logits, _, lse = reference_dlogits(problem, **kwargs)
+  valid = np.asarray(rows.valid)
+  reduction = kwargs.get("reduction", "mean")
+  weight = valid / max(1, valid.sum()) if reduction == "mean" else valid * 1.0
+  shift = 2 * _BF16_HALF_ULP * np.abs(logits).max(axis=1)
+  z_loss = kwargs.get("z_loss", 0.0)
+  per_row = shift * (1 + 2 * z_loss * np.abs(lse)) * weight
+  loss_bound = per_row if reduction == "none" else per_row.sum()
+  return loss_bound, shift * weight
+
+
 def _dlogits_rounding_bounds(problem, kwargs):
-  """Per gradient, how far rounding dlogits to the compute dtype can move it."""
-  dlogits, rows = reference_dlogits(problem, **kwargs)
+  """Per gradient, how far rounding dlogits (and bf16 logits) can move it."""
+  dlogits, rows, _, probs, lse = reference_dlogits(problem, **kwargs)
   eps = _DLOGITS_EPS.get(np.dtype(problem.hidden.dtype).name, 2.0**-22)
   # p - 1 at a confident label cancels: about an ulp of the row's weight.
   valid, labels = np.asarray(rows.valid), np.asarray(rows.labels)
@@ -162,6 +197,10 @@ def _dlogits_rounding_bounds(problem, kwargs):
   magnitude = np.abs(dlogits)
   rows_in = np.flatnonzero(in_range)
   magnitude[rows_in, labels[in_range]] += row_weight[in_range] * 2.0**-22 / eps
+  if bf16_logits(problem, kwargs):  # each p moves by up to p x the row's shift
+    _, row_shift = _logits_rounding(problem, kwargs)
+    z_loss = kwargs.get("z_loss", 0.0)
+    magnitude += probs * (row_shift * (1 + 2 * z_loss * np.abs(lse)))[:, None] / eps
   vd = kwargs.get("weight_layout", "vd") == "vd"
   weight_vd = np.abs(np.asarray(rows.weight if vd else rows.weight.T))
   terms = (
@@ -178,6 +217,7 @@ _REFERENCE_ONLY = (  # options of the chunked paths the reference does not take
   "memory_budget",
   "vocab_block_size",
   "accum_dtype",
+  "logits_dtype",
   "grad_mode",
   "mesh",
   "batch_axis",
@@ -186,7 +226,11 @@ _REFERENCE_ONLY = (  # options of the chunked paths the reference does not take
 
 
 def reference_dlogits(problem, **kwargs):
-  """float64 ``d loss / d logits`` ``[N, V]``, rows as ``inputs.prepare`` makes them."""
+  """float64 ``d loss / d logits`` ``[N, V]``, rows as ``inputs.prepare`` makes them.
+
+  Also returns the float64 raw logits, the softmax of the softcapped ones and
+  their lse per row.
+  """
   from mst_jax import ce_math, inputs, reference
 
   kwargs = {k: v for k, v in kwargs.items() if k not in _REFERENCE_ONLY}
@@ -227,7 +271,12 @@ def reference_dlogits(problem, **kwargs):
       )
       return jnp.sum(out)
 
-    return np.asarray(jax.grad(total)(logits)), rows
+    capped = ce_math.softcap(logits, options.logit_softcap)
+    lse = jax.nn.logsumexp(capped, axis=1)
+    probs = jnp.exp(capped - lse[:, None])
+    grad = jax.grad(total)(logits)
+    grad, logits, probs, lse = map(np.asarray, (grad, logits, probs, lse))
+    return grad, rows, logits, probs, lse
 
 
 def rel_err(out, ref) -> float:
@@ -266,7 +315,10 @@ def check_against_oracle(problem, dtype, *, loss_rtol=None, grad_rtol=None, **kw
   # A loss near 0 (a confident right answer) is lse - target, two numbers of
   # lse's size: its float32 error is relative to that size, not to the loss.
   rtol = loss_rtol or LOSS_RTOL[dtype]
-  assert_close(loss, ref_loss, rtol, "loss", atol=rtol * np.sqrt(np.size(ref_loss)))
+  atol = rtol * np.sqrt(np.size(ref_loss))
+  if bf16_logits(problem, kwargs):
+    atol += np.linalg.norm(_logits_rounding(problem, kwargs)[0])
+  assert_close(loss, ref_loss, rtol, "loss", atol=atol)
   names = ("dhidden", "dweight", "dbias")[: len(grads)]
   inputs = (problem.hidden, problem.weight, problem.bias)[: len(grads)]
   # Beyond rtol (the output's rounding), allow the rounding of dlogits: each

@@ -45,11 +45,19 @@ def grad_mode(request):
 
 
 @pytest.mark.parametrize(
-  "option, dtype",
-  [(option, "float32") for option in SINGLE_OPTIONS]
-  + [("plain", "bfloat16"), ("all", "bfloat16")],
+  "option, dtype, logits_dtype",
+  [(option, "float32", None) for option in SINGLE_OPTIONS]
+  + [
+    ("plain", "bfloat16", None),  # bfloat16 logits
+    ("all", "bfloat16", None),
+    ("plain", "bfloat16", "float32"),  # the loss float32-exact again
+    ("all", "bfloat16", "float32"),
+    ("all", "float32", "bfloat16"),
+  ],
 )
-def test_each_option_and_all_together(rng, impl, option, dtype, grad_mode):
+def test_each_option_and_all_together(
+  rng, impl, option, dtype, logits_dtype, grad_mode
+):
   problem = make_problem(
     rng, (3, 13), dtype=dtype, bias=option in ("bias", "all"), mask="scattered"
   )
@@ -59,6 +67,7 @@ def test_each_option_and_all_together(rng, impl, option, dtype, grad_mode):
     impl=impl,
     chunk_size=8,
     grad_mode=grad_mode,
+    logits_dtype=logits_dtype,
     **SINGLE_OPTIONS[option],
   )
 

@@ -12,7 +12,10 @@ from mst_jax import ce_math
 
 
 class ChunkCE(Protocol):
-  """Blockwise cross-entropy on one chunk of float32 logits.
+  """Blockwise cross-entropy on one chunk of logits.
+
+  Logits come in float32 (float64) or in the compute dtype (bfloat16);
+  implementations compute in at least float32 and return float32 statistics.
 
   Implementations are frozen dataclasses (hashable: they travel as static
   configuration through ``jax.jit`` and ``jax.custom_vjp``).
@@ -23,7 +26,7 @@ class ChunkCE(Protocol):
   def forward(
     self, logits: jax.Array, labels: jax.Array, options: ce_math.CEOptions
   ) -> ce_math.RowStats:
-    """Reduces ``logits`` (float32 ``[rows, V]``) and ``labels`` (int32 ``[rows]``)."""
+    """Reduces ``logits`` (``[rows, V]``) and ``labels`` (int32 ``[rows]``)."""
     ...
 
   def backward(

@@ -1,6 +1,7 @@
 """Per-chunk cross-entropy as Pallas kernels lowered through Triton.
 
-Three kernels over a chunk's float32 logits ``[R, V]``, read top to bottom:
+Three kernels over a chunk's logits ``[R, V]`` (float32, or bfloat16 that they
+read into float32; all math is float32), read top to bottom:
 
 1. ``_stats_kernel``: one pass over each row with an online max / sum-exp,
    producing lse, the target logit, the mean logit and the argmax
@@ -9,7 +10,9 @@ Three kernels over a chunk's float32 logits ``[R, V]``, read top to bottom:
    coefficients (``ce_math.dlogits_block``). One read, one write.
 3. ``_fused_kernel``: both in one launch, for when the gradient is formed in
    the same sweep as the loss: a first pass for the statistics, then a second
-   that writes ``dlogits``. Two reads (the second mostly from L2), one write.
+   that writes ``dlogits``. Two reads, one write. When the logits are in the
+   dtype of ``dlogits`` (bfloat16 logits), ``dlogits`` overwrite them in
+   place: each program reads a block before it writes it, and owns its rows.
 
 The math on each block is ``ce_math``'s: the same functions the XLA backend
 applies to whole rows. Every ``pallas_call`` takes ``interpret`` from the
@@ -62,7 +65,12 @@ def _load_logits(logits_ref, row_slice, row_mask, col_block_index, block_v):
     mask=mask,
     other=0.0,
   )
-  return block, cols, col_mask
+  return block.astype(_stat_dtype(logits_ref.dtype)), cols, col_mask
+
+
+def _stat_dtype(logits_dtype):
+  """float32, or float64 for float64 logits: the dtype all math runs in."""
+  return jnp.promote_types(logits_dtype, jnp.float32)
 
 
 def _row_stats(logits_ref, labels, row_slice, row_mask, *, options, block_v):
@@ -97,7 +105,7 @@ def _row_stats(logits_ref, labels, row_slice, row_mask, *, options, block_v):
     best = jnp.where(better, block_max, best)
     return new_max, sum_exp, target, total, best, best_index
 
-  dtype = logits_ref.dtype  # float32 (float64 for float64 inputs)
+  dtype = _stat_dtype(logits_ref.dtype)
   zeros = jnp.zeros((block_rows,), dtype)
   neg_inf = jnp.full((block_rows,), -jnp.inf, dtype)
   init = (neg_inf, zeros, zeros, zeros, neg_inf, jnp.zeros((block_rows,), jnp.int32))
@@ -119,7 +127,7 @@ def _store_stats(stats, refs, row_slice, row_mask):
 
 
 def _stats_kernel(
-  logits_ref,  # [R, V] float32 (float64 for float64 inputs)
+  logits_ref,  # [R, V] float32 or bfloat16 (float64 for float64 inputs)
   labels_ref,  # [R] int32
   *stats_refs,  # the RowStats fields, each [R]
   options: ce_math.CEOptions,
@@ -169,7 +177,7 @@ def _write_dlogits(
 
 
 def _dlogits_kernel(
-  logits_ref,  # [R, V] float32 (float64 for float64 inputs)
+  logits_ref,  # [R, V] float32 or bfloat16 (float64 for float64 inputs)
   labels_ref,  # [R] int32
   lse_ref,
   coef_softmax_ref,
@@ -204,7 +212,7 @@ def _dlogits_kernel(
 
 
 def _fused_kernel(
-  logits_ref,  # [R, V] float32 (float64 for float64 inputs)
+  logits_ref,  # [R, V] float32 or bfloat16 (float64 for float64 inputs)
   labels_ref,  # [R] int32
   valid_ref,  # [R] int32 (0 or 1)
   g_loss_ref,  # [R] float32, cotangent of each row's loss
@@ -256,7 +264,7 @@ def _row_shapes(logits):
   """Output shapes of ``RowStats`` for ``logits``: four float rows, an int row."""
   n_rows = logits.shape[0]
   return (
-    *(jax.ShapeDtypeStruct((n_rows,), logits.dtype) for _ in range(4)),
+    *(jax.ShapeDtypeStruct((n_rows,), _stat_dtype(logits.dtype)) for _ in range(4)),
     jax.ShapeDtypeStruct((n_rows,), jnp.int32),
   )
 
@@ -276,12 +284,18 @@ class PallasTritonChunkCE:
   interpret: bool = False
 
   def _call(
-    self, kernel, name, grid, out_shape, vocab_size, options, n_inputs, **static
+    self,
+    kernel,
+    name,
+    grid,
+    out_shape,
+    vocab_size,
+    options,
+    n_inputs,
+    aliases=None,
+    **static,
   ):
     blocks = self.blocks or default_kernel_blocks(vocab_size)
-    aliases = {}
-    if static.get("into"):  # the last input is the group buffer, output -1
-      aliases = {n_inputs - 1: len(out_shape) - 1}
     return pl.pallas_call(
       functools.partial(
         kernel,
@@ -291,7 +305,7 @@ class PallasTritonChunkCE:
         **static,
       ),
       out_shape=out_shape,
-      input_output_aliases=aliases,
+      input_output_aliases=aliases or {},
       grid=grid(blocks),
       in_specs=[pl.no_block_spec] * n_inputs,
       out_specs=jax.tree.map(lambda _: pl.no_block_spec, out_shape),
@@ -333,13 +347,18 @@ class PallasTritonChunkCE:
     self, logits, labels, valid, g_loss, options, out_dtype, *, into=None
   ):
     n_rows, vocab_size = logits.shape
+    n_outputs = len(_row_shapes(logits)) + 1
     if into is None:
       dlogits_shape = jax.ShapeDtypeStruct(logits.shape, out_dtype)
       offset, extra = jnp.zeros((1,), jnp.int32), ()
+      # dlogits overwrite logits of their own dtype (input 0, the last output).
+      in_place = jnp.dtype(logits.dtype) == jnp.dtype(out_dtype)
+      aliases = {0: n_outputs - 1} if in_place else {}
     else:
       buffer, offset = into
       dlogits_shape = jax.ShapeDtypeStruct(buffer.shape, buffer.dtype)
       offset, extra = jnp.reshape(offset, (1,)).astype(jnp.int32), (buffer,)
+      aliases = {5: n_outputs - 1}  # the group buffer, the last input
     call = self._call(
       _fused_kernel,
       "mst_ce_fused",
@@ -348,6 +367,7 @@ class PallasTritonChunkCE:
       vocab_size,
       options,
       n_inputs=5 + len(extra),
+      aliases=aliases,
       into=into is not None,
     )
     *stats, dlogits = call(

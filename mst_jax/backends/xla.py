@@ -11,6 +11,11 @@ from mst_jax import ce_math
 from mst_jax.backends import base
 
 
+def _upcast(logits):
+  """bfloat16 logits into float32 (XLA fuses the convert into its consumers)."""
+  return logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+
+
 @dataclasses.dataclass(frozen=True)
 class XlaChunkCE:
   """``ChunkCE`` written with jnp; XLA fuses the elementwise work."""
@@ -21,6 +26,7 @@ class XlaChunkCE:
     self, logits: jax.Array, labels: jax.Array, options: ce_math.CEOptions
   ) -> ce_math.RowStats:
     vocab_size = logits.shape[-1]
+    logits = _upcast(logits)
     capped = ce_math.softcap(logits, options.logit_softcap)  # [rows, V]
     row_max = jnp.max(capped, axis=-1)
     log_sum_exp = jnp.log(jnp.sum(jnp.exp(capped - row_max[:, None]), axis=-1))
@@ -44,7 +50,9 @@ class XlaChunkCE:
   ) -> jax.Array:
     cols = jnp.arange(logits.shape[-1], dtype=jnp.int32)
     vocab_size = vocab_size or logits.shape[-1]
-    grad = ce_math.dlogits_block(logits, cols, labels, rows, options, vocab_size)
+    grad = ce_math.dlogits_block(
+      _upcast(logits), cols, labels, rows, options, vocab_size
+    )
     return grad.astype(out_dtype)
 
   def forward_backward(
