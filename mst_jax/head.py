@@ -32,6 +32,7 @@ class HeadLossOptions:
   chunk_size: int | None = None
   memory_budget: int | None = None
   vocab_block_size: int | None = None
+  logits_dtype: jax.typing.DTypeLike | None = None
   impl: str | None = None
   grad_mode: str | None = None
 
@@ -50,6 +51,7 @@ class HeadLossOptions:
       if self.logit_softcap is None
       else inputs.check_finite_float("logit_softcap", self.logit_softcap),
     )
+    inputs.as_dtype("logits_dtype", self.logits_dtype)
     for name in ("chunk_size", "memory_budget", "vocab_block_size"):
       if getattr(self, name) is not None:
         inputs.check_int(name, getattr(self, name), minimum=1)

@@ -36,8 +36,8 @@ class LMHeadLoss(nnx.Module):
     embedding: an ``nnx.Embed`` whose table is the head's weight (tied); then
       no kernel is created.
     ignore_index, reduction, label_smoothing, z_loss, logit_softcap,
-    chunk_size, memory_budget, vocab_block_size, impl, grad_mode: the loss
-      options of ``mst_jax.linear_cross_entropy``.
+    chunk_size, memory_budget, vocab_block_size, logits_dtype, impl,
+    grad_mode: the loss options of ``mst_jax.linear_cross_entropy``.
     rngs: the ``nnx.Rngs`` for parameter initialization.
 
   Example:
@@ -73,6 +73,7 @@ class LMHeadLoss(nnx.Module):
     chunk_size: int | None = None,
     memory_budget: int | None = None,
     vocab_block_size: int | None = None,
+    logits_dtype: str | None = None,
     impl: str | None = None,
     grad_mode: str | None = None,
     rngs: nnx.Rngs,
@@ -86,6 +87,7 @@ class LMHeadLoss(nnx.Module):
       chunk_size=chunk_size,
       memory_budget=memory_budget,
       vocab_block_size=vocab_block_size,
+      logits_dtype=logits_dtype,
       impl=impl,
       grad_mode=grad_mode,
     )

@@ -124,8 +124,11 @@ def test_backend_matches_oracle(rng, backend, case, options):
 
 
 @pytest.mark.parametrize("backend", list(CPU_BACKENDS))
-def test_backend_bfloat16_dlogits(rng, backend):
+@pytest.mark.parametrize("logits_dtype", [jnp.float32, jnp.bfloat16])
+def test_backend_bfloat16_dlogits(rng, backend, logits_dtype):
+  """bfloat16 dlogits; from bfloat16 logits, the fused kernel writes in place."""
   logits, labels, valid = _logits_case(rng, "normal", 5, 1031)
+  logits = logits.astype(logits_dtype)  # the oracle reads these values exactly
   check_backend(
     CPU_BACKENDS[backend],
     logits,
@@ -163,13 +166,22 @@ def test_kernel_blocks_are_validated():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize(
+  "logits_dtype, out_dtype",
+  [
+    (jnp.float32, jnp.float32),
+    (jnp.float32, jnp.bfloat16),
+    (jnp.bfloat16, jnp.bfloat16),  # the fused kernel in place
+  ],
+  ids=["f32", "bf16", "bf16_logits"],
+)
 @pytest.mark.parametrize(
   "n_rows, vocab", [(37, 1031), (1000, 50257), (1024, 128256), (1024, 256000)]
 )
-def test_pallas_gpu_matches_oracle(rng, n_rows, vocab, out_dtype):
+def test_pallas_gpu_matches_oracle(rng, n_rows, vocab, logits_dtype, out_dtype):
   assert has_gpu()
   logits, labels, valid = _logits_case(rng, "normal", n_rows, vocab)
+  logits = logits.astype(logits_dtype)
   check_backend(
     PallasTritonChunkCE(), logits, labels, valid, ALL_OPTIONS, rng, out_dtype=out_dtype
   )

@@ -242,6 +242,8 @@ def test_bad_module_arguments_raise_at_construction():
     mst_jax.linen.LMHeadLoss.create(V, z_loss=-1.0)
   with pytest.raises(ValueError, match="vocab_block_size"):
     mst_jax.linen.LMHeadLoss.create(V, vocab_block_size=0)
+  with pytest.raises(TypeError, match="logits_dtype"):
+    mst_jax.nnx.LMHeadLoss(D, V, logits_dtype="int32", rngs=nnx.Rngs(0))
 
 
 @pytest.mark.parametrize("module", ["mst_jax.api", "mst_jax.nnx", "mst_jax.linen"])
