@@ -192,6 +192,8 @@ class _Chunk(NamedTuple):
     return self.owned.shape[0]
 
   def take(self, x):
+    if isinstance(x, Permuted):
+      return jnp.take(x.array, self.take(x.order), axis=0)
     return lax.dynamic_slice_in_dim(x, self.start, self.size, axis=0)
 
   def put(self, buffer, rows, *, local=False):
@@ -203,6 +205,10 @@ class _Chunk(NamedTuple):
       (self.local_owned, self.offset) if local else (self.owned, self.start)
     )
     mask = owned.reshape(owned.shape + (1,) * (rows.ndim - 1))
+    if isinstance(buffer, Permuted):  # the chunk's rows are distinct: in place
+      index = self.take(buffer.order)
+      new = jnp.where(mask, rows, jnp.take(buffer.array, index, axis=0))
+      return buffer._replace(array=buffer.array.at[index].set(new, unique_indices=True))
     old = lax.dynamic_slice_in_dim(buffer, start, self.size, axis=0)
     return lax.dynamic_update_slice_in_dim(buffer, jnp.where(mask, rows, old), start, 0)
 
@@ -254,15 +260,44 @@ def _zeros_if(flag, shape, dtype):
 # ---- Compaction: valid rows first. ----
 
 
+class Permuted(NamedTuple):
+  """``array`` seen in the row order ``order`` (``view[i] = array[order[i]]``).
+
+  Chunks gather their rows from it and scatter theirs into it, so the
+  ``[N, D]`` hidden states and their gradient are never copied whole into
+  compacted order and back.
+  """
+
+  array: jax.Array
+  order: jax.Array  # int32 [N], a permutation
+
+  @property
+  def shape(self):
+    return self.array.shape
+
+  @property
+  def dtype(self):
+    return self.array.dtype
+
+
 def _compaction(config, valid):
-  """``(gather, scatter)``: into compacted row order and back."""
+  """``(gather, scatter, view)``: into compacted row order and back.
+
+  ``gather`` and ``scatter`` copy (for per-row ``[N]`` arrays); ``view`` wraps
+  an ``[N, D]`` array as ``Permuted`` without copying it.
+  """
   if not config.compact:
     identity = lambda x: x
-    return identity, identity
-  order = jnp.argsort(jnp.logical_not(valid), stable=True)
+    return identity, identity, identity
+  order = jnp.argsort(jnp.logical_not(valid), stable=True).astype(jnp.int32)
   gather = lambda x: jnp.take(x, order, axis=0)
   scatter = lambda x: jnp.zeros_like(x).at[order].set(x, unique_indices=True)
-  return gather, scatter
+  return gather, scatter, lambda x: Permuted(x, order)
+
+
+def _array(x):
+  """The array of a (possibly ``Permuted``) buffer, in the original row order."""
+  return x.array if isinstance(x, Permuted) else x
 
 
 # ---- The sweeps. ----
@@ -322,21 +357,29 @@ def _accumulate(config, grads, group, h, dlogits, weight, *, first=False):
 
 
 def gradient_init(config, hidden, weight, bias, diff):
-  """Zero ``(dhidden, dweight, dbias)`` accumulators (None: not differentiated)."""
+  """Zero ``(dhidden, dweight, dbias)`` accumulators (None: not differentiated).
+
+  ``dhidden`` is ``Permuted`` like ``hidden``.
+  """
   dbias = None
   if diff.bias:  # [V] only: always accumulated in at least float32
     accum = config.accum_dtype or jnp.promote_types(bias.dtype, jnp.float32)
     dbias = jnp.zeros(bias.shape, accum)
+  dhidden = _zeros_if(diff.hidden, hidden.shape, hidden.dtype)
+  if dhidden is not None and isinstance(hidden, Permuted):
+    dhidden = hidden._replace(array=dhidden)
   return (
-    _zeros_if(diff.hidden, hidden.shape, hidden.dtype),
+    dhidden,
     _zeros_if(diff.weight, weight.shape, config.accum_dtype or weight.dtype),
     dbias,
   )
 
 
 def gradient_finish(grads, weight, bias):
-  """The accumulators in their inputs' dtypes."""
+  """The accumulators in their inputs' dtypes (and ``dhidden`` in row order)."""
   dhidden, dweight, dbias = grads
+  if dhidden is not None:
+    dhidden = _array(dhidden)
   if dweight is not None:
     dweight = dweight.astype(weight.dtype)
   if dbias is not None:
@@ -473,9 +516,9 @@ def _fused(config, hidden, weight, bias, labels, valid, row_scale, diff):
 
 def compacted_forward(config, hidden, weight, bias, labels, valid):
   """Per-row ``(loss, lse, correct)``, valid rows compacted to the front."""
-  gather, scatter = _compaction(config, valid)
+  gather, scatter, view = _compaction(config, valid)
   outputs = forward_rows(
-    config, gather(hidden), weight, bias, gather(labels), gather(valid)
+    config, view(hidden), weight, bias, gather(labels), gather(valid)
   )
   return tuple(map(scatter, outputs))
 
@@ -484,31 +527,30 @@ def compacted_backward(
   config, hidden, weight, bias, labels, valid, lse, g_loss, g_lse, diff
 ):
   """``(dhidden, dweight, dbias)`` of the recompute path, rows compacted."""
-  gather, scatter = _compaction(config, valid)  # recomputed: cheaper than saved
-  dhidden, dweight, dbias = _backward(
+  gather, _, view = _compaction(config, valid)  # recomputed: cheaper than saved
+  return _backward(
     config,
-    gather(hidden),
+    view(hidden),
     weight,
     bias,
     *map(gather, (labels, valid, lse, g_loss, g_lse)),
     diff,
   )
-  return (None if dhidden is None else scatter(dhidden)), dweight, dbias
 
 
 def compacted_fused(config, hidden, weight, bias, labels, valid, row_scale, diff):
   """``((sum(loss * row_scale), lse, correct), grads)`` in one sweep, compacted."""
-  gather, scatter = _compaction(config, valid)
-  (loss, lse, correct), (dhidden, dweight, dbias) = _fused(
+  gather, scatter, view = _compaction(config, valid)
+  (loss, lse, correct), grads = _fused(
     config,
-    gather(hidden),
+    view(hidden),
     weight,
     bias,
     *map(gather, (labels, valid, row_scale)),
     diff,
   )
   outputs = (jnp.sum(loss * gather(row_scale)), scatter(lse), scatter(correct))
-  return outputs, ((None if dhidden is None else scatter(dhidden)), dweight, dbias)
+  return outputs, grads
 
 
 class Plan(NamedTuple):
