@@ -61,10 +61,10 @@ class DriverConfig:
   """Static configuration of the chunked sweeps.
 
   Attributes:
-    rows_per_chunk: rows whose logits exist at once,
+    rows_per_chunk: rows whose logits exist at once (outside whole groups),
       ``1 <= rows_per_chunk <= rows_per_group``.
-    rows_per_group: rows whose ``dlogits`` (in the compute dtype) are gathered
-      before the ``dhidden`` and ``dweight`` matmuls, ``<= N``.
+    rows_per_group: rows whose ``dhidden`` and ``dweight`` matmuls run at once
+      when all of them count (``config.plan_chunks``), ``<= N``.
     weight_layout: ``"vd"`` (weight ``[V, D]``) or ``"dv"`` (``[D, V]``).
     accum_dtype: dtype of the ``dweight`` / ``dbias`` accumulators; None
       accumulates ``dweight`` in the weight's dtype, in place in the output
@@ -391,24 +391,26 @@ def _gradient_sweep(config, hidden, weight, bias, valid, diff, chunk_dlogits, ou
   """Gradients from ``chunk_dlogits``, group by group.
 
   ``chunk_dlogits(outputs, chunk, into) -> (outputs, dlogits)`` gives each
-  chunk's dlogits (with ``into=(buffer, row)``, written into ``buffer`` from
-  ``row`` on, and the buffer returned). A group whose rows all count
-  gathers its chunks' dlogits into one ``[group, V]`` buffer, then two
-  matmuls over the whole group give its ``dhidden`` rows and ``dweight``
-  contribution: ``dweight`` is read and
-  written once per group rather than once per chunk. A group with excluded
-  rows (the one where compacted valid rows end, or the clamped last group)
-  does those matmuls chunk by chunk instead, skipping empty chunks, so excluded
-  rows cost no matmul.
+  chunk's (or group's) dlogits (with ``into=(buffer, row)``, written into
+  ``buffer`` from ``row`` on, and the buffer returned). A group whose rows all
+  count does the ``dhidden`` and ``dweight`` matmuls over the whole group, so
+  ``dweight`` is read and written once per group rather than once per chunk:
+  with logits in the compute dtype, the group's logits come from one matmul
+  and its dlogits overwrite them; with float32 logits, its chunks' dlogits are
+  gathered into one ``[group, V]`` buffer. A group with excluded rows (the one
+  where compacted valid rows end, or the clamped last group) goes chunk by
+  chunk instead, skipping empty chunks, so excluded rows cost no matmul.
+
+  Compacted, the first group starts the ``dweight`` / ``dbias`` accumulators
+  with its contribution (no zero-filled ``[V, D]`` to add to).
 
   Returns:
     ``(outputs, (dhidden, dweight, dbias))``; a gradient is None where ``diff``
     says its input is not differentiated.
   """
   group_size, chunk_size = config.rows_per_group, config.rows_per_chunk
-
-  # Chunks tile a whole group exactly: the backend may write into its buffer.
-  in_place = group_size % chunk_size == 0
+  logits_dtype = config.logits_dtype or jnp.promote_types(hidden.dtype, jnp.float32)
+  logits_in_place = jnp.dtype(logits_dtype) == jnp.dtype(hidden.dtype)
 
   def chunk_update(carry, chunk, first=False):
     outputs, grads = carry
@@ -417,44 +419,91 @@ def _gradient_sweep(config, hidden, weight, bias, valid, diff, chunk_dlogits, ou
     grads = _accumulate(config, grads, chunk, h, dlogits, weight, first=first)
     return outputs, grads
 
-  def whole_group(carry, group):
-    outputs, grads, buffer = carry
-
-    def fill(carry, chunk):
-      outputs, buffer = carry
-      if in_place:
-        return chunk_dlogits(outputs, chunk, (buffer, chunk.offset))
-      outputs, dlogits = chunk_dlogits(outputs, chunk, None)
-      return outputs, chunk.put(buffer, dlogits, local=True)
-
-    outputs, buffer = sweep_chunks(
-      chunk_size, group.valid, fill, (outputs, buffer), group=group
-    )
-    grads = _accumulate(config, grads, group, group.hidden(hidden), buffer, weight)
-    return outputs, grads, buffer
-
   def chunk_by_chunk(carry, group):
-    outputs, grads, buffer = carry
-    outputs, grads = sweep_chunks(
-      chunk_size, group.valid, chunk_update, (outputs, grads), group=group
-    )
-    return outputs, grads, buffer
-
-  def group_update(carry, group):
-    return lax.cond(jnp.all(group.valid), whole_group, chunk_by_chunk, carry, group)
+    return sweep_chunks(chunk_size, group.valid, chunk_update, carry, group=group)
 
   grads = gradient_init(config, hidden, weight, bias, diff)
+  specs = [None if g is None else (g.shape, g.dtype) for g in grads[1:]]
+
+  def started(update, first=False):
+    """``update`` on a carry whose ``dweight`` / ``dbias`` start in the branch."""
+
+    def run(carry, group):
+      outputs, dhidden = carry
+      fresh = (None if spec is None else jnp.zeros(*spec) for spec in specs)
+      if first:
+        return update((outputs, (dhidden, *fresh)), group, first=True)
+      return update((outputs, (dhidden, *fresh)), group)
+
+    return run
+
+  def first_of(whole, partial):
+    if not config.compact:  # the first group may be all excluded
+      return None
+
+    def first(carry, group):
+      outputs, (dhidden, _, _) = carry
+      if whole is partial:
+        return started(whole, first=True)((outputs, dhidden), group)
+      return lax.cond(
+        jnp.all(group.valid),
+        started(whole, first=True),
+        started(partial),
+        (outputs, dhidden),
+        group,
+      )
+
+    return first
+
   if chunk_size == group_size:
-    # Compacted, the first chunk holds valid rows unless none is valid.
-    first = functools.partial(chunk_update, first=True) if config.compact else None
+    first = first_of(chunk_update, chunk_update)
     outputs, grads = sweep_chunks(
       chunk_size, valid, chunk_update, (outputs, grads), first=first
     )
+  elif logits_in_place:
+
+    def group_update(carry, group):
+      return lax.cond(jnp.all(group.valid), chunk_update, chunk_by_chunk, carry, group)
+
+    first = first_of(chunk_update, chunk_by_chunk)
+    outputs, grads = sweep_chunks(
+      group_size, valid, group_update, (outputs, grads), first=first
+    )
   else:
+    # float32 logits chunk by chunk into a group buffer; chunks that tile the
+    # group exactly let the backend write into it in place.
+    into_buffer = group_size % chunk_size == 0
+
+    def whole_group(carry, group):
+      outputs, grads, buffer = carry
+
+      def fill(carry, chunk):
+        outputs, buffer = carry
+        if into_buffer:
+          return chunk_dlogits(outputs, chunk, (buffer, chunk.offset))
+        outputs, dlogits = chunk_dlogits(outputs, chunk, None)
+        return outputs, chunk.put(buffer, dlogits, local=True)
+
+      outputs, buffer = sweep_chunks(
+        chunk_size, group.valid, fill, (outputs, buffer), group=group
+      )
+      h = group.hidden(hidden)
+      grads = _accumulate(config, grads, group, h, buffer, weight)
+      return outputs, grads, buffer
+
+    def buffered_by_chunk(carry, group):
+      outputs, grads, buffer = carry
+      return *chunk_by_chunk((outputs, grads), group), buffer
+
+    def buffered_update(carry, group):
+      return lax.cond(
+        jnp.all(group.valid), whole_group, buffered_by_chunk, carry, group
+      )
+
     width = weight.shape[0 if config.weight_layout == "vd" else 1]  # this shard's
     buffer = jnp.zeros((group_size, width), hidden.dtype)
     outputs, grads, _ = sweep_chunks(
-      group_size, valid, group_update, (outputs, grads, buffer)
+      group_size, valid, buffered_update, (outputs, grads, buffer)
     )
   return outputs, gradient_finish(grads, weight, bias)
 

@@ -6,9 +6,13 @@ import dataclasses
 
 import numpy as np
 
-# The chunk temporaries (a chunk's float32 logits, a group's dlogits) stay
-# under this many bytes by default.
-DEFAULT_MEMORY_BUDGET = 2 << 30
+# The chunk temporaries (a group's logits, overwritten by its dlogits, and a
+# chunk's; or a chunk's float32 logits and a group's dlogits) stay under this
+# many bytes by default: 8192 rows of the Llama-3 head's bfloat16 logits.
+DEFAULT_MEMORY_BUDGET = 9 << 28  # 2.25 GiB
+
+# A partially valid group (logits in the compute dtype) goes in this many chunks.
+CHUNKS_PER_GROUP = 8
 
 # Tensor cores want row counts in multiples of this.
 _ROW_ALIGN = 128
@@ -29,11 +33,13 @@ def plan_chunks(
   """``(rows_per_chunk, rows_per_group)`` whose temporaries fit the budget.
 
   Logits in the compute dtype (``logits_dtype`` of ``dtype``'s size: bfloat16
-  logits of bfloat16 inputs, float32 of float32 ones): each chunk's
-  ``dlogits`` overwrite its logits, so a row costs ``itemsize V`` bytes once
-  and chunks are their own groups. ``n_rows`` is split into as few chunks as
-  fit, as evenly as multiples of the alignment allow: 32768 rows at most 8372
-  a chunk make four of 8192.
+  logits of bfloat16 inputs, float32 of float32 ones): a group whose rows all
+  count forms its logits in one matmul and its ``dlogits`` overwrite them
+  (``itemsize V`` bytes a row); a group with excluded rows goes in
+  ``CHUNKS_PER_GROUP`` chunks, skipping those without a valid row, whose
+  logits take an eighth more. ``n_rows`` is split into as few groups as fit,
+  as evenly as multiples of the alignment allow: 32768 rows at most 8372 a
+  group make four of 8192, each in chunks of 1024.
 
   float32 logits (``logits_dtype`` None or wider than ``dtype``): a chunk's
   float32 logits (``4 V`` bytes a row) take at most a quarter of the budget
@@ -59,16 +65,18 @@ def plan_chunks(
   itemsize = np.dtype(dtype).itemsize
   # No more than the whole logits in the compute dtype (what a full-logits head
   # holds): at small N, chunking must not cost more memory than it saves.
-  memory_budget = min(memory_budget, max(n_rows * vocab_size * itemsize, 1))
   if logits_dtype is not None and np.dtype(logits_dtype).itemsize == itemsize:
-    most = memory_budget // (itemsize * vocab_size)
+    per_row = itemsize * vocab_size * (1 + 1 / CHUNKS_PER_GROUP)
+    most = int(memory_budget // per_row)
     if most >= n_rows:
-      return n_rows, n_rows
-    chunk = _aligned_rows(most)
-    n_chunks = -(-n_rows // chunk)
-    even = _aligned_rows(-(-n_rows // n_chunks), up=True)
-    chunk = min(chunk, even)
-    return chunk, chunk
+      group = n_rows
+    else:
+      group = _aligned_rows(most)
+      n_groups = -(-n_rows // group)
+      group = min(group, _aligned_rows(-(-n_rows // n_groups), up=True), n_rows)
+    chunk = -(-group // CHUNKS_PER_GROUP)
+    return (_round_up(chunk, 8) if chunk >= 8 else group), group
+  memory_budget = min(memory_budget, max(n_rows * vocab_size * itemsize, 1))
   chunk = _aligned_rows(memory_budget // 4 // (4 * vocab_size))
   if chunk >= n_rows:
     return n_rows, n_rows

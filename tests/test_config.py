@@ -29,33 +29,34 @@ def test_plan_fits_budget_and_tiles_rows(n_rows, vocab, dtype, budget):
 @pytest.mark.parametrize("vocab", [1031, 128256, 256000])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("budget", [2**20, 2**27, 2**31])
-def test_in_place_plan_fits_budget_with_even_chunks(n_rows, vocab, dtype, budget):
-  """Logits in the compute dtype: chunks are groups, as few and even as fit."""
+def test_in_place_plan_fits_budget_with_even_groups(n_rows, vocab, dtype, budget):
+  """Logits in the compute dtype: as few, even groups as fit, in eighths."""
   dtype = np.dtype(dtype)
   chunk, group = config.plan_chunks(
     n_rows, vocab, dtype, memory_budget=budget, logits_dtype=dtype
   )
-  assert 1 <= chunk == group <= n_rows
-  capped = min(budget, n_rows * vocab * dtype.itemsize)
-  if chunk > min(n_rows, 8):
-    assert chunk * vocab * dtype.itemsize <= capped
-  if chunk < n_rows:
-    assert chunk % 8 == 0
-    most = capped // (vocab * dtype.itemsize)
+  assert 1 <= chunk <= group <= n_rows
+  # A group's logits and one chunk's (a partially valid group's) fit.
+  if group > min(n_rows, 8):
+    assert (group + chunk) * vocab * dtype.itemsize <= budget
+  # Eighths, rounded up to multiples of 8 rows.
+  assert chunk == group or (chunk % 8 == 0 and chunk - 8 < group / 8 <= chunk)
+  if group < n_rows:
+    most = int(budget // (dtype.itemsize * vocab * 1.125))
     align = 128 if most >= 128 else 8
-    largest = max(8, most // align * align)  # the largest aligned chunk that fits
-    n_chunks = -(-n_rows // chunk)
-    assert n_chunks == -(-n_rows // largest)  # no more chunks than it needs
-    assert chunk < -(-n_rows // n_chunks) + align  # even, up to the alignment
+    largest = max(8, most // align * align)  # the largest aligned group that fits
+    n_groups = -(-n_rows // group)
+    assert n_groups == -(-n_rows // largest)  # no more groups than it needs
+    assert group < -(-n_rows // n_groups) + align  # even, up to the alignment
 
 
 def test_plan_for_the_benchmark_heads():
   bf16 = np.dtype("bfloat16")
   in_place = lambda n, v, **kw: config.plan_chunks(n, v, bf16, logits_dtype=bf16, **kw)
-  assert in_place(8192, 128256) == (8192, 8192)  # the whole batch in 2 GiB
-  assert in_place(32768, 128256) == (8192, 8192)  # four even chunks
-  assert in_place(8192, 256000) == (4096, 4096)
-  assert in_place(8192, 128256, memory_budget=160 << 20) == (640, 640)
+  assert in_place(8192, 128256) == (1024, 8192)  # the whole batch in 2.25 GiB
+  assert in_place(32768, 128256) == (1024, 8192)  # four even groups
+  assert in_place(8192, 256000) == (512, 4096)
   assert config.plan_chunks(8192, 128256, bf16) == (1024, 4096)  # 2 whole groups
-  assert config.plan_chunks(8192, 256000, bf16) == (512, 2560)  # 3 + a 1-chunk group
+  # float32 logits: 2 groups + one of 2 chunks (3584 + 3584 + 1024).
+  assert config.plan_chunks(8192, 256000, bf16) == (512, 3584)
   assert config.plan_chunks(2048, 128256, bf16) == (256, 1024)  # small N, small budget
