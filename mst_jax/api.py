@@ -183,7 +183,7 @@ def linear_cross_entropy(
       with half the logits traffic, and each chunk's ``dlogits`` overwrite its
       logits in place); otherwise at least float32. ``jnp.float32`` keeps
       float32 logits for bfloat16 inputs: a loss exact to float32 rounding,
-      for about 5% more time at the Llama-3 head (docs/benchmarks.md).
+      for about 8% more time at the Llama-3 head (docs/benchmarks.md, run 13).
     grad_mode: how gradients are formed. ``"fused"``: during the forward sweep,
       in the same pass as the loss (6 N·D·V FLOPs, like full-logits autodiff;
       needs a scalar ``reduction``; ``aux.lse`` is then not differentiable).
