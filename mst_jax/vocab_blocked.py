@@ -20,8 +20,9 @@ written once per row chunk (in place, block by block). The forward runs pass
 1; the backward (or, for a scalar loss, the forward itself) runs both.
 
 Row chunks without a valid row are skipped (``lax.cond``). Rows are not
-compacted (``DriverConfig.compact`` is ignored): compaction gathers a copy of
-``hidden``, which this mode saves. ``dweight`` accumulates in the weight's
+compacted (``DriverConfig.compact`` is ignored; the row-chunked path's
+compaction now gathers rows without copying ``hidden``, so this mode could
+adopt it). ``dweight`` accumulates in the weight's
 dtype by default, whatever the number of row chunks: a float32 ``[V, D]``
 accumulator would be the largest buffer of a mode meant to be small.
 """
