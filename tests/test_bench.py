@@ -97,3 +97,26 @@ def test_parallel_cases_skip_without_their_devices():
   row = measure.run_here("mst_jax", case, "time", 1)
   assert "median_ms" not in row
   assert f"needs {case.devices} devices" in row["skipped"]
+
+
+@pytest.mark.parametrize("limit", [8, 96, 200, 488, 504])
+def test_confirmation_halves_then_bisects_real_runs(limit):
+  """Steps run below a limit the footprint (start) overestimates."""
+  tried = []
+
+  def runs(n):
+    tried.append(n)
+    return n <= limit
+
+  ran, failed = fit.confirm_by_running(runs, 504, 8, 20, log=lambda _: None)
+  assert ran == (limit if limit < 504 else 504)
+  assert failed is None if limit >= 504 else failed - ran <= 8
+  assert all(n % 8 == 0 for n in tried) and len(set(tried)) == len(tried)
+
+
+def test_confirmation_stops_after_its_attempts():
+  tried = []
+  ran, failed = fit.confirm_by_running(
+    lambda n: tried.append(n) or False, 4096, 8, 3, log=lambda _: None
+  )
+  assert (ran, failed, tried) == (0, 1024, [4096, 2048, 1024])

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import jax
 
-from mst_jax.bench import kernels, measure
+from mst_jax.bench import fit, kernels, measure
 from mst_jax.bench.cases import CASES
 
 GPU_CASES = [
@@ -100,20 +100,23 @@ def run_fit(args: argparse.Namespace) -> list[dict]:
       tokens = bisect["footprint_tokens"]
       row = {"case": name, "impl": impl, "footprint_tokens": tokens}
       row["capacity"] = bisect["capacity"]
-      # The footprint ignores fragmentation: the allocator may not find one
-      # contiguous block for the step's temporaries next to the inputs. Step
-      # down (by 1/16) until a real step runs.
-      for _ in range(args.fit_confirm_attempts):
-        if not tokens:
-          break
-        check = measure.run_isolated(impl, case.with_tokens(tokens), "memory", 0, env)
-        log(f"{tokens:,}: {'runs' if 'error' not in check else 'fails to run'}")
-        if "error" not in check:
-          row.update(largest_tokens=tokens, check=check)
-          break
-        row.setdefault("failed_runs", []).append((tokens, check["error"][-300:]))
-        step = max(args.fit_granularity, tokens // 16)
-        tokens = (tokens - step) // args.fit_granularity * args.fit_granularity
+      # The footprint ignores fragmentation and what the step's launch needs
+      # beyond its buffers; real steps (each in a fresh process) decide.
+      checks = {}
+
+      def runs(n, impl=impl, case=case, checks=checks):
+        checks[n] = measure.run_isolated(impl, case.with_tokens(n), "memory", 0, env)
+        if "error" in checks[n]:
+          print(f"  error at {n:,}: {checks[n]['error'][-300:]}", flush=True)
+        return "error" not in checks[n]
+
+      ran, failed = fit.confirm_by_running(
+        runs, tokens, args.fit_granularity, args.fit_confirm_attempts, log
+      )
+      if ran:
+        row.update(largest_tokens=ran, check=checks[ran])
+      if failed is not None:
+        row["failed_run"] = (failed, checks[failed]["error"][-300:])
       print(f"{name} {impl}: {row}", flush=True)
       rows.append(row)
   return rows
@@ -266,8 +269,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument(
     "--fit-confirm-attempts",
     type=int,
-    default=4,
-    help="with --fit: real steps tried, from the footprint's N down",
+    default=6,
+    help="with --fit: real steps tried (halving from the footprint N, then bisecting)",
   )
   parser.add_argument("--seed", type=int, default=0)
   return parser.parse_args(argv)

@@ -82,3 +82,32 @@ def largest_tokens(
   """The largest N (a multiple of ``granularity``) whose step fits ``capacity``."""
   fits = lambda n: step_footprint(spec, case.with_tokens(n)) <= capacity
   return largest_fitting(fits, granularity, 2**26, granularity, log)
+
+
+def confirm_by_running(
+  runs: Callable[[int], bool],
+  start: int,
+  granularity: int,
+  attempts: int,
+  log: Callable[[str], None] = print,
+) -> tuple[int, int | None]:
+  """``(largest N that ran, smallest that did not)`` from real steps.
+
+  Starts at ``start`` (the footprint's N), halves until a step runs, then
+  bisects between the largest that ran and the smallest that did not, within
+  ``attempts`` real steps (each allocates the inputs: expensive).
+  """
+  ran, failed, n = 0, None, start
+  for _ in range(attempts):
+    if n <= ran or (failed is not None and n >= failed):
+      break
+    ok = runs(n)
+    log(f"{n:,}: {'runs' if ok else 'fails to run'}")
+    ran, failed = (n, failed) if ok else (ran, n)
+    if failed is None or failed - ran <= granularity:
+      break
+    if ran:
+      n = (ran + failed) // 2 // granularity * granularity
+    else:
+      n = max(granularity, n // 2 // granularity * granularity)
+  return ran, failed
