@@ -461,11 +461,66 @@ def _gradient_sweep(config, hidden, weight, bias, valid, diff, chunk_dlogits, ou
       chunk_size, valid, chunk_update, (outputs, grads), first=first
     )
   elif logits_in_place:
+    # The lax.cond between a whole group and its chunks returns the group's
+    # dhidden rows; they are scattered into dhidden outside it. (With the
+    # [N, D] dhidden inside both branches, copy insertion copied all of it.)
+    layout, dh_dtype = config.weight_layout, hidden.dtype
+    want_rows = grads[0] is not None
 
-    def group_update(carry, group):
-      return lax.cond(jnp.all(group.valid), chunk_update, chunk_by_chunk, carry, group)
+    def whole(outputs, dweight, dbias, group, first):
+      outputs, dlogits = chunk_dlogits(outputs, group, None)
+      h = group.hidden(hidden)
+      _, dweight, dbias = _accumulate(
+        config, (None, dweight, dbias), group, h, dlogits, weight, first=first
+      )
+      rows = dhidden_matmul(dlogits, weight, layout, dh_dtype) if want_rows else None
+      return outputs, rows, dweight, dbias
 
-    first = first_of(chunk_update, chunk_by_chunk)
+    def by_chunk(outputs, dweight, dbias, group, first):
+      del first  # the accumulators were started as zeros
+
+      def update(carry, chunk):
+        outputs, (rows, dweight, dbias) = carry
+        outputs, dlogits = chunk_dlogits(outputs, chunk, None)
+        h = chunk.hidden(hidden)
+        _, dweight, dbias = _accumulate(
+          config, (None, dweight, dbias), chunk, h, dlogits, weight
+        )
+        if rows is not None:
+          dh = dhidden_matmul(dlogits, weight, layout, dh_dtype)
+          rows = chunk.put(rows, dh, local=True)
+        return outputs, (rows, dweight, dbias)
+
+      rows = jnp.zeros((group.size, hidden.shape[1]), dh_dtype) if want_rows else None
+      outputs, (rows, dweight, dbias) = sweep_chunks(
+        chunk_size, group.valid, update, (outputs, (rows, dweight, dbias)), group=group
+      )
+      return outputs, rows, dweight, dbias
+
+    def branch(part, first):
+      def run(operand, group):
+        outputs, dweight, dbias = operand
+        if first:  # started here: zeros only the chunked branch reads
+          dweight, dbias = (None if s is None else jnp.zeros(*s) for s in specs)
+        return part(outputs, dweight, dbias, group, first)
+
+      return run
+
+    def group_update(carry, group, first=False):
+      outputs, (dhidden, dweight, dbias) = carry
+      operand = (outputs, None, None) if first else (outputs, dweight, dbias)
+      outputs, rows, dweight, dbias = lax.cond(
+        jnp.all(group.valid),
+        branch(whole, first),
+        branch(by_chunk, first),
+        operand,
+        group,
+      )
+      if want_rows:
+        dhidden = group.put(dhidden, rows)
+      return outputs, (dhidden, dweight, dbias)
+
+    first = functools.partial(group_update, first=True) if config.compact else None
     outputs, grads = sweep_chunks(
       group_size, valid, group_update, (outputs, grads), first=first
     )
