@@ -425,38 +425,11 @@ def _gradient_sweep(config, hidden, weight, bias, valid, diff, chunk_dlogits, ou
   grads = gradient_init(config, hidden, weight, bias, diff)
   specs = [None if g is None else (g.shape, g.dtype) for g in grads[1:]]
 
-  def started(update, first=False):
-    """``update`` on a carry whose ``dweight`` / ``dbias`` start in the branch."""
-
-    def run(carry, group):
-      outputs, dhidden = carry
-      fresh = (None if spec is None else jnp.zeros(*spec) for spec in specs)
-      if first:
-        return update((outputs, (dhidden, *fresh)), group, first=True)
-      return update((outputs, (dhidden, *fresh)), group)
-
-    return run
-
-  def first_of(whole, partial):
-    if not config.compact:  # the first group may be all excluded
-      return None
-
-    def first(carry, group):
-      outputs, (dhidden, _, _) = carry
-      if whole is partial:
-        return started(whole, first=True)((outputs, dhidden), group)
-      return lax.cond(
-        jnp.all(group.valid),
-        started(whole, first=True),
-        started(partial),
-        (outputs, dhidden),
-        group,
-      )
-
-    return first
-
+  # Compacted, the first chunk (or group) holds a valid row unless none does;
+  # it starts dweight / dbias, so their zeros are never read.
+  starts = config.compact
   if chunk_size == group_size:
-    first = first_of(chunk_update, chunk_update)
+    first = functools.partial(chunk_update, first=True) if starts else None
     outputs, grads = sweep_chunks(
       chunk_size, valid, chunk_update, (outputs, grads), first=first
     )
@@ -520,7 +493,7 @@ def _gradient_sweep(config, hidden, weight, bias, valid, diff, chunk_dlogits, ou
         dhidden = group.put(dhidden, rows)
       return outputs, (dhidden, dweight, dbias)
 
-    first = functools.partial(group_update, first=True) if config.compact else None
+    first = functools.partial(group_update, first=True) if starts else None
     outputs, grads = sweep_chunks(
       group_size, valid, group_update, (outputs, grads), first=first
     )
