@@ -174,3 +174,34 @@ def test_temporaries_grow_with_chunk_not_with_tokens(rng, grad_mode):
   assert large < full_logits / 8, (large, full_logits)
   # 3072 more rows may add O(rows x D) bytes, not O(rows x V).
   assert large - small < 3072 * (vocab * 4) / 16, (small, large)
+
+
+@pytest.mark.parametrize("grad_mode", ["fused", "recompute"])
+def test_no_temporary_the_size_of_hidden(rng, grad_mode):
+  """Compaction and the group ``lax.cond`` copy no ``[N, D]`` buffer.
+
+  Chunks gather their hidden rows and scatter their ``dhidden`` rows through
+  the permutation, and the cond returns a group's rows: at a fixed budget
+  (fixed groups), more rows add only per-row ``[N]`` temporaries.
+  """
+  vocab, dim = 1031, 256
+
+  def step_bytes(n_rows):
+    problem = make_problem(rng, (n_rows,), dim=dim, vocab=vocab)  # scattered mask
+    fn = jax.value_and_grad(
+      lambda h, w: mst_jax.linear_cross_entropy(
+        h,
+        w,
+        problem.labels,
+        where=problem.where,
+        impl="xla",
+        memory_budget=1 << 21,
+        grad_mode=grad_mode,
+      ),
+      argnums=(0, 1),
+    )
+    return _temp_bytes(fn, problem.hidden, problem.weight)
+
+  small, large = step_bytes(4096), step_bytes(16384)
+  per_row = (large - small) / (16384 - 4096)
+  assert per_row < dim * 4 / 4, (small, large, per_row)  # well below a row of D
