@@ -350,7 +350,9 @@ def linear_cross_entropy(
       plan = sharded.plan_for(plan, layout)
     args = (plan, rows.hidden, rows.weight, rows.bias, rows.labels, rows.valid)
     if (grad_mode or _default_grad_mode(reduction)) == "fused":
-      weights = inputs.row_weights(rows, reduction, jnp.float32)
+      weights = inputs.row_weights(
+        rows, reduction, jnp.promote_types(rows.hidden.dtype, jnp.float32)
+      )
       outputs = chunked.reduced_loss(*args, weights)
     else:
       outputs = chunked.row_losses(*args)

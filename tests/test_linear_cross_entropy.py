@@ -365,3 +365,32 @@ def test_memory_budget_groups_chunks(rng, impl, grad_mode, dtype, budget, plan, 
     grad_mode=grad_mode,
     **ALL_OPTIONS,
   )
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_float64_stays_float64(rng, impl, reduction):
+  """float64 inputs are float64 throughout, the mean's 1/n included.
+
+  Compared with the full-logits reference in float64 directly (the shared
+  helpers read outputs through float32).
+  """
+  problem = make_problem(rng, (97,), dim=16, vocab=1031, bias=True)
+  with jax.enable_x64(True):
+    args = [
+      jnp.asarray(np.asarray(x, np.float64))
+      for x in (problem.hidden, problem.weight, problem.bias)
+    ]
+
+    def run(**kwargs):
+      loss = lambda h, w, b: mst_jax.linear_cross_entropy(
+        h, w, problem.labels, b, where=problem.where, reduction=reduction, **kwargs
+      )
+      return jax.value_and_grad(loss, argnums=(0, 1, 2))(*args)
+
+    # Groups of 32 rows in chunks of 8.
+    out = run(impl=impl, memory_budget=1031 * 8 * 40)
+    ref = run(impl="reference")
+    for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True):
+      assert got.dtype == jnp.float64
+      err = np.max(np.abs(np.asarray(got) - np.asarray(want)))
+      assert err <= 1e-12 * np.max(np.abs(np.asarray(want))), err
