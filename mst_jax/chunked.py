@@ -337,18 +337,20 @@ def forward_rows(config, hidden, weight, bias, labels, valid, row_stats=full_row
   return sweep_chunks(config.rows_per_chunk, valid, update, init)
 
 
-def _accumulate(config, grads, group, h, dlogits, weight, *, first=False):
+def _accumulate(config, grads, group, h, dlogits, weight, *, first=False, local=False):
   """Adds one group's ``dlogits`` to ``(dhidden, dweight, dbias)``.
 
   ``first``: the first group's contributions replace the (zero) ``dweight``
   and ``dbias`` instead of being added to them, which spares a pass of
-  zero-filling and re-reading ``dweight``.
+  zero-filling and re-reading ``dweight``. ``local``: ``dhidden`` is the
+  enclosing group's rows, not all rows.
   """
   dhidden, dweight, dbias = grads
   layout = config.weight_layout
   add = (lambda old, new: new) if first else jnp.add
   if dhidden is not None:
-    dhidden = group.put(dhidden, dhidden_matmul(dlogits, weight, layout, dhidden.dtype))
+    dh = dhidden_matmul(dlogits, weight, layout, dhidden.dtype)
+    dhidden = group.put(dhidden, dh, local=local)
   if dweight is not None:
     dweight = add(dweight, dweight_matmul(dlogits, h, layout, dweight.dtype))
   if dbias is not None:
@@ -453,16 +455,11 @@ def _gradient_sweep(config, hidden, weight, bias, valid, diff, chunk_dlogits, ou
       del first  # the accumulators were started as zeros
 
       def update(carry, chunk):
-        outputs, (rows, dweight, dbias) = carry
+        outputs, grads = carry
         outputs, dlogits = chunk_dlogits(outputs, chunk, None)
         h = chunk.hidden(hidden)
-        _, dweight, dbias = _accumulate(
-          config, (None, dweight, dbias), chunk, h, dlogits, weight
-        )
-        if rows is not None:
-          dh = dhidden_matmul(dlogits, weight, layout, dh_dtype)
-          rows = chunk.put(rows, dh, local=True)
-        return outputs, (rows, dweight, dbias)
+        grads = _accumulate(config, grads, chunk, h, dlogits, weight, local=True)
+        return outputs, grads
 
       rows = jnp.zeros((group.size, hidden.shape[1]), dh_dtype) if want_rows else None
       outputs, (rows, dweight, dbias) = sweep_chunks(

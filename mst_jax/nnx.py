@@ -73,7 +73,7 @@ class LMHeadLoss(nnx.Module):
     chunk_size: int | None = None,
     memory_budget: int | None = None,
     vocab_block_size: int | None = None,
-    logits_dtype: str | None = None,
+    logits_dtype: jax.typing.DTypeLike | None = None,
     impl: str | None = None,
     grad_mode: str | None = None,
     rngs: nnx.Rngs,
