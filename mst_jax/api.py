@@ -303,6 +303,13 @@ def linear_cross_entropy(
   else:
     if logits_dtype is None and rows.hidden.dtype == jnp.bfloat16:
       logits_dtype = rows.hidden.dtype
+    widest = jnp.promote_types(rows.hidden.dtype, jnp.float32)
+    if logits_dtype is not None and logits_dtype.itemsize > widest.itemsize:
+      raise ValueError(
+        f"logits_dtype={logits_dtype} is wider than the {widest} the loss is"
+        f" computed in for {rows.hidden.dtype} inputs; pass float64 inputs for"
+        " float64 logits."
+      )
     # Chunks are planned for the rows and vocabulary one device holds.
     local_rows = n_rows // _axis_size(mesh, batch_axis)
     local_vocab = rows.vocab_size // _axis_size(mesh, vocab_axis)

@@ -71,6 +71,7 @@ def _call(overrides=(), **kwargs):
     ({}, dict(return_aux="yes"), TypeError, "return_aux"),
     ({}, dict(accum_dtype=jnp.int32), TypeError, "accum_dtype.*int32"),
     ({}, dict(logits_dtype="int8"), TypeError, "logits_dtype.*int8"),
+    ({}, dict(logits_dtype="float64"), ValueError, "logits_dtype=float64 is wider"),
     ({}, dict(impl="reference", logits_dtype=jnp.float32), ValueError, "logits_dtype"),
     ({}, dict(impl="reference", chunk_size=4), ValueError, "impl='reference'"),
     ({}, dict(memory_budget=0), ValueError, "memory_budget.*0"),
