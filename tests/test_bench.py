@@ -8,6 +8,7 @@ the boundary.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import numpy as np
@@ -120,3 +121,20 @@ def test_confirmation_stops_after_its_attempts():
     lambda n: tried.append(n) or False, 4096, 8, 3, log=lambda _: None
   )
   assert (ran, failed, tried) == (0, 1024, [4096, 2048, 1024])
+
+
+def test_fit_from_skips_the_bisection_and_confirms_from_there(tmp_path, monkeypatch):
+  calls = []
+
+  def fake(impl, case, what, reps, env, granularity=8192):
+    calls.append((what, case.tokens))
+    return {"error": "oom"} if case.tokens > 40 else {"extra_bytes": 1}
+
+  monkeypatch.setattr(measure, "run_isolated", fake)
+  cli.main(
+    ["--fit", "--fit-from", "64", "--fit-granularity", "8", "--cases", "cpu"]
+    + ["--impls", "naive", "--out", str(tmp_path)]
+  )
+  assert all(what == "memory" for what, _ in calls) and calls[0] == ("memory", 64)
+  row = json.loads((tmp_path / "fit.json").read_text())["rows"][0]
+  assert row["largest_tokens"] == 40 and row["start_tokens"] == 64

@@ -92,14 +92,18 @@ def run_fit(args: argparse.Namespace) -> list[dict]:
       raise SystemExit(f"--fit bisects one-device cases; {name!r} spans devices")
     for impl in args.impls:
       log = lambda text, impl=impl: print(f"{impl}: {text}", flush=True)
-      bisect = measure.run_isolated(impl, case, "fit", 0, env, args.fit_granularity)
-      if "footprint_tokens" not in bisect:
-        raise SystemExit(f"--fit: {bisect.get('skipped') or bisect.get('error')}")
-      for line in bisect["log"]:
-        log(line)
-      tokens = bisect["footprint_tokens"]
-      row = {"case": name, "impl": impl, "footprint_tokens": tokens}
-      row["capacity"] = bisect["capacity"]
+      if args.fit_from:
+        tokens = args.fit_from
+        row = {"case": name, "impl": impl, "start_tokens": tokens}
+      else:
+        bisect = measure.run_isolated(impl, case, "fit", 0, env, args.fit_granularity)
+        if "footprint_tokens" not in bisect:
+          raise SystemExit(f"--fit: {bisect.get('skipped') or bisect.get('error')}")
+        for line in bisect["log"]:
+          log(line)
+        tokens = bisect["footprint_tokens"]
+        row = {"case": name, "impl": impl, "footprint_tokens": tokens}
+        row["capacity"] = bisect["capacity"]
       # The footprint ignores fragmentation and what the step's launch needs
       # beyond its buffers; real steps (each in a fresh process) decide.
       checks = {}
@@ -271,6 +275,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     type=int,
     default=6,
     help="with --fit: real steps tried (halving from the footprint N, then bisecting)",
+  )
+  parser.add_argument(
+    "--fit-from",
+    type=int,
+    default=None,
+    help="with --fit: skip the compile-only bisection and confirm from this N",
   )
   parser.add_argument("--seed", type=int, default=0)
   return parser.parse_args(argv)
