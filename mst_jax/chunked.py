@@ -153,11 +153,16 @@ def logits_matmul(hidden, weight, bias, layout, dtype=None):
 
 
 def dhidden_matmul(dlogits, weight, layout, dtype):
-  acc = jnp.promote_types(dlogits.dtype, jnp.float32)
-  dh = lax.dot_general(
-    dlogits, weight, _DHIDDEN_DIMS[layout], preferred_element_type=acc
+  """``dlogits @ weight`` written in ``dtype``.
+
+  The matmul accumulates in float32 and rounds once to ``dtype``, as the naive
+  head's backward pass does; asking for a float32 result and converting would
+  hold a float32 ``[rows, D]`` temporary (and, where XLA splits the long
+  vocabulary contraction, several).
+  """
+  return lax.dot_general(
+    dlogits, weight, _DHIDDEN_DIMS[layout], preferred_element_type=dtype
   )
-  return dh.astype(dtype)
 
 
 def dweight_matmul(dlogits, hidden, layout, accum_dtype):

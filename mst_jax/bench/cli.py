@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import tempfile
+import time
 from collections.abc import Sequence
 
 import jax
@@ -109,7 +110,10 @@ def run_fit(args: argparse.Namespace) -> list[dict]:
       checks = {}
 
       def runs(n, impl=impl, case=case, checks=checks):
+        start = time.perf_counter()
         checks[n] = measure.run_isolated(impl, case.with_tokens(n), "memory", 0, env)
+        checks[n]["wall_s"] = time.perf_counter() - start
+        print(f"  {n:,}: {checks[n]['wall_s']:.0f} s", flush=True)
         if "error" in checks[n]:
           print(f"  error at {n:,}: {checks[n]['error'][-300:]}", flush=True)
         return "error" not in checks[n]
