@@ -80,10 +80,11 @@ class DriverConfig:
       In the compute dtype (bfloat16), a chunk's ``dlogits`` overwrite its
       logits in place and the logits traffic halves.
     chunk_callback: if set, ``chunk_callback(pass_name, first_row)`` runs on
-      the host (``jax.debug.callback``) for every chunk that is computed rather
+      the host (``jax.debug.callback``) for every block of rows whose logits
+      are formed (a chunk, or a whole group when all its rows count) rather
       than skipped, with ``pass_name`` "forward", "backward" or "fused" and
-      the chunk's first row (in compacted order). For tests and debugging; it
-      costs a host round trip per chunk.
+      the block's first row (in compacted order). For tests and debugging; it
+      costs a host round trip per block.
   """
 
   rows_per_chunk: int
@@ -137,8 +138,9 @@ def _unwrap(*primals):
 def logits_matmul(hidden, weight, bias, layout, dtype=None):
   """``hidden @ weight (+ bias)`` in ``dtype`` (default: at least float32).
 
-  The matmul accumulates in float32 either way; ``dtype`` is what it writes
-  (with a bias, after adding it in float32: one rounding).
+  ``dtype`` is what the matmul writes (with a bias, after adding it in float32:
+  one rounding). For a narrower ``dtype`` the accumulation precision is the
+  backend's: cuBLAS and XLA:CPU accumulate bfloat16 products in float32.
   """
   acc = jnp.promote_types(hidden.dtype, jnp.float32)
   dtype = dtype or acc
@@ -211,6 +213,8 @@ class _Chunk(NamedTuple):
     )
     mask = owned.reshape(owned.shape + (1,) * (rows.ndim - 1))
     if isinstance(buffer, Permuted):  # the chunk's rows are distinct: in place
+      if local:
+        raise ValueError("a Permuted buffer holds all rows, not a group's")
       index = self.take(buffer.order)
       new = jnp.where(mask, rows, jnp.take(buffer.array, index, axis=0))
       return buffer._replace(array=buffer.array.at[index].set(new, unique_indices=True))

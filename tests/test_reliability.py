@@ -360,7 +360,7 @@ def test_donated_train_step_and_no_recompilation(rng, impl):
 
 
 @settings(
-  max_examples=25,
+  max_examples=12,
   deadline=None,
   derandomize=False,
   suppress_health_check=[HealthCheck.too_slow],
