@@ -32,7 +32,7 @@ def plan_chunks(
 ) -> tuple[int, int]:
   """``(rows_per_chunk, rows_per_group)`` whose temporaries fit the budget.
 
-  Logits in the compute dtype (``logits_dtype`` of ``dtype``'s size: bfloat16
+  Logits in the compute dtype (``logits_dtype`` equal to ``dtype``: bfloat16
   logits of bfloat16 inputs, float32 of float32 ones): a group whose rows all
   count forms its logits in one matmul and its ``dlogits`` overwrite them
   (``itemsize V`` bytes a row); a group with excluded rows goes in
@@ -41,7 +41,8 @@ def plan_chunks(
   as evenly as multiples of the alignment allow: 32768 rows at most 8372 a
   group make four of 8192, each in chunks of 1024.
 
-  float32 logits (``logits_dtype`` None or wider than ``dtype``): a chunk's
+  Other logits (``logits_dtype`` None, wider than ``dtype``, or another
+  16-bit type; counted as float32): a chunk's
   float32 logits (``4 V`` bytes a row) take at most a quarter of the budget
   and a group's dlogits (``itemsize V`` bytes a row) the rest: big groups mean
   few read-modify-writes of ``dweight``, small chunks leave room for them. The
@@ -65,7 +66,7 @@ def plan_chunks(
   itemsize = np.dtype(dtype).itemsize
   # No more than the whole logits in the compute dtype (what a full-logits head
   # holds): at small N, chunking must not cost more memory than it saves.
-  if logits_dtype is not None and np.dtype(logits_dtype).itemsize == itemsize:
+  if logits_dtype is not None and np.dtype(logits_dtype) == np.dtype(dtype):
     per_row = itemsize * vocab_size * (1 + 1 / CHUNKS_PER_GROUP)
     most = int(memory_budget // per_row)
     if most >= n_rows:

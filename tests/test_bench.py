@@ -126,7 +126,7 @@ def test_confirmation_stops_after_its_attempts():
 def test_fit_from_skips_the_bisection_and_confirms_from_there(tmp_path, monkeypatch):
   calls = []
 
-  def fake(impl, case, what, reps, env, granularity=8192):
+  def fake(impl, case, what, reps, env, granularity=8192, timeout=None):
     calls.append((what, case.tokens))
     return {"error": "oom"} if case.tokens > 40 else {"extra_bytes": 1}
 
@@ -138,3 +138,10 @@ def test_fit_from_skips_the_bisection_and_confirms_from_there(tmp_path, monkeypa
   assert all(what == "memory" for what, _ in calls) and calls[0] == ("memory", 64)
   row = json.loads((tmp_path / "fit.json").read_text())["rows"][0]
   assert row["largest_tokens"] == 40 and row["start_tokens"] == 64
+
+
+def test_isolated_run_that_overruns_its_timeout_is_an_error():
+  case = dataclasses.replace(CASES["cpu"], **SMALL)
+  row = measure.run_isolated("naive", case, "memory", 0, {}, timeout=0.5)
+  assert row["error"].startswith("timed out after")
+  assert "extra_bytes" not in row

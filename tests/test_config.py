@@ -60,3 +60,12 @@ def test_plan_for_the_benchmark_heads():
   # float32 logits: 2 groups + one of 2 chunks (3584 + 3584 + 1024).
   assert config.plan_chunks(8192, 256000, bf16) == (512, 3584)
   assert config.plan_chunks(2048, 128256, bf16) == (256, 1024)  # small N, small budget
+
+
+def test_logits_of_another_16_bit_type_are_not_planned_in_place():
+  """float16 inputs with bfloat16 logits: the sweep cannot write dlogits over
+  the logits (different dtypes), so the plan is the float32-logits one."""
+  f16, bf16 = np.dtype("float16"), np.dtype("bfloat16")
+  other = config.plan_chunks(8192, 128256, f16, logits_dtype=bf16)
+  assert other == config.plan_chunks(8192, 128256, f16)
+  assert other != config.plan_chunks(8192, 128256, f16, logits_dtype=f16)

@@ -111,7 +111,9 @@ def run_fit(args: argparse.Namespace) -> list[dict]:
 
       def runs(n, impl=impl, case=case, checks=checks):
         start = time.perf_counter()
-        checks[n] = measure.run_isolated(impl, case.with_tokens(n), "memory", 0, env)
+        checks[n] = measure.run_isolated(
+          impl, case.with_tokens(n), "memory", 0, env, timeout=args.fit_attempt_timeout
+        )
         checks[n]["wall_s"] = time.perf_counter() - start
         print(f"  {n:,}: {checks[n]['wall_s']:.0f} s", flush=True)
         if "error" in checks[n]:
@@ -279,6 +281,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     type=int,
     default=6,
     help="with --fit: real steps tried (halving from the footprint N, then bisecting)",
+  )
+  parser.add_argument(
+    "--fit-attempt-timeout",
+    type=float,
+    default=300,
+    help="with --fit: seconds before a real step's process is killed (a failure)",
   )
   parser.add_argument(
     "--fit-from",

@@ -29,6 +29,17 @@ from mst_jax.bench import fit
 from mst_jax.bench.cases import Case, Unsupported, make_inputs, make_loss, make_step
 
 _RESULT_TAG = "MST_BENCH_RESULT "
+_STAGE_TAG = "MST_BENCH_STAGE "
+_START = time.perf_counter()
+
+
+def _stage(what: str) -> None:
+  """Marks progress on stderr (shown when a process is killed for time)."""
+  print(
+    f"{_STAGE_TAG}{time.perf_counter() - _START:.1f} s: {what}",
+    file=sys.stderr,
+    flush=True,
+  )
 
 
 def _nbytes(tree, device) -> int:
@@ -80,13 +91,17 @@ def peak_extra_bytes(spec: str, case: Case) -> dict:
   """
   devices = jax.devices()[: case.devices]
   before = [d.memory_stats()["bytes_in_use"] for d in devices]
-  inputs = make_inputs(case)
+  _stage(f"making inputs ({case.tokens:,} tokens)")
+  inputs = jax.block_until_ready(make_inputs(case))
+  _stage("compiling")
   step = make_step(spec, case)
   start = time.perf_counter()
   compiled = step.lower(*inputs).compile()
   load_s = time.perf_counter() - start
+  _stage("stepping")
   loss, grads = compiled(*inputs)
   jax.block_until_ready(grads)
+  _stage("stepped")
   after = [d.memory_stats() for d in devices]
   # What the allocator holds for the inputs and gradients is more than their
   # bytes: it rounds large buffers up (the Llama-3 head's 1002 MiB weight and
@@ -166,9 +181,19 @@ def run_here(
 
 
 def run_isolated(
-  spec: str, case: Case, what: str, reps: int, env: dict, granularity: int = 8192
+  spec: str,
+  case: Case,
+  what: str,
+  reps: int,
+  env: dict,
+  granularity: int = 8192,
+  timeout: float | None = None,
 ) -> dict:
-  """``run_here`` in a fresh process (see the module docstring)."""
+  """``run_here`` in a fresh process (see the module docstring).
+
+  ``timeout``: seconds before the process is killed; the result then has an
+  ``error`` with the stages it reached (``_stage`` lines on its stderr).
+  """
   payload = json.dumps(
     {
       "case": dataclasses.asdict(case),
@@ -178,13 +203,24 @@ def run_isolated(
       "granularity": granularity,
     }
   )
-  proc = subprocess.run(
-    [sys.executable, "-m", "mst_jax.bench.measure", payload],
-    capture_output=True,
-    text=True,
-    env={**os.environ, **env},
-    check=False,
-  )
+  try:
+    proc = subprocess.run(
+      [sys.executable, "-m", "mst_jax.bench.measure", payload],
+      capture_output=True,
+      text=True,
+      env={**os.environ, **env},
+      check=False,
+      timeout=timeout,
+    )
+  except subprocess.TimeoutExpired as e:
+    stderr = e.stderr.decode() if isinstance(e.stderr, bytes) else e.stderr or ""
+    stages = [x for x in stderr.splitlines() if x.startswith(_STAGE_TAG)]
+    return {
+      "case": case.name,
+      "impl": spec,
+      "tokens": case.tokens,
+      "error": f"timed out after {timeout:.0f} s; " + " | ".join(stages[-3:]),
+    }
   for line in proc.stdout.splitlines():
     if line.startswith(_RESULT_TAG):
       return json.loads(line[len(_RESULT_TAG) :])
