@@ -2,9 +2,9 @@
 
   XLA_FLAGS=--xla_dump_to=DIR python scripts/mem_report.py DIR [k=v ...]
 
-prints ``memory_analysis()`` of the Llama-3 head step (N=8192) with the given
-``linear_cross_entropy`` options, then the allocations over 8 MiB from XLA's
-buffer assignment in DIR (what each temporary holds).
+prints ``memory_analysis()`` of the Llama-3 head step (N=8192, or ``tokens=N``)
+with the given ``linear_cross_entropy`` options, then the allocations over
+8 MiB from XLA's buffer assignment in DIR (what each temporary holds).
 """
 
 import glob
@@ -20,6 +20,7 @@ from mst_jax.bench.cases import parse_impl
 N, D, V = 8192, 4096, 128256
 dump, spec = sys.argv[1], "mst_jax:" + ",".join(sys.argv[2:])
 _, kwargs = parse_impl(spec)
+N = kwargs.pop("tokens", N)
 shapes = (
   jax.ShapeDtypeStruct((N, D), jnp.bfloat16),
   jax.ShapeDtypeStruct((V, D), jnp.bfloat16),
