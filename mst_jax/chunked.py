@@ -44,6 +44,7 @@ from jax import lax
 
 from mst_jax import ce_math
 from mst_jax.backends import ChunkCE
+from mst_jax.config import dlogits_in_place
 
 # lax.dot_general dimension numbers per weight layout.
 _LOGITS_DIMS = {  # hidden [C, D] x weight -> [C, V]
@@ -421,7 +422,7 @@ def _gradient_sweep(config, hidden, weight, bias, valid, diff, chunk_dlogits, ou
   """
   group_size, chunk_size = config.rows_per_group, config.rows_per_chunk
   logits_dtype = config.logits_dtype or jnp.promote_types(hidden.dtype, jnp.float32)
-  logits_in_place = jnp.dtype(logits_dtype) == jnp.dtype(hidden.dtype)
+  logits_in_place = dlogits_in_place(logits_dtype, hidden.dtype)
 
   def chunk_update(carry, chunk, first=False):
     outputs, grads = carry

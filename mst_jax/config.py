@@ -22,6 +22,15 @@ def _round_up(value: int, multiple: int) -> int:
   return -(-value // multiple) * multiple
 
 
+def dlogits_in_place(logits_dtype, dtype) -> bool:
+  """Whether ``dlogits`` (in ``dtype``) can overwrite logits of ``logits_dtype``.
+
+  The planner and the gradient sweep both decide by this: only then does a
+  group hold one ``[rows, V]`` buffer.
+  """
+  return logits_dtype is not None and np.dtype(logits_dtype) == np.dtype(dtype)
+
+
 def plan_chunks(
   n_rows: int,
   vocab_size: int,
@@ -66,7 +75,7 @@ def plan_chunks(
   itemsize = np.dtype(dtype).itemsize
   # No more than the whole logits in the compute dtype (what a full-logits head
   # holds): at small N, chunking must not cost more memory than it saves.
-  if logits_dtype is not None and np.dtype(logits_dtype) == np.dtype(dtype):
+  if dlogits_in_place(logits_dtype, dtype):
     per_row = itemsize * vocab_size * (1 + 1 / CHUNKS_PER_GROUP)
     most = int(memory_budget // per_row)
     if most >= n_rows:

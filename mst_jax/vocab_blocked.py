@@ -21,8 +21,8 @@ written once per row chunk (in place, block by block). The forward runs pass
 
 Row chunks without a valid row are skipped (``lax.cond``). Rows are not
 compacted (``DriverConfig.compact`` is ignored; the row-chunked path's
-compaction now gathers rows without copying ``hidden``, so this mode could
-adopt it). ``dweight`` accumulates in the weight's
+compaction gathers rows without copying ``hidden``, so this mode could adopt
+it). ``dweight`` accumulates in the weight's
 dtype by default, whatever the number of row chunks: a float32 ``[V, D]``
 accumulator would be the largest buffer of a mode meant to be small.
 """

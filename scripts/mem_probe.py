@@ -68,13 +68,9 @@ def main(argv: list[str]) -> None:
   case = "llama"
   if argv[:1] == ["--case"]:
     case, argv = argv[1], argv[2:]
-  env = {
-    **os.environ,
-    "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
-    "JAX_COMPILATION_CACHE_DIR": tempfile.mkdtemp(prefix="mem_probe_"),
-    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-  }
+  from mst_jax.bench.measure import isolated_env
+
+  env = {**os.environ, **isolated_env(tempfile.mkdtemp(prefix="mem_probe_"))}
   for spec in argv:
     for attempt in ("compile", "load"):
       proc = subprocess.run(

@@ -51,13 +51,7 @@ def run_sweep(args: argparse.Namespace) -> list[dict]:
     base = CASES[name]
     cases += [base.with_tokens(n) for n in args.tokens] if args.tokens else [base]
   work = [(case, impl) for case in cases for impl in args.impls]
-  cache = tempfile.mkdtemp(prefix="mst_jax_bench_cache_")
-  env = {
-    "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
-    "JAX_COMPILATION_CACHE_DIR": cache,
-    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-  }
+  env = measure.isolated_env(tempfile.mkdtemp(prefix="mst_jax_bench_cache_"))
   rows = []
   for case, impl in _progress(work, "bench"):
     if args.isolate:

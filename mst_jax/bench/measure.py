@@ -42,6 +42,17 @@ def _stage(what: str) -> None:
   )
 
 
+def isolated_env(cache_dir: str) -> dict:
+  """Environment of the measuring processes: no preallocation, and a shared
+  persistent compilation cache in ``cache_dir`` (every executable cached)."""
+  return {
+    "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+    "JAX_COMPILATION_CACHE_DIR": cache_dir,
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+  }
+
+
 def _nbytes(tree, device) -> int:
   """Bytes of ``tree``'s shards on ``device``."""
   return sum(
