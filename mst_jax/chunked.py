@@ -228,34 +228,42 @@ class _Chunk(NamedTuple):
     return jnp.where(self.valid[:, None], h, jnp.zeros_like(h))
 
 
-def sweep_chunks(size, valid, update, carry, *, group=None, first=None):
-  """``carry = update(carry, chunk)`` for every chunk of ``size`` rows.
+def chunk_of(size, valid, index, group=None) -> _Chunk:
+  """Chunk ``index`` of ``size`` rows of ``valid`` (all rows, or ``group``'s).
 
-  Walks the rows of ``valid`` (all rows, or those of ``group``). The last chunk
-  is clamped to end at the last row and owns only the rows the previous chunk
-  did not cover. A chunk without a valid row is skipped by ``lax.cond`` on a
-  device-side predicate (the carry passes through). With ``first``, the first
-  chunk runs ``first(carry, chunk)`` instead, always (it may start
-  accumulators rather than add to zeros).
+  The last chunk is clamped to end at the last row and owns only the rows the
+  previous chunk did not cover.
   """
   n_rows = valid.shape[0]
-  skipped = lambda carry, chunk: carry
+  offset = jnp.minimum(index * size, n_rows - size)
+  local_owned = offset + jnp.arange(size) >= index * size
+  owned, start = local_owned, offset
+  if group is not None:
+    owned = local_owned & lax.dynamic_slice_in_dim(group.owned, offset, size)
+    start = group.start + offset
+  chunk_valid = lax.dynamic_slice_in_dim(valid, offset, size) & local_owned
+  return _Chunk(start, offset, owned, local_owned, chunk_valid)
 
-  def chunk_at(index):
-    offset = jnp.minimum(index * size, n_rows - size)
-    local_owned = offset + jnp.arange(size) >= index * size
-    owned, start = local_owned, offset
-    if group is not None:
-      owned = local_owned & lax.dynamic_slice_in_dim(group.owned, offset, size)
-      start = group.start + offset
-    chunk_valid = lax.dynamic_slice_in_dim(valid, offset, size) & local_owned
-    return _Chunk(start, offset, owned, local_owned, chunk_valid)
+
+def sweep_chunks(size, valid, update, carry, *, group=None, first=None, visit=None):
+  """``carry = update(carry, chunk)`` for every chunk of ``size`` rows to visit.
+
+  Walks the rows of ``valid`` (all rows, or those of ``group``) in chunks
+  (``chunk_of``). A chunk without a valid row (or, with ``visit``, one where
+  ``visit(chunk)`` is false) is skipped by ``lax.cond`` on a device-side
+  predicate (the carry passes through). With ``first``, chunk 0 runs
+  ``first(carry, chunk)`` instead, always (it may start accumulators rather
+  than add to zeros).
+  """
+  visit = visit or (lambda chunk: jnp.any(chunk.valid))
+  chunk_at = lambda index: chunk_of(size, valid, index, group)
+  skipped = lambda carry, chunk: carry
 
   def body(carry, index):
     chunk = chunk_at(index)
-    return lax.cond(jnp.any(chunk.valid), update, skipped, carry, chunk), None
+    return lax.cond(visit(chunk), update, skipped, carry, chunk), None
 
-  indices = jnp.arange(-(-n_rows // size))
+  indices = jnp.arange(-(-valid.shape[0] // size))
   if first is not None:
     carry = first(carry, chunk_at(0))
     indices = indices[1:]
@@ -446,9 +454,10 @@ def _gradient_sweep(config, hidden, weight, bias, valid, diff, chunk_dlogits, ou
       chunk_size, valid, chunk_update, (outputs, grads), first=first
     )
   elif logits_in_place:
-    # The lax.cond between a whole group and its chunks returns the group's
-    # dhidden rows; they are scattered into dhidden outside it. (With the
-    # [N, D] dhidden inside both branches, copy insertion copied all of it.)
+    # Groups whose rows all count run whole; the others (with compaction,
+    # the one where the valid rows end) chunk by chunk: two loops, no lax.cond
+    # between the two ways inside a loop (XLA copied dweight around it). Each
+    # group's dhidden rows come back as [group, D] and are written outside.
     layout, dh_dtype = config.weight_layout, hidden.dtype
     want_rows = grads[0] is not None
 
@@ -462,51 +471,74 @@ def _gradient_sweep(config, hidden, weight, bias, valid, diff, chunk_dlogits, ou
       return outputs, rows, dweight, dbias
 
     def by_chunk(outputs, dweight, dbias, group, first):
-      del first  # the accumulators were started as zeros
-
-      def update(carry, chunk):
+      def update(carry, chunk, first=False):
         outputs, grads = carry
         outputs, dlogits = chunk_dlogits(outputs, chunk, None)
         h = chunk.hidden(hidden)
-        grads = _accumulate(config, grads, chunk, h, dlogits, weight, local=True)
+        grads = _accumulate(
+          config, grads, chunk, h, dlogits, weight, first=first, local=True
+        )
         return outputs, grads
 
       rows = jnp.zeros((group.size, hidden.shape[1]), dh_dtype) if want_rows else None
       outputs, (rows, dweight, dbias) = sweep_chunks(
-        chunk_size, group.valid, update, (outputs, (rows, dweight, dbias)), group=group
+        chunk_size,
+        group.valid,
+        update,
+        (outputs, (rows, dweight, dbias)),
+        group=group,
+        first=functools.partial(update, first=True) if first else None,
       )
       return outputs, rows, dweight, dbias
 
-    def branch(part, first):
-      def run(operand, group):
-        outputs, dweight, dbias = operand
-        if first:  # started here: zeros only the chunked branch reads
-          dweight, dbias = (None if s is None else jnp.zeros(*s) for s in specs)
-        return part(outputs, dweight, dbias, group, first)
+    def group_update(part, first=False):
+      def run(carry, group):
+        outputs, (dhidden, dweight, dbias) = carry
+        outputs, rows, dweight, dbias = part(outputs, dweight, dbias, group, first)
+        if want_rows:
+          dhidden = group.put(dhidden, rows)
+        return outputs, (dhidden, dweight, dbias)
 
       return run
 
-    def group_update(carry, group, first=False):
-      outputs, (dhidden, dweight, dbias) = carry
-      operand = (outputs, None, None) if first else (outputs, dweight, dbias)
-      outputs, rows, dweight, dbias = lax.cond(
-        jnp.all(group.valid),
-        branch(whole, first),
-        branch(by_chunk, first),
-        operand,
-        group,
-      )
-      if want_rows:
-        dhidden = group.put(dhidden, rows)
-      return outputs, (dhidden, dweight, dbias)
+    whole_rows = lambda group: jnp.all(group.valid)
+    later = lambda group: True
+    carry = (outputs, grads)
+    if starts:
+      # Group 0 holds the first valid rows (if any): it starts dweight and
+      # dbias, whole or chunk by chunk; neither branch takes them as operands
+      # (the zeros made here are never read).
+      def start(part):
+        def run(carry, group):
+          outputs, (dhidden, _, _) = carry
+          zeros = (None if s is None else jnp.zeros(*s) for s in specs)
+          return group_update(part, first=True)((outputs, (dhidden, *zeros)), group)
 
-    first = functools.partial(group_update, first=True) if starts else None
+        return run
+
+      def start_group(carry, group):
+        return lax.cond(whole_rows(group), start(whole), start(by_chunk), carry, group)
+
+      carry = start_group(carry, chunk_of(group_size, valid, 0))
+      later = lambda group: group.offset > 0
+    carry = sweep_chunks(
+      group_size,
+      valid,
+      group_update(whole),
+      carry,
+      visit=lambda g: whole_rows(g) & later(g),
+    )
     outputs, grads = sweep_chunks(
-      group_size, valid, group_update, (outputs, grads), first=first
+      group_size,
+      valid,
+      group_update(by_chunk),
+      carry,
+      visit=lambda g: jnp.any(g.valid) & ~whole_rows(g) & later(g),
     )
   else:
     # float32 logits chunk by chunk into a group buffer; chunks that tile the
-    # group exactly let the backend write into it in place.
+    # group exactly let the backend write into it in place. Whole groups and
+    # the others in two loops, as above.
     into_buffer = group_size % chunk_size == 0
 
     def whole_group(carry, group):
@@ -526,19 +558,18 @@ def _gradient_sweep(config, hidden, weight, bias, valid, diff, chunk_dlogits, ou
       grads = _accumulate(config, grads, group, h, buffer, weight)
       return outputs, grads, buffer
 
-    def buffered_by_chunk(carry, group):
-      outputs, grads, buffer = carry
-      return *chunk_by_chunk((outputs, grads), group), buffer
-
-    def buffered_update(carry, group):
-      return lax.cond(
-        jnp.all(group.valid), whole_group, buffered_by_chunk, carry, group
-      )
-
     width = weight.shape[0 if config.weight_layout == "vd" else 1]  # this shard's
     buffer = jnp.zeros((group_size, width), hidden.dtype)
+    whole_rows = lambda group: jnp.all(group.valid)
     outputs, grads, _ = sweep_chunks(
-      group_size, valid, buffered_update, (outputs, grads, buffer)
+      group_size, valid, whole_group, (outputs, grads, buffer), visit=whole_rows
+    )
+    outputs, grads = sweep_chunks(
+      group_size,
+      valid,
+      chunk_by_chunk,
+      (outputs, grads),
+      visit=lambda g: jnp.any(g.valid) & ~whole_rows(g),
     )
   return outputs, gradient_finish(grads, weight, bias)
 

@@ -91,7 +91,12 @@ def run_fit(args: argparse.Namespace) -> list[dict]:
         tokens = args.fit_from
         row = {"case": name, "impl": impl, "start_tokens": tokens}
       else:
-        bisect = measure.run_isolated(impl, case, "fit", 0, env, args.fit_granularity)
+        # Compile-only: autotuning a program far too large spends minutes on
+        # allocations it cannot get, and the footprint does not depend on it.
+        flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_autotune_level=0"
+        bisect = measure.run_isolated(
+          impl, case, "fit", 0, {**env, "XLA_FLAGS": flags}, args.fit_granularity
+        )
         if "footprint_tokens" not in bisect:
           raise SystemExit(f"--fit: {bisect.get('skipped') or bisect.get('error')}")
         for line in bisect["log"]:
@@ -100,7 +105,8 @@ def run_fit(args: argparse.Namespace) -> list[dict]:
         row = {"case": name, "impl": impl, "footprint_tokens": tokens}
         row["capacity"] = bisect["capacity"]
       # The footprint ignores fragmentation and what the step's launch needs
-      # beyond its buffers; real steps (each in a fresh process) decide.
+      # beyond its buffers; real steps (each in a fresh process, GEMMs
+      # autotuned: untuned, the Llama-3 step took 29x longer) decide.
       checks = {}
 
       def runs(n, impl=impl, case=case, checks=checks):
