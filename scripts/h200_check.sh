@@ -39,7 +39,7 @@ for what in "$@"; do
     multi) step multi ${MULTI_LIMIT:-300} python3 -m mst_jax.bench --out "$OUT/multi" \
              --cases llama_16k llama_16k_dp llama_16k_vp --impls naive_cast mst_jax ;;
     fit) XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 step fit ${FIT_LIMIT:-300} python3 -m mst_jax.bench \
-             --fit ${FIT_FROM:+--fit-from $FIT_FROM} ${FIT_ATTEMPT_TIMEOUT:+--fit-attempt-timeout $FIT_ATTEMPT_TIMEOUT} --fit-granularity ${FIT_GRANULARITY:-32768} --cases llama --impls ${FIT_IMPLS:-naive_cast mst_jax} --out "$OUT/fit" ;;
+             --fit ${FIT_FROM:+--fit-from $FIT_FROM} ${FIT_RAN:+--fit-ran $FIT_RAN} ${FIT_ATTEMPT_TIMEOUT:+--fit-attempt-timeout $FIT_ATTEMPT_TIMEOUT} --fit-granularity ${FIT_GRANULARITY:-32768} --cases llama --impls ${FIT_IMPLS:-naive_cast mst_jax} --out "$OUT/fit" ;;
     bundle) (cd "$OUT" && tar czf ../bundle.tgz . && rm -rf ./* && mv ../bundle.tgz .) ;;
     long) step long_context ${LONG_LIMIT:-300} python3 examples/long_context.py $LONG_ARGS ;;
     hlo) IFS=';' read -ra variants <<< "${HLO_VARIANTS:-}"

@@ -123,6 +123,20 @@ def test_confirmation_stops_after_its_attempts():
   assert (ran, failed, tried) == (0, 1024, [4096, 2048, 1024])
 
 
+@pytest.mark.parametrize("limit", [200, 256, 304, 504])
+def test_confirmation_given_a_size_that_runs_bisects_towards_it(limit):
+  tried = []
+
+  def runs(n):
+    tried.append(n)
+    return n <= limit
+
+  ran, failed = fit.confirm_by_running(runs, 504, 8, 20, log=lambda _: None, ran=200)
+  assert ran == limit and (failed is None if limit == 504 else failed - ran <= 8)
+  assert all(n > 200 for n in tried) and len(set(tried)) == len(tried)
+  assert len(tried) <= 1 + 6  # one start, then bisection of (200, 504] by 8s
+
+
 def test_fit_from_skips_the_bisection_and_confirms_from_there(tmp_path, monkeypatch):
   calls = []
 

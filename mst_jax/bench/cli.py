@@ -121,10 +121,15 @@ def run_fit(args: argparse.Namespace) -> list[dict]:
         return "error" not in checks[n]
 
       ran, failed = fit.confirm_by_running(
-        runs, tokens, args.fit_granularity, args.fit_confirm_attempts, log
+        runs,
+        tokens,
+        args.fit_granularity,
+        args.fit_confirm_attempts,
+        log,
+        ran=args.fit_ran,
       )
       if ran:
-        row.update(largest_tokens=ran, check=checks[ran])
+        row.update(largest_tokens=ran, check=checks.get(ran, "given by --fit-ran"))
       if failed is not None:
         row["failed_run"] = (failed, checks[failed]["error"][-300:])
       print(f"{name} {impl}: {row}", flush=True)
@@ -293,6 +298,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     type=int,
     default=None,
     help="with --fit: skip the compile-only bisection and confirm from this N",
+  )
+  parser.add_argument(
+    "--fit-ran",
+    type=int,
+    default=0,
+    help="with --fit: an N known to run (a failure then bisects towards it)",
   )
   parser.add_argument("--seed", type=int, default=0)
   return parser.parse_args(argv)

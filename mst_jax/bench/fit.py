@@ -91,14 +91,16 @@ def confirm_by_running(
   granularity: int,
   attempts: int,
   log: Callable[[str], None] = print,
+  ran: int = 0,
 ) -> tuple[int, int | None]:
   """``(largest N that ran, smallest that did not)`` from real steps.
 
-  Starts at ``start`` (the footprint's N), halves until a step runs, then
-  bisects between the largest that ran and the smallest that did not, within
+  Starts at ``start`` (the footprint's N), halves until a step runs (or, given
+  ``ran``, an N known to run, bisects towards it at once), then bisects
+  between the largest that ran and the smallest that did not, within
   ``attempts`` real steps (each allocates the inputs: expensive).
   """
-  ran, failed, n = 0, None, start
+  failed, n = None, start
   for _ in range(attempts):
     if n <= ran or (failed is not None and n >= failed):
       break
