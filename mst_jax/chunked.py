@@ -419,10 +419,14 @@ def _gradient_sweep(config, hidden, weight, bias, valid, diff, chunk_dlogits, ou
   and its dlogits overwrite them; with float32 logits, its chunks' dlogits are
   gathered into one ``[group, V]`` buffer. A group with excluded rows (the one
   where compacted valid rows end, or the clamped last group) goes chunk by
-  chunk instead, skipping empty chunks, so excluded rows cost no matmul.
+  chunk instead, skipping empty chunks, so excluded rows cost no matmul. The
+  two kinds of group are walked in two loops: a ``lax.cond`` between them
+  inside one loop made XLA copy the carried ``dweight`` (1 GiB at the Llama-3
+  head).
 
   Compacted, the first group starts the ``dweight`` / ``dbias`` accumulators
-  with its contribution (no zero-filled ``[V, D]`` to add to).
+  with its contribution (no zero-filled ``[V, D]`` to add to); it chooses
+  between whole and chunked in the one ``lax.cond`` outside the loops.
 
   Returns:
     ``(outputs, (dhidden, dweight, dbias))``; a gradient is None where ``diff``
@@ -432,11 +436,13 @@ def _gradient_sweep(config, hidden, weight, bias, valid, diff, chunk_dlogits, ou
   logits_dtype = config.logits_dtype or jnp.promote_types(hidden.dtype, jnp.float32)
   logits_in_place = dlogits_in_place(logits_dtype, hidden.dtype)
 
-  def chunk_update(carry, chunk, first=False):
+  def chunk_update(carry, chunk, first=False, local=False):
     outputs, grads = carry
     outputs, dlogits = chunk_dlogits(outputs, chunk, None)
     h = chunk.hidden(hidden)
-    grads = _accumulate(config, grads, chunk, h, dlogits, weight, first=first)
+    grads = _accumulate(
+      config, grads, chunk, h, dlogits, weight, first=first, local=local
+    )
     return outputs, grads
 
   def chunk_by_chunk(carry, group):
@@ -471,15 +477,7 @@ def _gradient_sweep(config, hidden, weight, bias, valid, diff, chunk_dlogits, ou
       return outputs, rows, dweight, dbias
 
     def by_chunk(outputs, dweight, dbias, group, first):
-      def update(carry, chunk, first=False):
-        outputs, grads = carry
-        outputs, dlogits = chunk_dlogits(outputs, chunk, None)
-        h = chunk.hidden(hidden)
-        grads = _accumulate(
-          config, grads, chunk, h, dlogits, weight, first=first, local=True
-        )
-        return outputs, grads
-
+      update = functools.partial(chunk_update, local=True)
       rows = jnp.zeros((group.size, hidden.shape[1]), dh_dtype) if want_rows else None
       outputs, (rows, dweight, dbias) = sweep_chunks(
         chunk_size,
