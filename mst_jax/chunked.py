@@ -450,6 +450,8 @@ def _gradient_sweep(config, hidden, weight, bias, valid, diff, chunk_dlogits, ou
 
   grads = gradient_init(config, hidden, weight, bias, diff)
   specs = [None if g is None else (g.shape, g.dtype) for g in grads[1:]]
+  whole_rows = lambda group: jnp.all(group.valid)
+  partial_rows = lambda group: jnp.any(group.valid) & ~whole_rows(group)
 
   # Compacted, the first chunk (or group) holds a valid row unless none does;
   # it starts dweight / dbias, so their zeros are never read.
@@ -489,41 +491,41 @@ def _gradient_sweep(config, hidden, weight, bias, valid, diff, chunk_dlogits, ou
       )
       return outputs, rows, dweight, dbias
 
-    def group_update(part, first=False):
+    def group_update(part):
       def run(carry, group):
         outputs, (dhidden, dweight, dbias) = carry
-        outputs, rows, dweight, dbias = part(outputs, dweight, dbias, group, first)
+        outputs, rows, dweight, dbias = part(outputs, dweight, dbias, group, False)
         if want_rows:
           dhidden = group.put(dhidden, rows)
         return outputs, (dhidden, dweight, dbias)
 
       return run
 
-    whole_rows = lambda group: jnp.all(group.valid)
+    def started(part):  # the zeros made here are never read
+      def run(outputs, group):
+        zeros = (None if s is None else jnp.zeros(*s) for s in specs)
+        return part(outputs, *zeros, group, True)
+
+      return run
+
+    dhidden, dweight, dbias = grads
     later = lambda group: True
-    carry = (outputs, grads)
     if starts:
       # Group 0 holds the first valid rows (if any): it starts dweight and
-      # dbias, whole or chunk by chunk; neither branch takes them as operands
-      # (the zeros made here are never read).
-      def start(part):
-        def run(carry, group):
-          outputs, (dhidden, _, _) = carry
-          zeros = (None if s is None else jnp.zeros(*s) for s in specs)
-          return group_update(part, first=True)((outputs, (dhidden, *zeros)), group)
-
-        return run
-
-      def start_group(carry, group):
-        return lax.cond(whole_rows(group), start(whole), start(by_chunk), carry, group)
-
-      carry = start_group(carry, chunk_of(group_size, valid, 0))
+      # dbias, whole or chunk by chunk; neither branch takes them (or dhidden)
+      # as operands.
+      group = chunk_of(group_size, valid, 0)
+      outputs, rows, dweight, dbias = lax.cond(
+        whole_rows(group), started(whole), started(by_chunk), outputs, group
+      )
+      if want_rows:
+        dhidden = group.put(dhidden, rows)
       later = lambda group: group.offset > 0
     carry = sweep_chunks(
       group_size,
       valid,
       group_update(whole),
-      carry,
+      (outputs, (dhidden, dweight, dbias)),
       visit=lambda g: whole_rows(g) & later(g),
     )
     outputs, grads = sweep_chunks(
@@ -531,7 +533,7 @@ def _gradient_sweep(config, hidden, weight, bias, valid, diff, chunk_dlogits, ou
       valid,
       group_update(by_chunk),
       carry,
-      visit=lambda g: jnp.any(g.valid) & ~whole_rows(g) & later(g),
+      visit=lambda g: partial_rows(g) & later(g),
     )
   else:
     # float32 logits chunk by chunk into a group buffer; chunks that tile the
@@ -558,16 +560,11 @@ def _gradient_sweep(config, hidden, weight, bias, valid, diff, chunk_dlogits, ou
 
     width = weight.shape[0 if config.weight_layout == "vd" else 1]  # this shard's
     buffer = jnp.zeros((group_size, width), hidden.dtype)
-    whole_rows = lambda group: jnp.all(group.valid)
     outputs, grads, _ = sweep_chunks(
       group_size, valid, whole_group, (outputs, grads, buffer), visit=whole_rows
     )
     outputs, grads = sweep_chunks(
-      group_size,
-      valid,
-      chunk_by_chunk,
-      (outputs, grads),
-      visit=lambda g: jnp.any(g.valid) & ~whole_rows(g),
+      group_size, valid, chunk_by_chunk, (outputs, grads), visit=partial_rows
     )
   return outputs, gradient_finish(grads, weight, bias)
 
