@@ -137,6 +137,12 @@ def test_confirmation_given_a_size_that_runs_bisects_towards_it(limit):
   assert len(tried) <= 1 + 6  # one start, then bisection of (200, 504] by 8s
 
 
+def test_fit_ran_must_be_below_fit_from():
+  with pytest.raises(SystemExit):
+    cli.parse_args(["--fit", "--fit-from", "64", "--fit-ran", "64"])
+  assert cli.parse_args(["--fit", "--fit-from", "64", "--fit-ran", "56"]).fit_ran == 56
+
+
 def test_fit_from_skips_the_bisection_and_confirms_from_there(tmp_path, monkeypatch):
   calls = []
 

@@ -306,7 +306,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     help="with --fit: an N known to run (a failure then bisects towards it)",
   )
   parser.add_argument("--seed", type=int, default=0)
-  return parser.parse_args(argv)
+  args = parser.parse_args(argv)
+  if args.fit_from and args.fit_ran >= args.fit_from:
+    parser.error(f"--fit-ran {args.fit_ran} must be below --fit-from {args.fit_from}")
+  return args
 
 
 def main(argv: Sequence[str] | None = None) -> None:
