@@ -1,11 +1,18 @@
-"""mst_jax: the LM-head cross-entropy without the ``[tokens, vocab]`` logits."""
+"""mst_jax: the LM-head cross-entropy without the ``[tokens, vocab]`` logits.
 
-from mst_jax import linen, nnx, reference
-from mst_jax.api import linear_cross_entropy
-from mst_jax.ce_math import CEOptions
-from mst_jax.head import HeadLossOptions
-from mst_jax.inputs import LossAux
-from mst_jax.nnx import LMHeadLoss
+The Flax modules (``mst_jax.nnx``, ``mst_jax.linen`` and ``LMHeadLoss``, the
+NNX one) are imported on first use, so ``import mst_jax`` does not import Flax.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from mst_jax import reference
+from mst_jax._api import linear_cross_entropy
+from mst_jax._ce_math import CEOptions
+from mst_jax._inputs import LossAux
+from mst_jax._options import HeadLossOptions, LossOptions, PerfOptions
 
 __version__ = "0.1.0"
 
@@ -14,8 +21,24 @@ __all__ = [
   "HeadLossOptions",
   "LMHeadLoss",
   "LossAux",
+  "LossOptions",
+  "PerfOptions",
   "linear_cross_entropy",
   "linen",
   "nnx",
   "reference",
 ]
+
+_FLAX_MODULES = ("linen", "nnx")
+
+
+def __getattr__(name: str):
+  if name in _FLAX_MODULES:
+    return importlib.import_module(f"mst_jax.{name}")
+  if name == "LMHeadLoss":
+    return importlib.import_module("mst_jax.nnx").LMHeadLoss
+  raise AttributeError(f"module 'mst_jax' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+  return sorted(__all__)

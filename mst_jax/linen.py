@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 from flax.linen.linear import default_kernel_init
 
-from mst_jax import head
+from mst_jax import _flax_head as head
+from mst_jax._options import HeadLossOptions
 
 
 class LMHeadLoss(nn.Module):
@@ -34,7 +35,7 @@ class LMHeadLoss(nn.Module):
     param_dtype: dtype of the kernel and bias.
     kernel_init: initializer of the ``[D, V]`` kernel.
     bias_init: initializer of the bias.
-    options: the loss options (``mst_jax.head.HeadLossOptions``); or give them
+    options: the loss options (``mst_jax.HeadLossOptions``); or give them
       one by one through ``LMHeadLoss.create``.
 
   Example:
@@ -57,14 +58,14 @@ class LMHeadLoss(nn.Module):
   param_dtype: jnp.dtype = jnp.float32
   kernel_init: nn.initializers.Initializer = default_kernel_init
   bias_init: nn.initializers.Initializer = nn.initializers.zeros_init()
-  options: head.HeadLossOptions = head.HeadLossOptions()
+  options: HeadLossOptions = HeadLossOptions()
 
   @classmethod
   def create(cls, vocab_size: int, **kwargs) -> LMHeadLoss:
     """``LMHeadLoss`` with loss options given as keywords (``z_loss=...``)."""
-    fields = {f.name for f in dataclasses.fields(head.HeadLossOptions)}
+    fields = {f.name for f in dataclasses.fields(HeadLossOptions)}
     options = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
-    return cls(vocab_size, options=head.HeadLossOptions(**options), **kwargs)
+    return cls(vocab_size, options=HeadLossOptions(**options), **kwargs)
 
   @nn.compact
   def _weight(self, in_features: int, embedding: jax.Array | None):

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn.linear import default_bias_init, default_kernel_init
 
-from mst_jax import head
+from mst_jax import _flax_head as head
+from mst_jax._options import HeadLossOptions
 
 
 class LMHeadLoss(nnx.Module):
@@ -35,10 +36,10 @@ class LMHeadLoss(nnx.Module):
     bias_init: initializer of the bias.
     embedding: an ``nnx.Embed`` whose table is the head's weight (tied); then
       no kernel is created.
-    ignore_index, reduction, label_smoothing, z_loss, logit_softcap,
-    chunk_size, memory_budget, vocab_block_size, logits_dtype, impl,
-    grad_mode: the loss options of ``mst_jax.linear_cross_entropy``.
     rngs: the ``nnx.Rngs`` for parameter initialization.
+    **options: the options of ``mst_jax.linear_cross_entropy`` (the fields of
+      ``mst_jax.HeadLossOptions``: ``z_loss=1e-4``, ``chunk_size=1024``, ...),
+      checked here.
 
   Example:
 
@@ -65,32 +66,10 @@ class LMHeadLoss(nnx.Module):
     kernel_init: nnx.Initializer = default_kernel_init,
     bias_init: nnx.Initializer = default_bias_init,
     embedding: nnx.Embed | None = None,
-    ignore_index: int = -100,
-    reduction: str = "mean",
-    label_smoothing: float = 0.0,
-    z_loss: float = 0.0,
-    logit_softcap: float | None = None,
-    chunk_size: int | None = None,
-    memory_budget: int | None = None,
-    vocab_block_size: int | None = None,
-    logits_dtype: jax.typing.DTypeLike | None = None,
-    impl: str | None = None,
-    grad_mode: str | None = None,
     rngs: nnx.Rngs,
+    **options,
   ):
-    self.options = head.HeadLossOptions(
-      ignore_index=ignore_index,
-      reduction=reduction,
-      label_smoothing=label_smoothing,
-      z_loss=z_loss,
-      logit_softcap=logit_softcap,
-      chunk_size=chunk_size,
-      memory_budget=memory_budget,
-      vocab_block_size=vocab_block_size,
-      logits_dtype=logits_dtype,
-      impl=impl,
-      grad_mode=grad_mode,
-    )
+    self.options = HeadLossOptions(**options)
     if embedding is not None:
       table_shape = (embedding.num_embeddings, embedding.features)
       if table_shape != (vocab_size, in_features):

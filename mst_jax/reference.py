@@ -1,93 +1,27 @@
-"""Full-logits reference: the semantics of ``linear_cross_entropy``, plainly.
+"""The full-logits reference: what every fast path computes, plainly.
 
-It forms the whole ``[N, V]`` logits and differentiates by autodiff, so it is
-the test oracle (run on float64 inputs) and the documentation of what every
-fast path computes. It is written from the definition
-``-(1 - eps) * log p_y - eps * mean_j log p_j + zl * lse**2`` with
-``log p = log_softmax(softcap(logits))``, independently of the blockwise math
-in ``ce_math`` that the fast paths share.
+``linear_cross_entropy`` here is ``mst_jax.linear_cross_entropy`` with
+``impl="reference"``: it forms the whole ``[N, V]`` logits and differentiates
+by autodiff. It is the test oracle (run on float64 inputs) and the
+documentation of the semantics; ``losses_from_logits`` is its per-row math.
 """
 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
-from jax import lax
 
-from mst_jax import ce_math
+from mst_jax._api import linear_cross_entropy as _chunked_or_reference
+from mst_jax._full_logits import losses_from_logits, row_losses
 
-
-def row_losses(
-  hidden: jax.Array,
-  weight: jax.Array,
-  bias: jax.Array | None,
-  labels: jax.Array,
-  valid: jax.Array,
-  *,
-  options: ce_math.CEOptions,
-  weight_layout: str,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Per-row ``(loss, lse, correct)`` from the full logits.
-
-  Args:
-    hidden: ``[N, D]``.
-    weight: ``[V, D]`` (``weight_layout="vd"``) or ``[D, V]`` (``"dv"``).
-    bias: ``[V]`` or None.
-    labels: int32 ``[N]``.
-    valid: bool ``[N]``.
-    options: the loss options.
-    weight_layout: ``"vd"`` or ``"dv"``.
-
-  Returns:
-    ``[N]`` loss (float32, or float64 for float64 inputs; NaN for a valid row
-    whose label is outside ``[0, V)``; 0 at invalid rows), ``[N]`` lse (0 at
-    invalid rows) and ``[N]`` bool, whether the argmax is the label.
-  """
-  acc = jnp.promote_types(hidden.dtype, jnp.float32)
-  w = weight if weight_layout == "dv" else weight.T
-  logits = jnp.dot(
-    hidden, w, preferred_element_type=acc, precision=lax.Precision.HIGHEST
-  )
-  if bias is not None:
-    logits = logits + bias.astype(acc)
-  return losses_from_logits(logits, labels, valid, options=options)
+__all__ = ["linear_cross_entropy", "losses_from_logits", "row_losses"]
 
 
-def losses_from_logits(
-  logits: jax.Array,
-  labels: jax.Array,
-  valid: jax.Array,
-  *,
-  options: ce_math.CEOptions,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Per-row ``(loss, lse, correct)`` from ``[N, V]`` logits; see ``row_losses``."""
-  cap = options.logit_softcap
-  if cap is not None:
-    logits = cap * jnp.tanh(logits / cap)
-  log_probs = jax.nn.log_softmax(logits, axis=-1)  # [N, V]
-  vocab_size = logits.shape[-1]
-  in_range = (labels >= 0) & (labels < vocab_size)
-  safe_labels = jnp.where(in_range, labels, 0)
-  log_p_label = jnp.take_along_axis(log_probs, safe_labels[:, None], axis=-1)[:, 0]
-  log_p_label = jnp.where(in_range, log_p_label, jnp.nan)
-  lse = jax.nn.logsumexp(logits, axis=-1)
-  eps = options.label_smoothing
-  loss = -(1.0 - eps) * log_p_label - eps * jnp.mean(log_probs, axis=-1)
-  loss = loss + options.z_loss * jnp.square(lse)
-  correct = valid & (jnp.argmax(logits, axis=-1) == labels)
-  zero = jnp.zeros_like(lse)
-  return jnp.where(valid, loss, zero), jnp.where(valid, lse, zero), correct
-
-
-def linear_cross_entropy(hidden, weight, labels, bias=None, **kwargs):
+def linear_cross_entropy(hidden, weight, labels, bias=None, **kwargs) -> jax.Array:
   """``mst_jax.linear_cross_entropy`` computed from the full logits.
 
-  Takes exactly the arguments of ``mst_jax.linear_cross_entropy`` (except
-  ``impl``, ``chunk_size`` and ``accum_dtype``, which do not apply) and returns
-  the same values. Memory is ``O(N x V)``: for tests and small problems.
+  Takes the arguments of ``mst_jax.linear_cross_entropy`` except its
+  performance options (``mst_jax.PerfOptions``: chunking, backend, dtypes,
+  gradient mode) and the mesh, which do not apply, and returns the same
+  values. Memory is ``O(N x V)``: for tests and small problems.
   """
-  from mst_jax import api  # api dispatches back here; imported late (cycle).
-
-  return api.linear_cross_entropy(
-    hidden, weight, labels, bias, impl="reference", **kwargs
-  )
+  return _chunked_or_reference(hidden, weight, labels, bias, impl="reference", **kwargs)

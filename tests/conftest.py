@@ -211,14 +211,9 @@ def _dlogits_rounding_bounds(problem, kwargs):
   return [eps * np.linalg.norm(term) for term in terms]
 
 
-_REFERENCE_ONLY = (  # options of the chunked paths the reference does not take
-  "impl",
-  "chunk_size",
-  "memory_budget",
-  "vocab_block_size",
-  "accum_dtype",
-  "logits_dtype",
-  "grad_mode",
+# Options of the chunked paths the reference does not take.
+_REFERENCE_ONLY = (
+  *(f.name for f in dataclasses.fields(mst_jax.PerfOptions)),
   "mesh",
   "batch_axis",
   "vocab_axis",
@@ -231,16 +226,14 @@ def reference_dlogits(problem, **kwargs):
   Also returns the float64 raw logits, the softmax of the softcapped ones and
   their lse per row.
   """
-  from mst_jax import ce_math, inputs, reference
+  from mst_jax import _ce_math as ce_math
+  from mst_jax import _inputs as inputs
+  from mst_jax import reference
 
   kwargs = {k: v for k, v in kwargs.items() if k not in _REFERENCE_ONLY}
-  options = ce_math.CEOptions(
-    label_smoothing=kwargs.get("label_smoothing", 0.0),
-    z_loss=kwargs.get("z_loss", 0.0),
-    logit_softcap=kwargs.get("logit_softcap"),
-  )
-  layout = kwargs.get("weight_layout", "vd")
-  reduction = kwargs.get("reduction", "mean")
+  layout = kwargs.pop("weight_layout", "vd")
+  loss_options = mst_jax.LossOptions(**kwargs)
+  options, reduction = loss_options.ce, loss_options.reduction
   with jax.enable_x64(True):
     rows = inputs.prepare(
       jnp.asarray(to64(problem.hidden)),
@@ -248,10 +241,8 @@ def reference_dlogits(problem, **kwargs):
       problem.labels,
       None if problem.bias is None else jnp.asarray(to64(problem.bias)),
       problem.where,
-      ignore_index=kwargs.get("ignore_index", -100),
-      shift=kwargs.get("shift", False),
-      weight_layout=layout,
-      reduction=reduction,
+      loss_options,
+      layout,
     )
     weight = rows.weight if layout == "dv" else rows.weight.T
     logits = rows.hidden @ weight + (0.0 if rows.bias is None else rows.bias)
@@ -261,13 +252,7 @@ def reference_dlogits(problem, **kwargs):
         logits, rows.labels, rows.valid, options=options
       )
       out = inputs.finalize(
-        rows,
-        loss,
-        lse,
-        correct,
-        reduction=reduction,
-        z_loss=options.z_loss,
-        return_aux=False,
+        rows, loss, lse, correct, options=loss_options, return_aux=False
       )
       return jnp.sum(out)
 

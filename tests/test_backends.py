@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 from conftest import assert_close, has_gpu
 
-from mst_jax import backends, ce_math, reference
-from mst_jax.backends.pallas_triton import PallasTritonChunkCE
-from mst_jax.config import KernelBlocks
+from mst_jax import _backends as backends
+from mst_jax import _ce_math as ce_math
+from mst_jax import reference
+from mst_jax._backends.pallas_triton import KernelBlocks, PallasTritonChunkCE
 
 ALL_OPTIONS = ce_math.CEOptions(label_smoothing=0.1, z_loss=1e-3, logit_softcap=30.0)
 PLAIN = ce_math.CEOptions()
@@ -203,7 +204,7 @@ def test_select_uses_pallas_on_gpu():
 
 
 def test_unavailable_triton_falls_back_to_xla_with_one_warning(monkeypatch):
-  from mst_jax.backends import pallas_triton
+  from mst_jax._backends import pallas_triton
 
   def broken():
     raise NotImplementedError("no Triton lowering in this jax")

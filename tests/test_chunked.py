@@ -12,28 +12,35 @@ import pytest
 from conftest import GRAD_RTOL, LOSS_RTOL, assert_close, make_problem, oracle
 
 import mst_jax
-from mst_jax import backends, ce_math, chunked
+from mst_jax import _backends as backends
+from mst_jax import _ce_math as ce_math
+from mst_jax._driver import Plan, reduced_loss, row_losses
+from mst_jax._row_chunks import RowChunks
+from mst_jax._rows import SweepConfig
 
 
-def _driver(
-  rows_per_chunk, callback=None, compact=True, rows_per_group=None, **options
+def _plan(
+  vocab_size, rows_per_chunk, callback=None, compact=True, rows_per_group=None,
+  **options,
 ):
-  return chunked.DriverConfig(
-    rows_per_chunk=rows_per_chunk,
-    rows_per_group=rows_per_group or rows_per_chunk,
-    weight_layout="vd",
-    accum_dtype=jnp.float32,
-    options=ce_math.CEOptions(**options),
+  config = SweepConfig(
     backend=backends.XlaChunkCE(),
-    compact=compact,
+    head=backends.HeadSpec(
+      "vd", jnp.dtype(jnp.float32), ce_math.CEOptions(**options), vocab_size
+    ),
+    dweight_dtype=jnp.dtype(jnp.float32),
+    dbias_dtype=jnp.dtype(jnp.float32),
     chunk_callback=callback,
   )
+  order = RowChunks(rows_per_chunk, rows_per_group or rows_per_chunk, compact)
+  return Plan(config, order)
 
 
 def _run_recorded(problem, grad_mode, compact, chunk=8, group=None):
   """Loss and grads through the driver; returns them and the computed chunks."""
   computed = {"forward": [], "backward": [], "fused": []}
-  driver = _driver(
+  plan = _plan(
+    problem.weight.shape[0],
     chunk,
     lambda name, first_row: computed[name].append(int(first_row)),
     compact,
@@ -42,11 +49,11 @@ def _run_recorded(problem, grad_mode, compact, chunk=8, group=None):
   )
 
   def loss_fn(hidden, weight, labels, bias, where):
-    args = (chunked.plan_for(driver), hidden, weight, bias, labels, where)
+    args = (plan, hidden, weight, bias, labels, where)
     scale = where / jnp.sum(where)
     if grad_mode == "fused":
-      return chunked.reduced_loss(*args, scale)[0]
-    return jnp.sum(chunked.row_losses(*args)[0] * scale)
+      return reduced_loss(*args, scale)[0]
+    return jnp.sum(row_losses(*args)[0] * scale)
 
   loss, grads = jax.value_and_grad(loss_fn, argnums=(0, 1, 3))(
     *problem.args, problem.where

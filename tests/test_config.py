@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mst_jax import config
+from mst_jax import _planning as config
 
 
 @pytest.mark.parametrize("n_rows", [1, 37, 1000, 2048, 8192, 32768, 100_000])

@@ -246,7 +246,7 @@ def test_bad_module_arguments_raise_at_construction():
     mst_jax.nnx.LMHeadLoss(D, V, logits_dtype="int32", rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("module", ["mst_jax.api", "mst_jax.nnx", "mst_jax.linen"])
+@pytest.mark.parametrize("module", ["mst_jax._api", "mst_jax.nnx", "mst_jax.linen"])
 def test_docstring_examples_run(module):
   import importlib
 

@@ -19,7 +19,7 @@ from conftest import (
 )
 
 import mst_jax
-from mst_jax import config
+from mst_jax import _planning as config
 
 IMPLS = ["xla", "pallas"]
 

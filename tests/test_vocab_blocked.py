@@ -21,7 +21,7 @@ from conftest import (
 )
 
 import mst_jax
-from mst_jax import config
+from mst_jax import _planning as config
 
 ALL_OPTIONS = dict(label_smoothing=0.1, z_loss=1e-3, logit_softcap=4.0)
 V = 1031

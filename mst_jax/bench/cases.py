@@ -109,7 +109,7 @@ CASES = {
       description="4b: 40% masked at random",
     ),
     Case("llama_frozen", 8192, **_LLAMA, wrt="hidden", description="5: frozen head"),
-    # Issue 7's two-GPU table: one GPU against two, data or vocab parallel.
+    # One GPU against two, data or vocab parallel.
     Case("llama_16k", 16384, **_LLAMA, description="Llama-3 head, 16k, one GPU"),
     Case(
       "llama_16k_dp",

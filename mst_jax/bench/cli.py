@@ -229,7 +229,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     nargs="+",
     choices=sorted(CASES),
     default=GPU_CASES if on_gpu else ["cpu"],
-    help="named problem shapes (default: the issue's cases on a GPU, 'cpu' on a CPU)",
+    help="named problem shapes (default: the GPU benchmark cases, or 'cpu' on a CPU)",
   )
   parser.add_argument(
     "--tokens",

@@ -15,9 +15,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-from mst_jax import backends, ce_math
-from mst_jax.backends.pallas_triton import PallasTritonChunkCE
-from mst_jax.config import KernelBlocks
+from mst_jax import _backends as backends
+from mst_jax import _ce_math as ce_math
+from mst_jax._backends.pallas_triton import KernelBlocks, PallasTritonChunkCE
 
 
 def _mean_seconds_async(fn, args, reps: int) -> float:

@@ -19,8 +19,8 @@ applies to whole rows. Every ``pallas_call`` takes ``interpret`` from the
 backend; on a CPU the kernels run in interpret mode.
 
 The Triton lowering is deprecated from jax 0.11 in favour of Mosaic GPU. The
-backend is selected in one place (``mst_jax.backends.select``), so a Mosaic GPU
-version can sit beside this one; the deprecation warning is shown once per
+backend is selected in one place (``mst_jax._backends.select``), so a Mosaic
+GPU version can sit beside this one; the deprecation warning is shown once per
 process rather than on every trace.
 """
 
@@ -36,12 +36,61 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from mst_jax import ce_math
-from mst_jax.config import KernelBlocks, default_kernel_blocks
+from mst_jax import _ce_math as ce_math
+from mst_jax._backends import base
 
 warnings.filterwarnings(
   "once", message=".*Pallas Triton backend is deprecated.*", category=DeprecationWarning
 )
+
+
+def _is_power_of_2(value: int) -> bool:
+  return isinstance(value, int) and value > 0 and value & (value - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelBlocks:
+  """Block sizes of the Pallas cross-entropy kernels.
+
+  Each program of the row-reduction kernels owns ``block_rows`` rows and walks
+  the vocabulary ``block_v`` columns at a time; the elementwise ``dlogits``
+  kernel tiles ``[block_rows, block_v]``.
+
+  Attributes:
+    block_rows: rows per program, a power of 2.
+    block_v: vocabulary columns per step, a power of 2.
+    num_warps: warps per program (Triton), a power of 2.
+    num_stages: software-pipelining depth of the vocabulary loop (Triton).
+  """
+
+  block_rows: int = 1
+  block_v: int = 2048
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def __post_init__(self):
+    for name in ("block_rows", "block_v", "num_warps"):
+      value = getattr(self, name)
+      if not _is_power_of_2(value):
+        raise ValueError(f"KernelBlocks.{name} must be a power of 2, got {value!r}.")
+    if not (isinstance(self.num_stages, int) and self.num_stages >= 1):
+      raise ValueError(
+        f"KernelBlocks.num_stages must be >= 1, got {self.num_stages!r}."
+      )
+
+
+def default_kernel_blocks(vocab_size: int) -> KernelBlocks:
+  """Heuristic kernel blocks for a vocabulary of ``vocab_size``.
+
+  One row per program gives a chunk of ``R`` rows ``R`` independent programs
+  (enough to fill the GPU at the chunk sizes we use) and keeps each program's
+  reductions in registers. On the H200, 1 row x 2048 columns x 4 warps was the
+  fastest statistics kernel in 3 of 4 chunk shapes (docs/benchmarks.md). The
+  vocabulary step is capped by the (power-of-2) vocabulary so that small
+  vocabularies do not load mostly padding.
+  """
+  block_v = min(2048, max(128, 1 << max(vocab_size - 1, 1).bit_length()))
+  return KernelBlocks(block_rows=1, block_v=block_v, num_warps=4)
 
 
 def _row_block(row_block_index, block_rows, n_rows):
@@ -270,8 +319,8 @@ def _row_shapes(logits):
 
 
 @dataclasses.dataclass(frozen=True)
-class PallasTritonChunkCE:
-  """``ChunkCE`` as Pallas kernels lowered through Triton.
+class PallasTritonChunkCE(base.MatmulThenCE):
+  """The logits GEMM, then the cross-entropy as Pallas kernels lowered through Triton.
 
   Attributes:
     blocks: kernel block sizes; None picks ``default_kernel_blocks(V)``.
@@ -279,7 +328,6 @@ class PallasTritonChunkCE:
       including a CPU); slow, for tests.
   """
 
-  name: str = "pallas"
   blocks: KernelBlocks | None = None
   interpret: bool = False
 

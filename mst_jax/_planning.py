@@ -1,8 +1,6 @@
-"""Heuristics: rows per chunk, and the Pallas kernels' block sizes."""
+"""Heuristics: how many rows a chunk and a group of chunks hold, per memory budget."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import numpy as np
 
@@ -153,59 +151,11 @@ def default_accum_dtype(
 
   Each group adds one rounding of the running ``dweight`` in the weight's
   dtype; their error grows about as the square root of the number of groups.
-  Two (the Llama-3 head at 8192 tokens) measured 1.06x the error of
-  full-logits autodiff; past 8, a float32 accumulator is worth its memory.
+  With two groups (the Llama-3 head at 8192 tokens) the error is within 1.1x
+  that of full-logits autodiff (docs/benchmarks.md); past 8, a float32
+  accumulator is worth its memory.
   """
   n_groups = -(-n_rows // rows_per_group)
   if n_groups <= MAX_GROUPS_IN_PLACE:
     return None
   return np.promote_types(weight_dtype, np.float32)
-
-
-def _is_power_of_2(value: int) -> bool:
-  return isinstance(value, int) and value > 0 and value & (value - 1) == 0
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelBlocks:
-  """Block sizes of the Pallas cross-entropy kernels.
-
-  Each program of the row-reduction kernels owns ``block_rows`` rows and walks
-  the vocabulary ``block_v`` columns at a time; the elementwise ``dlogits``
-  kernel tiles ``[block_rows, block_v]``.
-
-  Attributes:
-    block_rows: rows per program, a power of 2.
-    block_v: vocabulary columns per step, a power of 2.
-    num_warps: warps per program (Triton), a power of 2.
-    num_stages: software-pipelining depth of the vocabulary loop (Triton).
-  """
-
-  block_rows: int = 1
-  block_v: int = 2048
-  num_warps: int = 4
-  num_stages: int = 2
-
-  def __post_init__(self):
-    for name in ("block_rows", "block_v", "num_warps"):
-      value = getattr(self, name)
-      if not _is_power_of_2(value):
-        raise ValueError(f"KernelBlocks.{name} must be a power of 2, got {value!r}.")
-    if not (isinstance(self.num_stages, int) and self.num_stages >= 1):
-      raise ValueError(
-        f"KernelBlocks.num_stages must be >= 1, got {self.num_stages!r}."
-      )
-
-
-def default_kernel_blocks(vocab_size: int) -> KernelBlocks:
-  """Heuristic kernel blocks for a vocabulary of ``vocab_size``.
-
-  One row per program gives a chunk of ``R`` rows ``R`` independent programs
-  (enough to fill the GPU at the chunk sizes we use) and keeps each program's
-  reductions in registers. On the H200, 1 row x 2048 columns x 4 warps was the
-  fastest statistics kernel in 3 of 4 chunk shapes (docs/benchmarks.md). The
-  vocabulary step is capped by the (power-of-2) vocabulary so that small
-  vocabularies do not load mostly padding.
-  """
-  block_v = min(2048, max(128, 1 << max(vocab_size - 1, 1).bit_length()))
-  return KernelBlocks(block_rows=1, block_v=block_v, num_warps=4)

@@ -1,4 +1,4 @@
-"""Per-chunk cross-entropy backends behind one interface (``base.ChunkCE``).
+"""Per-chunk backends behind one interface (``base.ChunkBackend``).
 
 ``select`` is the one place that maps ``impl`` and the platform to a backend.
 """
@@ -8,10 +8,18 @@ from __future__ import annotations
 import functools
 import warnings
 
-from mst_jax.backends.base import ChunkCE
-from mst_jax.backends.xla import XlaChunkCE
+from mst_jax._backends.base import AllColumns, ChunkBackend, Columns, HeadSpec
+from mst_jax._backends.xla import XlaChunkCE
 
-__all__ = ["ChunkCE", "XlaChunkCE", "pallas_unavailable_reason", "select"]
+__all__ = [
+  "AllColumns",
+  "ChunkBackend",
+  "Columns",
+  "HeadSpec",
+  "XlaChunkCE",
+  "pallas_unavailable_reason",
+  "select",
+]
 
 
 @functools.cache
@@ -22,7 +30,7 @@ def pallas_unavailable_reason(platform: str) -> str | None:
   Triton lowering fails here, not in the middle of a user's trace.
   """
   try:
-    from mst_jax.backends import pallas_triton
+    from mst_jax._backends import pallas_triton
   except ImportError as e:
     return f"jax.experimental.pallas.triton is not importable ({e})"
   if platform != "gpu":
@@ -34,7 +42,7 @@ def pallas_unavailable_reason(platform: str) -> str | None:
   return None
 
 
-def select(impl: str | None, platform: str) -> ChunkCE:
+def select(impl: str | None, platform: str) -> ChunkBackend:
   """The per-chunk backend for ``impl`` (None, "xla" or "pallas") on ``platform``.
 
   ``impl=None`` picks the Pallas kernels on a GPU and XLA elsewhere;
@@ -47,7 +55,7 @@ def select(impl: str | None, platform: str) -> ChunkCE:
   if reason is not None:
     _warn_fallback(reason)
     return XlaChunkCE()
-  from mst_jax.backends import pallas_triton
+  from mst_jax._backends import pallas_triton
 
   return pallas_triton.PallasTritonChunkCE(interpret=platform != "gpu")
 

@@ -9,16 +9,13 @@ implementations in between see only rows.
 
 from __future__ import annotations
 
-import math
-import operator
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-REDUCTIONS = ("mean", "sum", "none")
-WEIGHT_LAYOUTS = ("vd", "dv")
+from mst_jax import _matmul
+from mst_jax._options import LossOptions, check_choice
 
 
 class LossAux(NamedTuple):
@@ -66,53 +63,18 @@ def _check_float(name, x):
     raise TypeError(f"{name} must have a floating dtype, got {x.dtype}.")
 
 
-def _check_choice(name, value, choices):
-  if value not in choices:
-    raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
-
-
-def check_int(name: str, value, *, minimum: int | None = None) -> int:
-  """Returns ``value`` as a Python int, or raises ``TypeError``/``ValueError``."""
-  if isinstance(value, bool):
-    raise TypeError(f"{name} must be an int, got {value!r}.")
-  try:
-    value = operator.index(value)
-  except TypeError:
-    raise TypeError(f"{name} must be an int, got {value!r}.") from None
-  if minimum is not None and value < minimum:
-    raise ValueError(f"{name} must be >= {minimum}, got {value}.")
-  return value
-
-
-def check_finite_float(name: str, value) -> float:
-  """Returns ``value`` as a finite Python float, or raises."""
-  if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
-    raise TypeError(f"{name} must be a Python float, got {value!r}.")
-  value = float(value)
-  if not math.isfinite(value):
-    raise ValueError(f"{name} must be finite, got {value!r}.")
-  return value
-
-
 def prepare(
   hidden: jax.Array,
   weight: jax.Array,
   labels: jax.Array,
   bias: jax.Array | None,
   where: jax.Array | None,
-  *,
-  ignore_index: int,
-  shift: bool,
+  options: LossOptions,
   weight_layout: str,
-  reduction: str,
 ) -> Rows:
   """Validates the public arguments and flattens them into rows."""
   hidden, weight, labels = map(jnp.asarray, (hidden, weight, labels))
-  _check_choice("weight_layout", weight_layout, WEIGHT_LAYOUTS)
-  _check_choice("reduction", reduction, REDUCTIONS)
-  ignore_index = check_int("ignore_index", ignore_index)
-  if not isinstance(shift, bool):
-    raise TypeError(f"shift must be a bool, got {shift!r}.")
+  check_choice("weight_layout", weight_layout, _matmul.WEIGHT_LAYOUTS)
   _check_float("hidden", hidden)
   _check_float("weight", weight)
   if not jnp.issubdtype(labels.dtype, jnp.integer):
@@ -121,7 +83,7 @@ def prepare(
     raise ValueError(f"hidden must be [N, D] or [..., T, D], got shape {hidden.shape}.")
   if weight.ndim != 2:
     raise ValueError(f"weight must be 2-D, got shape {weight.shape}.")
-  vocab_axis = 0 if weight_layout == "vd" else 1
+  vocab_axis = _matmul.vocab_axis(weight_layout)
   vocab_size, dim = weight.shape[vocab_axis], weight.shape[1 - vocab_axis]
   if hidden.shape[-1] != dim:
     raise ValueError(
@@ -152,11 +114,12 @@ def prepare(
 
   dtype = jnp.result_type(hidden.dtype, weight.dtype)
   hidden, weight = hidden.astype(dtype), weight.astype(dtype)
+  ignore_index = options.ignore_index
   labels = labels.astype(jnp.int32)
   valid = labels != ignore_index
   if where is not None:
     valid = valid & where
-  if shift:  # Position t predicts label t + 1; the last position predicts nothing.
+  if options.shift:  # Position t predicts label t + 1; the last position predicts nothing.
     labels = jnp.concatenate(
       [labels[..., 1:], jnp.full_like(labels[..., :1], ignore_index)], axis=-1
     )
@@ -190,14 +153,14 @@ def finalize(
   lse: jax.Array,
   correct: jax.Array,
   *,
-  reduction: str,
-  z_loss: float,
+  options: LossOptions,
   return_aux: bool,
 ):
   """The public outputs from per-row ones (each ``[N]``, zero at excluded rows).
 
   ``loss`` may also be the scalar loss already reduced with ``row_weights``.
   """
+  reduction = options.reduction
   out_dtype = jnp.promote_types(lse.dtype, jnp.float32)
   weights = None if reduction == "none" else row_weights(rows, reduction, out_dtype)
 
@@ -213,19 +176,7 @@ def finalize(
   aux = LossAux(
     lse=lse.astype(out_dtype).reshape(rows.batch_shape),
     n_valid=jnp.sum(rows.valid, dtype=jnp.int32),
-    z_loss=reduce(z_loss * jnp.square(lse)),
+    z_loss=reduce(options.z_loss * jnp.square(lse)),
     n_correct=jnp.sum(correct, dtype=jnp.int32),
   )
   return reduced, aux
-
-
-def as_dtype(name: str, dtype) -> np.dtype | None:
-  if dtype is None:
-    return None
-  try:
-    dtype = np.dtype(dtype)
-  except TypeError:
-    raise TypeError(f"{name} must be a dtype, got {dtype!r}.") from None
-  if not jnp.issubdtype(dtype, jnp.floating):
-    raise TypeError(f"{name} must be a floating dtype, got {dtype}.")
-  return dtype

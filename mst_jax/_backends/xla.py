@@ -7,20 +7,18 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from mst_jax import ce_math
-from mst_jax.backends import base
+from mst_jax import _ce_math as ce_math
+from mst_jax._backends import base
 
 
-def _upcast(logits):
+def _upcast(logits: jax.Array) -> jax.Array:
   """bfloat16 logits into float32 (XLA fuses the convert into its consumers)."""
   return logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
 
 
 @dataclasses.dataclass(frozen=True)
-class XlaChunkCE:
-  """``ChunkCE`` written with jnp; XLA fuses the elementwise work."""
-
-  name: str = "xla"
+class XlaChunkCE(base.MatmulThenCE):
+  """The logits GEMM, then the cross-entropy in jnp; XLA fuses the elementwise work."""
 
   def forward(
     self, logits: jax.Array, labels: jax.Array, options: ce_math.CEOptions
@@ -56,8 +54,16 @@ class XlaChunkCE:
     return grad.astype(out_dtype)
 
   def forward_backward(
-    self, logits, labels, valid, g_loss, options, out_dtype, *, into=None
-  ):
+    self,
+    logits: jax.Array,
+    labels: jax.Array,
+    valid: jax.Array,
+    g_loss: jax.Array,
+    options: ce_math.CEOptions,
+    out_dtype: jax.typing.DTypeLike,
+    *,
+    into: tuple[jax.Array, jax.Array] | None = None,
+  ) -> tuple[ce_math.RowStats, jax.Array]:
     return base.unfused_forward_backward(
       self, logits, labels, valid, g_loss, options, out_dtype, into
     )

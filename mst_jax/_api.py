@@ -1,0 +1,293 @@
+"""The public entry point: ``linear_cross_entropy`` validates, resolves, dispatches.
+
+``resolve`` is the one place where the options' defaults are decided (the
+backend, the logits and accumulator dtypes, the chunk plan, the loop order and
+the gradient mode); below it every value is concrete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mst_jax import _backends, _full_logits, _inputs, _mesh, _options, _planning
+from mst_jax._driver import Plan, reduced_loss, row_losses
+from mst_jax._inputs import Rows
+from mst_jax._options import LossOptions, PerfOptions
+from mst_jax._row_chunks import RowChunks
+from mst_jax._rows import SweepConfig
+from mst_jax._vocab_blocks import VocabBlocks
+
+DEFAULT_MEMORY_BUDGET = _planning.DEFAULT_MEMORY_BUDGET
+STATIC_ARGNAMES = (
+  *_options.OPTION_NAMES,
+  "weight_layout",
+  "return_aux",
+  "mesh",
+  "batch_axis",
+  "vocab_axis",
+)
+
+
+@jax.jit(static_argnames=STATIC_ARGNAMES)
+def linear_cross_entropy(
+  hidden: jax.Array,
+  weight: jax.Array,
+  labels: jax.Array,
+  bias: jax.Array | None = None,
+  *,
+  where: jax.Array | None = None,
+  ignore_index: int = -100,
+  reduction: str = "mean",
+  label_smoothing: float = 0.0,
+  z_loss: float = 0.0,
+  logit_softcap: float | None = None,
+  shift: bool = False,
+  weight_layout: str = "vd",
+  chunk_size: int | None = None,
+  memory_budget: int | None = None,
+  vocab_block_size: int | None = None,
+  impl: str | None = None,
+  accum_dtype: jax.typing.DTypeLike | None = None,
+  logits_dtype: jax.typing.DTypeLike | None = None,
+  grad_mode: str | None = None,
+  return_aux: bool = False,
+  mesh: jax.sharding.Mesh | None = None,
+  batch_axis: str | None = None,
+  vocab_axis: str | None = None,
+):
+  r"""Cross-entropy of ``hidden @ weight.T (+ bias)`` without the full logits.
+
+  For each token with logits ``z = hidden @ weight.T + bias`` (``[V]``, float32
+  accumulation, stored in ``logits_dtype``) and label ``y``::
+
+    s    = logit_softcap * tanh(z / logit_softcap)   (s = z if no softcap)
+    lse  = logsumexp(s)
+    loss = (1 - eps) * (lse - s[y]) + eps * (lse - mean(s)) + z_loss * lse**2
+
+  with ``eps = label_smoothing`` (the torch / optax definition). The loss is
+  computed in row chunks: at most ``chunk_size x V`` logits exist at a time,
+  never ``N x V``; the backward recomputes each chunk's logits.
+
+  Args:
+    hidden: ``[N, D]`` or ``[..., T, D]`` float (float32, bfloat16, float16 or
+      float64).
+    weight: ``[V, D]`` (``weight_layout="vd"``: an embedding table or a torch
+      ``lm_head.weight``) or ``[D, V]`` (``"dv"``: a Flax Dense kernel).
+    labels: integer, ``hidden.shape[:-1]``.
+    bias: optional ``[V]`` float.
+    where: optional bool, shape of ``labels``; False excludes a token (on top
+      of ``ignore_index``).
+    ignore_index: label value that excludes a token.
+    reduction: ``"mean"`` over valid tokens (exactly 0.0 when none is valid),
+      ``"sum"``, or ``"none"`` (per token, shape of ``labels``, 0 at excluded
+      tokens).
+    label_smoothing: ``eps`` in ``[0, 1]``.
+    z_loss: adds ``z_loss * lse**2`` per valid token (PaLM).
+    logit_softcap: ``c > 0``: logits become ``c * tanh(logits / c)`` (Gemma 2).
+    shift: if True, position ``t`` predicts ``labels[..., t + 1]`` along the
+      token axis (unshifted Hugging Face style labels); the last position of
+      each sequence is excluded. ``hidden`` is not sliced or copied, and
+      per-token outputs keep the shape of ``labels``.
+    weight_layout: ``"vd"`` or ``"dv"``, see ``weight``.
+    chunk_size: rows per chunk (their logits exist at once; the ``dhidden`` /
+      ``dweight`` matmuls also run per chunk). None plans chunks (and, for
+      float32 logits, groups of chunks) from ``memory_budget``.
+    memory_budget: bytes for the chunk temporaries (default 2.25 GiB,
+      ``DEFAULT_MEMORY_BUDGET``; ``_planning.plan_chunks``): with logits in
+      the compute dtype, one chunk's logits, overwritten in place by its
+      ``dlogits``; with float32 logits, one chunk's logits and one group's
+      ``dlogits``, whose matmuls run once per group. Peak extra memory is about
+      this plus ``dhidden``-sized buffers. It is per device; with
+      ``vocab_axis`` the default is divided by that axis's size (each device
+      holds that fraction of the vocabulary).
+    vocab_block_size: the low-memory loop order (``_vocab_blocks``):
+      each row chunk walks the vocabulary in blocks of this many columns,
+      once for the statistics and once for the gradients, so only
+      ``[rows, vocab_block_size]`` logits exist and nothing grows with V.
+      Costs 8 N·D·V FLOPs (the logits are formed twice) and one in-place pass
+      over ``dweight`` per row chunk; rows are not compacted. Rows per chunk
+      come from ``chunk_size`` or ``memory_budget``
+      (``_planning.plan_vocab_blocked_rows``; the default budget is not divided
+      over vocab shards here: a row's cost does not depend on V), and
+      ``dweight`` accumulates in the weight's dtype unless ``accum_dtype``
+      says otherwise. Multiples of 128 suit tensor cores; V need not be a
+      multiple. None (default): whole-row chunks.
+    impl: None (automatic: ``"pallas"`` on a GPU, ``"xla"`` elsewhere),
+      ``"xla"`` (chunked, per-chunk math in XLA), ``"pallas"`` (chunked,
+      per-chunk math in Pallas kernels; on a CPU they run in interpret mode,
+      slowly: for tests) or ``"reference"`` (full logits; for tests and small
+      problems). If the Pallas Triton lowering is unavailable, ``"pallas"``
+      falls back to ``"xla"`` with one warning.
+    accum_dtype: dtype of the ``dweight`` / ``dbias`` accumulators across
+      groups. None (default): with at most 8 groups, ``dweight`` accumulates
+      in the weight's dtype, in place in its output, one rounding per group
+      (with 2 groups at the Llama-3 head, within 1.1x the error of
+      full-logits autodiff); with more, in float32, whose ``V x D``
+      buffer and traffic cost less than the error of many roundings would.
+      With ``vocab_block_size``, always in the weight's dtype.
+    logits_dtype: the dtype the logits matmul writes (it accumulates in
+      float32 either way; the cross-entropy math is float32). None (default):
+      bfloat16 for bfloat16 inputs, as a bfloat16 ``Dense`` head feeding a
+      float32 loss has (the same gradient error as that full-logits version,
+      with half the logits traffic, and each chunk's ``dlogits`` overwrite its
+      logits in place); otherwise at least float32. ``jnp.float32`` keeps
+      float32 logits for bfloat16 inputs: a loss exact to float32 rounding,
+      for about 8% more time at the Llama-3 head (docs/benchmarks.md).
+    grad_mode: how gradients are formed. ``"fused"``: during the forward sweep,
+      in the same pass as the loss (6 N·D·V FLOPs, like full-logits autodiff;
+      needs a scalar ``reduction``; ``aux.lse`` is then not differentiable).
+      ``"recompute"``: the backward recomputes each chunk's logits (8 N·D·V
+      FLOPs; every reduction; differentiable ``aux.lse``). None: ``"fused"``
+      for ``"mean"`` / ``"sum"``, ``"recompute"`` for ``"none"``.
+    return_aux: if True, also return a ``LossAux``.
+    mesh: a ``jax.sharding.Mesh`` to compute over (``_mesh``): rows
+      split over ``batch_axis`` (data parallel; ``dweight`` summed over it) and
+      the vocabulary over ``vocab_axis`` (vocab parallel: each device holds
+      ``V / m`` rows of the weight, statistics are combined across the axis,
+      no weight all-gather, ``dweight`` stays sharded). N must split evenly
+      over ``batch_axis`` and V over ``vocab_axis``. Without a mesh, inputs
+      sharded under ``jax.jit`` also work (XLA's GSPMD partitions the chunked
+      computation), just not as well.
+    batch_axis: mesh axis of the rows, or None.
+    vocab_axis: mesh axis of the vocabulary, or None.
+
+  Returns:
+    The loss, float32 (float64 for float64 inputs): a scalar, or the shape of
+    ``labels`` for ``reduction="none"``; with ``return_aux``, ``(loss, aux)``.
+    Gradients come back in each input's own dtype.
+
+    A valid token whose label is outside ``[0, V)`` has a NaN loss and NaN
+    gradients: such a label is an error and is never read as a valid class.
+
+  Raises:
+    ValueError: mismatched shapes, an unknown ``reduction`` /
+      ``weight_layout`` / ``impl``, or option values out of range.
+    TypeError: non-integer labels, non-float hidden / weight / bias, a
+      non-bool ``where``, or options of the wrong type.
+
+  Example:
+
+    >>> import jax, jax.numpy as jnp
+    >>> import mst_jax
+    >>> k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    >>> hidden = jax.random.normal(k1, (2, 16, 64), jnp.bfloat16)
+    >>> weight = jax.random.normal(k2, (1000, 64), jnp.bfloat16) * 0.05
+    >>> labels = jax.random.randint(k3, (2, 16), 0, 1000)
+    >>> loss, grads = jax.value_and_grad(
+    ...     mst_jax.linear_cross_entropy, argnums=(0, 1))(hidden, weight, labels)
+    >>> loss.dtype, grads[1].dtype
+    (dtype('float32'), dtype(bfloat16))
+  """
+  options, perf = _options.from_arguments(locals())
+  if not isinstance(return_aux, bool):
+    raise TypeError(f"return_aux must be a bool, got {return_aux!r}.")
+  rows = _inputs.prepare(hidden, weight, labels, bias, where, options, weight_layout)
+  n_rows = rows.hidden.shape[0]
+  layout = _mesh.layout_for(
+    mesh, batch_axis, vocab_axis, weight_layout, n_rows, rows.vocab_size
+  )
+  if perf.impl == "reference" or n_rows == 0:
+    if layout is not None and n_rows:
+      raise ValueError("impl='reference' forms the full logits; it takes no mesh.")
+    outputs = _full_logits.row_losses(
+      rows.hidden, rows.weight, rows.bias, rows.labels, rows.valid,
+      options=options.ce, weight_layout=weight_layout,
+    )
+  else:
+    plan, fused = resolve(rows, options, perf, weight_layout, layout)
+    args = (plan, rows.hidden, rows.weight, rows.bias, rows.labels, rows.valid)
+    if fused:
+      stat_dtype = jnp.promote_types(rows.hidden.dtype, jnp.float32)
+      row_scale = _inputs.row_weights(rows, options.reduction, stat_dtype)
+      outputs = reduced_loss(*args, row_scale)
+    else:
+      outputs = row_losses(*args)
+  return _inputs.finalize(rows, *outputs, options=options, return_aux=return_aux)
+
+
+def resolve(
+  rows: Rows,
+  options: LossOptions,
+  perf: PerfOptions,
+  weight_layout: str,
+  layout: _mesh.Layout | None,
+) -> tuple[Plan, bool]:
+  """Every default decided: ``(plan, fused)`` for the chunked paths."""
+  logits_dtype = _logits_dtype(perf.logits_dtype, rows.hidden.dtype)
+  order, accum = _loop_order(rows, perf, logits_dtype, layout)
+  bias_dtype = rows.weight.dtype if rows.bias is None else rows.bias.dtype
+  config = SweepConfig(
+    backend=_backend(perf.impl, layout),
+    head=_backends.HeadSpec(weight_layout, logits_dtype, options.ce, rows.vocab_size),
+    dweight_dtype=accum or rows.weight.dtype,
+    dbias_dtype=accum or jnp.promote_types(bias_dtype, jnp.float32),
+  )
+  if layout is not None:
+    if layout.vocab_axis is not None:
+      shard_size = rows.vocab_size // layout.axis_size(layout.vocab_axis)
+      shard = _mesh.VocabShard(layout.vocab_axis, shard_size, rows.vocab_size)
+      config = dataclasses.replace(config, columns=shard)
+    order = _mesh.Sharded(order, layout)
+  # The gradient in the forward pass for a scalar loss, recompute per token.
+  grad_mode = perf.grad_mode or ("recompute" if options.reduction == "none" else "fused")
+  return Plan(config, order), grad_mode == "fused"
+
+
+def _logits_dtype(requested: np.dtype | None, dtype: np.dtype) -> np.dtype:
+  """bfloat16 logits for bfloat16 inputs (as a bfloat16 Dense head has),
+  else at least float32; never wider than the loss's float32 (float64)."""
+  widest = jnp.promote_types(dtype, jnp.float32)
+  logits_dtype = requested or (dtype if dtype == jnp.bfloat16 else widest)
+  if logits_dtype.itemsize > widest.itemsize:
+    raise ValueError(
+      f"logits_dtype={logits_dtype} is wider than the {widest} the loss is"
+      f" computed in for {dtype} inputs; pass float64 inputs for"
+      " float64 logits."
+    )
+  return logits_dtype
+
+
+def _loop_order(rows: Rows, perf: PerfOptions, logits_dtype, layout):
+  """``(order, accum_dtype)``: the loop order planned for the rows and the
+  vocabulary one device holds, and the accumulators' dtype (None: in place)."""
+  row_devices = vocab_devices = 1
+  if layout is not None:
+    row_devices = layout.axis_size(layout.batch_axis)
+    vocab_devices = layout.axis_size(layout.vocab_axis)
+  n_rows = rows.hidden.shape[0] // row_devices
+  vocab = rows.vocab_size // vocab_devices
+  dtype, budget = rows.hidden.dtype, perf.memory_budget
+  chunk = perf.chunk_size and min(perf.chunk_size, n_rows)
+  if perf.vocab_block_size is not None:
+    block = perf.vocab_block_size
+    # A row's cost does not depend on V: the default budget is not divided.
+    chunk = chunk or _planning.plan_vocab_blocked_rows(
+      n_rows, rows.hidden.shape[1], min(block, vocab), dtype,
+      memory_budget=budget or DEFAULT_MEMORY_BUDGET,
+    )
+    # dweight stays in place: a float32 [V, D] buffer would be this order's largest.
+    return VocabBlocks(chunk, block), perf.accum_dtype
+  group = chunk
+  if chunk is None:
+    chunk, group = _planning.plan_chunks(
+      n_rows, vocab, dtype,
+      # The default budget is the whole head's: vocab shards split it, so each
+      # device plans the row chunks one device would use.
+      memory_budget=budget or DEFAULT_MEMORY_BUDGET // vocab_devices,
+      logits_dtype=logits_dtype,
+    )
+  accum = perf.accum_dtype or _planning.default_accum_dtype(
+    n_rows, group, rows.weight.dtype
+  )
+  return RowChunks(chunk, group), accum
+
+
+def _backend(impl: str | None, layout: _mesh.Layout | None) -> _backends.ChunkBackend:
+  platform = jax.default_backend()
+  if layout is not None:
+    platform = layout.mesh.devices.flat[0].platform
+  return _backends.select(impl, platform)

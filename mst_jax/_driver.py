@@ -1,0 +1,160 @@
+"""The custom-VJP driver: the loss without ``[N, V]`` logits, and its gradient.
+
+Two custom VJPs run a ``Plan`` (a loop order with its configuration):
+
+* ``row_losses`` (the Mini-Sequence Transformer design): the forward keeps
+  only the per-row lse; the backward recomputes each chunk's logits. Per-row
+  outputs, so every reduction works, and the lse is differentiable.
+* ``reduced_loss`` (gradient in the forward): for a scalar loss the forward
+  forms the gradients in the same sweep as the loss; the backward only scales
+  them by the incoming cotangent.
+
+``symbolic_zeros=True`` tells the forward which inputs are differentiated; the
+``dweight`` (or ``dhidden``, ``dbias``) matmul of a frozen input is not in the
+program at all.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from mst_jax._rows import Differentiated, SweepConfig
+
+
+class LoopOrder(Protocol):
+  """How the rows (and columns) are walked: ``RowChunks``, ``VocabBlocks``,
+  or either of them mapped over a mesh (``mst_jax._mesh``)."""
+
+  def forward(self, config, hidden, weight, bias, labels, valid):
+    """Per-row ``(loss, lse, correct)``."""
+    ...
+
+  def backward(
+    self, config, hidden, weight, bias, labels, valid, lse, g_loss, g_lse, diff
+  ):
+    """``(dhidden, dweight, dbias)`` of ``sum(loss * g_loss + lse * g_lse)``."""
+    ...
+
+  def fused(self, config, hidden, weight, bias, labels, valid, row_scale, diff):
+    """``((sum(loss * row_scale), lse, correct), (dhidden, dweight, dbias))``."""
+    ...
+
+
+class Plan(NamedTuple):
+  """A loop order and its configuration (a static, hashable value)."""
+
+  config: SweepConfig
+  order: LoopOrder
+
+
+def _differentiated(hidden, weight, bias) -> Differentiated:
+  """From the ``CustomVJPPrimal`` inputs of a ``symbolic_zeros`` forward."""
+  return Differentiated(
+    hidden=hidden.perturbed,
+    weight=weight.perturbed,
+    bias=bias is not None and bias.perturbed,  # None has no leaves to wrap
+  )
+
+
+def _unwrap(*primals):
+  return tuple(None if p is None else p.value for p in primals)
+
+
+def _instantiate(cotangent, like: jax.Array) -> jax.Array:
+  if isinstance(cotangent, jax.custom_derivatives.SymbolicZero):
+    return jnp.zeros_like(like)
+  return cotangent
+
+
+# ---- The recompute custom VJP: per-row outputs. ----
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def row_losses(plan: Plan, hidden, weight, bias, labels, valid):
+  """Per-row loss, lse and argmax-correctness; the backward recomputes logits.
+
+  Args:
+    plan: a ``Plan``.
+    hidden: ``[N, D]`` float.
+    weight: ``[V, D]`` or ``[D, V]`` (``plan.config.layout``), hidden's dtype.
+    bias: ``[V]`` float or None.
+    labels: int32 ``[N]``.
+    valid: bool ``[N]``; False rows give 0 loss, 0 lse and zero gradients.
+
+  Returns:
+    ``(loss, lse, correct)``: ``[N]`` float32 (float64 for float64 inputs),
+    ``[N]`` float32 and ``[N]`` bool. ``loss`` and ``lse`` are differentiable.
+  """
+  return plan.order.forward(plan.config, hidden, weight, bias, labels, valid)
+
+
+def _row_losses_fwd(plan, hidden, weight, bias, labels, valid):
+  diff = _differentiated(hidden, weight, bias)
+  hidden, weight, bias, labels, valid = _unwrap(hidden, weight, bias, labels, valid)
+  outputs = plan.order.forward(plan.config, hidden, weight, bias, labels, valid)
+  return outputs, (hidden, weight, bias, labels, valid, outputs[1], diff)
+
+
+def _row_losses_bwd(plan, residuals, cotangents):
+  hidden, weight, bias, labels, valid, lse, diff = residuals
+  g_loss = _instantiate(cotangents[0], lse)
+  g_lse = _instantiate(cotangents[1], lse)
+  grads = plan.order.backward(
+    plan.config, hidden, weight, bias, labels, valid, lse, g_loss, g_lse, diff
+  )
+  return (*grads, None, None)
+
+
+row_losses.defvjp(_row_losses_fwd, _row_losses_bwd, symbolic_zeros=True)
+
+
+# ---- The gradient-in-forward custom VJP: a scalar loss. ----
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def reduced_loss(plan: Plan, hidden, weight, bias, labels, valid, row_scale):
+  """``sum(loss * row_scale)``, per-row lse and correctness; grads in the forward.
+
+  Args:
+    plan, hidden, weight, bias, labels, valid: as for ``row_losses``.
+    row_scale: float32 ``[N]``, each row's weight in the scalar loss (for a
+      mean, ``valid / n_valid``); not differentiated.
+
+  Returns:
+    ``(loss, lse, correct)``: the scalar loss, ``[N]`` lse and ``[N]`` bool.
+    Only ``loss`` is differentiable: differentiating through ``lse`` raises
+    (use ``row_losses``).
+  """
+  loss, lse, correct = plan.order.forward(
+    plan.config, hidden, weight, bias, labels, valid
+  )
+  return jnp.sum(loss * row_scale), lse, correct
+
+
+def _reduced_loss_fwd(plan, hidden, weight, bias, labels, valid, row_scale):
+  diff = _differentiated(hidden, weight, bias)
+  args = _unwrap(hidden, weight, bias, labels, valid, row_scale)
+  return plan.order.fused(plan.config, *args, diff)
+
+
+def _reduced_loss_bwd(plan, residuals, cotangents):
+  del plan
+  g_loss, g_lse, _ = cotangents
+  if not isinstance(g_lse, jax.custom_derivatives.SymbolicZero):
+    raise NotImplementedError(
+      "The per-token lse (aux.lse, aux.z_loss) is not differentiable with"
+      " grad_mode='fused', which forms the gradient during the forward pass;"
+      " use grad_mode='recompute' to differentiate through it."
+    )
+  if isinstance(g_loss, jax.custom_derivatives.SymbolicZero):
+    return None, None, None, None, None, None
+  scale = lambda grad: None if grad is None else (grad * g_loss).astype(grad.dtype)
+  dhidden, dweight, dbias = map(scale, residuals)
+  return dhidden, dweight, dbias, None, None, None
+
+
+reduced_loss.defvjp(_reduced_loss_fwd, _reduced_loss_bwd, symbolic_zeros=True)

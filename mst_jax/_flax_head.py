@@ -1,0 +1,65 @@
+"""What the Flax ``LMHeadLoss`` modules share: their calls.
+
+``mst_jax.nnx.LMHeadLoss`` and ``mst_jax.linen.LMHeadLoss`` differ only in how
+they hold parameters; both hold a ``HeadLossOptions`` and compute through
+``head_loss`` and ``head_logits``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax.nnx.nn import dtypes
+
+from mst_jax import _ce_math
+from mst_jax._api import linear_cross_entropy
+from mst_jax._options import HeadLossOptions
+
+
+class HeadParams(NamedTuple):
+  """A head's parameters as a module holds them."""
+
+  weight: jax.Array  # [D, V] kernel ("dv") or a tied [V, D] table ("vd")
+  weight_layout: str
+  bias: jax.Array | None
+
+
+def head_loss(
+  params: HeadParams,
+  hidden: jax.Array,
+  labels: jax.Array,
+  *,
+  dtype,
+  options: HeadLossOptions,
+  where: jax.Array | None,
+  return_aux: bool,
+):
+  """``linear_cross_entropy`` with inputs promoted to ``dtype`` like Flax's Dense."""
+  weight, weight_layout, bias = params
+  hidden, weight, bias = dtypes.promote_dtype((hidden, weight, bias), dtype=dtype)
+  return linear_cross_entropy(
+    hidden,
+    weight,
+    labels,
+    bias,
+    where=where,
+    weight_layout=weight_layout,
+    return_aux=return_aux,
+    **dataclasses.asdict(options),
+  )
+
+
+def head_logits(
+  params: HeadParams, hidden: jax.Array, *, dtype, logit_softcap: float | None
+) -> jax.Array:
+  """Full logits ``[..., V]`` in the computation dtype, softcapped like the loss."""
+  weight, weight_layout, bias = params
+  hidden, weight, bias = dtypes.promote_dtype((hidden, weight, bias), dtype=dtype)
+  kernel = weight if weight_layout == "dv" else weight.T
+  logits = jnp.dot(hidden, kernel)
+  if bias is not None:
+    logits = logits + bias
+  return _ce_math.softcap(logits, logit_softcap)

@@ -1,0 +1,81 @@
+"""The loss from the full ``[N, V]`` logits, plainly (``impl="reference"``).
+
+It forms the whole logits and differentiates by autodiff, so it is the test
+oracle (run on float64 inputs) and the documentation of what every fast path
+computes. It is written from the definition
+``-(1 - eps) * log p_y - eps * mean_j log p_j + zl * lse**2`` with
+``log p = log_softmax(softcap(logits))``, independently of the blockwise math
+in ``_ce_math`` that the fast paths share (it takes only its options).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from mst_jax._ce_math import CEOptions
+
+
+def row_losses(
+  hidden: jax.Array,
+  weight: jax.Array,
+  bias: jax.Array | None,
+  labels: jax.Array,
+  valid: jax.Array,
+  *,
+  options: CEOptions,
+  weight_layout: str,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Per-row ``(loss, lse, correct)`` from the full logits.
+
+  Args:
+    hidden: ``[N, D]``.
+    weight: ``[V, D]`` (``weight_layout="vd"``) or ``[D, V]`` (``"dv"``).
+    bias: ``[V]`` or None.
+    labels: int32 ``[N]``.
+    valid: bool ``[N]``.
+    options: the loss options.
+    weight_layout: ``"vd"`` or ``"dv"``.
+
+  Returns:
+    ``[N]`` loss (float32, or float64 for float64 inputs; NaN for a valid row
+    whose label is outside ``[0, V)``; 0 at invalid rows), ``[N]`` lse (0 at
+    invalid rows) and ``[N]`` bool, whether the argmax is the label.
+  """
+  acc = jnp.promote_types(hidden.dtype, jnp.float32)
+  # A plain transpose rather than the fast paths' layout-aware dot: the
+  # reference shares nothing with them but the options.
+  w = weight if weight_layout == "dv" else weight.T
+  logits = jnp.dot(
+    hidden, w, preferred_element_type=acc, precision=lax.Precision.HIGHEST
+  )
+  if bias is not None:
+    logits = logits + bias.astype(acc)
+  return losses_from_logits(logits, labels, valid, options=options)
+
+
+def losses_from_logits(
+  logits: jax.Array,
+  labels: jax.Array,
+  valid: jax.Array,
+  *,
+  options: CEOptions,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Per-row ``(loss, lse, correct)`` from ``[N, V]`` logits; see ``row_losses``."""
+  cap = options.logit_softcap
+  if cap is not None:
+    logits = cap * jnp.tanh(logits / cap)
+  log_probs = jax.nn.log_softmax(logits, axis=-1)  # [N, V]
+  vocab_size = logits.shape[-1]
+  in_range = (labels >= 0) & (labels < vocab_size)
+  safe_labels = jnp.where(in_range, labels, 0)
+  log_p_label = jnp.take_along_axis(log_probs, safe_labels[:, None], axis=-1)[:, 0]
+  log_p_label = jnp.where(in_range, log_p_label, jnp.nan)
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  eps = options.label_smoothing
+  loss = -(1.0 - eps) * log_p_label - eps * jnp.mean(log_probs, axis=-1)
+  loss = loss + options.z_loss * jnp.square(lse)
+  correct = valid & (jnp.argmax(logits, axis=-1) == labels)
+  zero = jnp.zeros_like(lse)
+  return jnp.where(valid, loss, zero), jnp.where(valid, lse, zero), correct

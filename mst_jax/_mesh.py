@@ -1,0 +1,231 @@
+"""The loss over a device mesh: rows over a batch axis, vocabulary over a model axis.
+
+``linear_cross_entropy(..., mesh=mesh, batch_axis="data", vocab_axis="model")``
+runs a loop order on every device inside ``jax.shard_map`` (``Sharded``):
+
+* **Data parallel** (``batch_axis``): each device holds a slice of the rows and
+  the whole weight; ``dweight`` and ``dbias`` are summed over the batch axis
+  (``psum``).
+* **Vocab parallel** (``vocab_axis``, Megatron style): each device holds a
+  ``[V / m, D]`` slice of the weight. Per chunk it forms only its shard's
+  logits; ``VocabShard`` (the ``Columns`` of the sweep's configuration)
+  combines the row statistics across the model axis (``pmax`` of the row max,
+  ``psum`` of the rescaled sum-exp, the target logit from the shard that holds
+  the label, ``pmin`` for the first argmax), so every device sees the global
+  lse. ``dlogits`` stay local, ``dhidden`` is summed over the model axis,
+  ``dweight`` stays sharded. No weight all-gather and no ``[N, V]`` array
+  anywhere.
+
+The custom VJPs are the single-device ones (``_driver``) with a loop order
+whose three computations are ``shard_map``-ped, so ``shard_map`` itself is
+never differentiated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from mst_jax import _ce_math
+from mst_jax._driver import LoopOrder
+from mst_jax._rows import Differentiated
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabShard:
+  """``Columns`` of one vocabulary shard, combined over the mesh axis ``axis``.
+
+  Attributes:
+    axis: the mesh axis the vocabulary is split over.
+    shard_size: ``V / m``.
+    vocab_size: ``V``.
+  """
+
+  axis: str
+  shard_size: int
+  vocab_size: int
+  split = True
+
+  def offset(self) -> jax.Array:
+    return lax.axis_index(self.axis) * self.shard_size
+
+  def combine(self, stats: _ce_math.RowStats, labels: jax.Array) -> _ce_math.RowStats:
+    """Whole-row statistics from each shard's (``stats`` relative to the shard)."""
+    offset = self.offset()
+    local = labels - offset
+    here = (local >= 0) & (local < self.shard_size)
+    reduce = lambda collective: functools.partial(collective, axis_name=self.axis)
+    return _ce_math.combine_stats(
+      stats,
+      here,
+      offset,
+      jnp.float32(self.shard_size),
+      self.vocab_size,
+      reduce_max=reduce(lax.pmax),
+      reduce_sum=reduce(lax.psum),
+      reduce_min=reduce(lax.pmin),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Where the arrays live on the mesh (static, hashable)."""
+
+  mesh: jax.sharding.Mesh
+  batch_axis: str | None
+  vocab_axis: str | None
+  weight_layout: str
+
+  @property
+  def rows(self) -> P:
+    return P(self.batch_axis)
+
+  @property
+  def hidden(self) -> P:
+    return P(self.batch_axis, None)
+
+  @property
+  def weight(self) -> P:
+    if self.weight_layout == "vd":
+      return P(self.vocab_axis, None)
+    return P(None, self.vocab_axis)
+
+  @property
+  def bias(self) -> P:
+    return P(self.vocab_axis)
+
+  def axis_size(self, axis: str | None) -> int:
+    return 1 if axis is None else self.mesh.shape[axis]
+
+  def constrain(self, x: jax.Array, spec: P) -> jax.Array:
+    """Puts ``x`` where ``spec`` says (reshard on Explicit meshes)."""
+    sharding = NamedSharding(self.mesh, spec)
+    if AxisType.Explicit in tuple(self.mesh.axis_types):
+      return jax.sharding.reshard(x, sharding)
+    return lax.with_sharding_constraint(x, sharding)
+
+  def sum_over(self, x, axis: str | None):
+    return x if x is None or axis is None else lax.psum(x, axis)
+
+  def reduce_grads(self, grads):
+    """Per-device gradients to whole ones: ``dhidden`` summed over the
+    vocabulary shards, ``dweight`` and ``dbias`` over the row shards."""
+    dhidden, dweight, dbias = grads
+    return (
+      self.sum_over(dhidden, self.vocab_axis),
+      self.sum_over(dweight, self.batch_axis),
+      self.sum_over(dbias, self.batch_axis),
+    )
+
+  def grad_specs(self, diff: Differentiated):
+    return (
+      self.hidden if diff.hidden else None,
+      self.weight if diff.weight else None,
+      self.bias if diff.bias else None,
+    )
+
+  def per_device(self, fn, hidden, weight, bias, rows, out_specs):
+    """``fn(hidden, weight, bias, *rows)`` on each device's shards.
+
+    ``rows`` are ``[N]`` arrays split like the rows; a None ``bias`` is not
+    passed through ``shard_map`` (which takes arrays only).
+    """
+    args = [hidden, weight, *([] if bias is None else [bias]), *rows]
+    specs = [self.hidden, self.weight, *([] if bias is None else [self.bias])]
+    specs += [self.rows] * len(rows)
+
+    def body(h, w, *rest):
+      if bias is None:
+        return fn(h, w, None, *rest)
+      return fn(h, w, *rest)
+
+    mapped = jax.shard_map(
+      body,
+      mesh=self.mesh,
+      in_specs=tuple(specs),
+      out_specs=out_specs,
+      # The bodies mix per-device values with collectives' results freely
+      # (dhidden is psum-ed only with a vocab axis, say); the specs above
+      # state every output's sharding, so the varying-axes check adds nothing.
+      check_vma=False,
+    )
+    return mapped(*(self.constrain(x, s) for x, s in zip(args, specs, strict=True)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharded:
+  """A loop order run per device on ``layout.mesh`` (a ``LoopOrder`` itself)."""
+
+  inner: LoopOrder
+  layout: Layout
+
+  def forward(self, config, hidden, weight, bias, labels, valid):
+    rows = self.layout.rows
+    return self.layout.per_device(
+      functools.partial(self.inner.forward, config),
+      hidden, weight, bias, (labels, valid), (rows, rows, rows),
+    )
+
+  def backward(
+    self, config, hidden, weight, bias, labels, valid, lse, g_loss, g_lse, diff
+  ):
+    def body(h, w, b, *rows):
+      return self.layout.reduce_grads(self.inner.backward(config, h, w, b, *rows, diff))
+
+    return self.layout.per_device(
+      body, hidden, weight, bias, (labels, valid, lse, g_loss, g_lse),
+      self.layout.grad_specs(diff),
+    )
+
+  def fused(self, config, hidden, weight, bias, labels, valid, row_scale, diff):
+    layout = self.layout
+
+    def body(h, w, b, *rows):
+      (loss, lse, correct), grads = self.inner.fused(config, h, w, b, *rows, diff)
+      loss = layout.sum_over(loss, layout.batch_axis)
+      return (loss, lse, correct), layout.reduce_grads(grads)
+
+    rows = layout.rows
+    return layout.per_device(
+      body, hidden, weight, bias, (labels, valid, row_scale),
+      ((P(), rows, rows), layout.grad_specs(diff)),
+    )
+
+
+def layout_for(
+  mesh, batch_axis: str | None, vocab_axis: str | None, weight_layout: str,
+  n_rows: int, vocab_size: int,
+) -> Layout | None:
+  """The ``Layout`` for a mesh (None without one), after checks."""
+  if mesh is None:
+    if (batch_axis, vocab_axis) != (None, None):
+      raise ValueError("batch_axis and vocab_axis name axes of a mesh: pass mesh=.")
+    return None
+  if not isinstance(mesh, jax.sharding.Mesh):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
+  if batch_axis is None and vocab_axis is None:
+    raise ValueError("with a mesh, give batch_axis, vocab_axis or both.")
+  if batch_axis is not None and batch_axis == vocab_axis:
+    raise ValueError(f"batch_axis and vocab_axis must differ, both are {batch_axis!r}.")
+  for name, axis in (("batch_axis", batch_axis), ("vocab_axis", vocab_axis)):
+    if axis is not None and axis not in mesh.axis_names:
+      raise ValueError(f"{name}={axis!r} is not an axis of the mesh {mesh.axis_names}.")
+  layout = Layout(mesh, batch_axis, vocab_axis, weight_layout)
+  if n_rows % layout.axis_size(batch_axis):
+    raise ValueError(
+      f"the {n_rows} tokens must split evenly over batch_axis={batch_axis!r}"
+      f" ({layout.axis_size(batch_axis)} devices)."
+    )
+  if vocab_size % layout.axis_size(vocab_axis):
+    raise ValueError(
+      f"the vocabulary ({vocab_size}) must split evenly over vocab_axis={vocab_axis!r}"
+      f" ({layout.axis_size(vocab_axis)} devices): pad the weight (and bias) to a"
+      " multiple with rows whose logits never win, e.g. a bias of -1e9."
+    )
+  return layout

@@ -1,0 +1,179 @@
+"""The options of the loss, declared once, and their checks.
+
+``LossOptions`` say what is computed; ``PerfOptions`` say how (they change
+the result only by rounding). ``linear_cross_entropy`` takes their fields as
+keyword arguments (its ``jax.jit`` static names are built from them), the Flax
+modules hold a ``HeadLossOptions`` (both at once), and the tests read the
+field lists from here. Every check runs on Python values, at trace time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mst_jax._ce_math import CEOptions
+
+REDUCTIONS = ("mean", "sum", "none")
+IMPLEMENTATIONS = (None, "xla", "pallas", "reference")
+GRAD_MODES = (None, "fused", "recompute")
+
+
+def check_choice(name: str, value, choices) -> None:
+  if value not in choices:
+    raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
+
+
+def check_int(name: str, value, *, minimum: int | None = None) -> int:
+  """Returns ``value`` as a Python int, or raises ``TypeError``/``ValueError``."""
+  if isinstance(value, bool):
+    raise TypeError(f"{name} must be an int, got {value!r}.")
+  try:
+    value = operator.index(value)
+  except TypeError:
+    raise TypeError(f"{name} must be an int, got {value!r}.") from None
+  if minimum is not None and value < minimum:
+    raise ValueError(f"{name} must be >= {minimum}, got {value}.")
+  return value
+
+
+def check_finite_float(name: str, value) -> float:
+  """Returns ``value`` as a finite Python float, or raises."""
+  if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+    raise TypeError(f"{name} must be a Python float, got {value!r}.")
+  value = float(value)
+  if not math.isfinite(value):
+    raise ValueError(f"{name} must be finite, got {value!r}.")
+  return value
+
+
+def as_dtype(name: str, dtype) -> np.dtype | None:
+  """``dtype`` as a floating ``np.dtype`` (None stays None), or raises ``TypeError``."""
+  if dtype is None:
+    return None
+  try:
+    dtype = np.dtype(dtype)
+  except TypeError:
+    raise TypeError(f"{name} must be a dtype, got {dtype!r}.") from None
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(f"{name} must be a floating dtype, got {dtype}.")
+  return dtype
+
+
+def _replace_field(options, name: str, value) -> None:
+  object.__setattr__(options, name, value)  # normalising a frozen dataclass
+
+
+@dataclasses.dataclass(frozen=True)
+class LossOptions:
+  """What the loss is: the options that define its value.
+
+  See ``mst_jax.linear_cross_entropy`` for each. Values are checked and
+  normalised (ints and floats as Python numbers) on construction.
+  """
+
+  ignore_index: int = -100
+  reduction: str = "mean"
+  label_smoothing: float = 0.0
+  z_loss: float = 0.0
+  logit_softcap: float | None = None
+  shift: bool = False
+
+  def __post_init__(self):
+    check_choice("reduction", self.reduction, REDUCTIONS)
+    _replace_field(self, "ignore_index", check_int("ignore_index", self.ignore_index))
+    if not isinstance(self.shift, bool):
+      raise TypeError(f"shift must be a bool, got {self.shift!r}.")
+    for name in ("label_smoothing", "z_loss"):
+      _replace_field(self, name, check_finite_float(name, getattr(self, name)))
+    if self.logit_softcap is not None:
+      cap = check_finite_float("logit_softcap", self.logit_softcap)
+      _replace_field(self, "logit_softcap", cap)
+    self.ce  # noqa: B018 -- CEOptions checks the ranges
+
+  @property
+  def ce(self) -> CEOptions:
+    """The per-row options the kernels see."""
+    return CEOptions(self.label_smoothing, self.z_loss, self.logit_softcap)
+
+
+@dataclasses.dataclass(frozen=True)
+class PerfOptions:
+  """How the loss is computed: chunking, backend, dtypes, gradient mode.
+
+  See ``mst_jax.linear_cross_entropy`` for each. None means "choose"
+  (``mst_jax._api.resolve`` decides, in one place).
+  """
+
+  chunk_size: int | None = None
+  memory_budget: int | None = None
+  vocab_block_size: int | None = None
+  impl: str | None = None
+  accum_dtype: jax.typing.DTypeLike | None = None
+  logits_dtype: jax.typing.DTypeLike | None = None
+  grad_mode: str | None = None
+
+  def __post_init__(self):
+    check_choice("impl", self.impl, IMPLEMENTATIONS)
+    for name in ("chunk_size", "memory_budget", "vocab_block_size"):
+      if getattr(self, name) is not None:
+        _replace_field(self, name, check_int(name, getattr(self, name), minimum=1))
+    if self.chunk_size is not None and self.memory_budget is not None:
+      raise ValueError("give chunk_size or memory_budget, not both.")
+    for name in ("accum_dtype", "logits_dtype"):
+      _replace_field(self, name, as_dtype(name, getattr(self, name)))
+    check_choice("grad_mode", self.grad_mode, GRAD_MODES)
+    chunked_only = [f.name for f in dataclasses.fields(PerfOptions)]
+    chunked_only.remove("impl")
+    if self.impl == "reference" and any(getattr(self, n) is not None for n in chunked_only):
+      raise ValueError(
+        f"{', '.join(chunked_only[:-1])} and {chunked_only[-1]} apply to the"
+        " chunked implementations, not impl='reference' (which forms the full"
+        " logits)."
+      )
+
+
+def check_combination(loss: LossOptions, perf: PerfOptions) -> None:
+  """Raises for valid options that do not work together."""
+  if perf.grad_mode == "fused" and loss.reduction == "none":
+    raise NotImplementedError(
+      "grad_mode='fused' forms the gradient of a scalar loss during the forward"
+      " pass; reduction='none' needs grad_mode='recompute' (or None)."
+    )
+
+
+def _pick(cls, values: Mapping):
+  return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)})
+
+
+def from_arguments(arguments: Mapping) -> tuple[LossOptions, PerfOptions]:
+  """The checked options among a function's arguments (e.g. its ``locals()``)."""
+  perf = _pick(PerfOptions, arguments)
+  loss = _pick(LossOptions, arguments)
+  check_combination(loss, perf)
+  return loss, perf
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadLossOptions(LossOptions, PerfOptions):
+  """Every option of ``linear_cross_entropy``, as a Flax head fixes them.
+
+  The fields of ``LossOptions`` and ``PerfOptions``; checked on construction,
+  so a bad value (or combination) fails when the module is built rather than
+  at its first call.
+  """
+
+  def __post_init__(self):
+    from_arguments(dataclasses.asdict(self))
+
+
+# linear_cross_entropy's options, in the order its signature declares them.
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(LossOptions)) + tuple(
+  f.name for f in dataclasses.fields(PerfOptions)
+)

@@ -1,0 +1,355 @@
+"""The row-chunked loop order: each chunk's logits over the whole vocabulary.
+
+Rows are walked in chunks (``_rows.sweep_chunks``, valid rows compacted to
+the front). Each chunk's ``[rows, V]`` logits are formed by the backend (in
+``HeadSpec.logits_dtype``), reduced, and dropped:
+
+* ``forward``: per-row ``(loss, lse, correct)``; the recompute backward keeps
+  only the lse.
+* ``backward``: recomputes each chunk's logits, forms ``dlogits`` from the
+  saved lse, writes the chunk's ``dhidden`` rows and accumulates ``dweight``
+  and ``dbias``: 8 N·D·V FLOPs with the forward.
+* ``fused``: for a scalar loss the cotangent of each row is known up to one
+  scalar factor, so ``dlogits`` are formed in the same sweep as the loss, and
+  the gradients with them: 6 N·D·V FLOPs, like full-logits autodiff.
+
+How a sweep turns ``dlogits`` into gradients is one of three strategies
+(``_per_chunk``, ``_whole_groups_in_place``, ``_group_buffer``), chosen by
+``_gradient_sweep`` from the plan's chunk and group sizes and the logits'
+dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from mst_jax import _matmul
+from mst_jax._planning import dlogits_in_place
+from mst_jax._rows import (
+  Chunk,
+  Differentiated,
+  SweepConfig,
+  chunk_of,
+  compaction,
+  gradient_finish,
+  gradient_init,
+  output_init,
+  stat_dtype,
+  sweep_chunks,
+)
+
+
+def _accumulate(config, grads, group, h, dlogits, weight, *, first=False, local=False):
+  """Adds one group's ``dlogits`` to ``(dhidden, dweight, dbias)``.
+
+  ``first``: the first group's contributions replace the (zero) ``dweight``
+  and ``dbias`` instead of being added to them, which spares a pass of
+  zero-filling and re-reading ``dweight``. ``local``: ``dhidden`` is the
+  enclosing group's rows, not all rows.
+  """
+  dhidden, dweight, dbias = grads
+  layout = config.layout
+  add = (lambda old, new: new) if first else jnp.add
+  if dhidden is not None:
+    dh = _matmul.dhidden_matmul(dlogits, weight, layout, dhidden.dtype)
+    dhidden = group.put(dhidden, dh, local=local)
+  if dweight is not None:
+    dweight = add(dweight, _matmul.dweight_matmul(dlogits, h, layout, dweight.dtype))
+  if dbias is not None:
+    dbias = add(dbias, jnp.sum(dlogits, axis=0, dtype=dbias.dtype))
+  return dhidden, dweight, dbias
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sweep:
+  """One gradient sweep's inputs, shared by the strategies.
+
+  ``chunk_dlogits(outputs, chunk, into) -> (outputs, dlogits)`` gives each
+  chunk's (or group's) ``dlogits`` (with ``into=(buffer, row)``, written into
+  ``buffer`` from ``row`` on, and the buffer returned).
+  """
+
+  order: RowChunks
+  config: SweepConfig
+  hidden: jax.Array
+  weight: jax.Array
+  valid: jax.Array
+  chunk_dlogits: object
+
+  def chunk_update(self, carry, chunk, first=False, local=False):
+    outputs, grads = carry
+    outputs, dlogits = self.chunk_dlogits(outputs, chunk, None)
+    h = chunk.hidden(self.hidden)
+    grads = _accumulate(
+      self.config, grads, chunk, h, dlogits, self.weight, first=first, local=local
+    )
+    return outputs, grads
+
+  def chunk_by_chunk(self, carry, group):
+    return sweep_chunks(
+      self.order.rows_per_chunk, group.valid, self.chunk_update, carry, group=group
+    )
+
+
+def _whole_rows(group: Chunk) -> jax.Array:
+  return jnp.all(group.valid)
+
+
+def _partial_rows(group: Chunk) -> jax.Array:
+  return jnp.any(group.valid) & ~_whole_rows(group)
+
+
+def _per_chunk(sweep: _Sweep, outputs, grads):
+  """Chosen when a group is one chunk: every chunk does its own matmuls.
+
+  Compacted, the first chunk holds a valid row unless none does; it starts
+  ``dweight`` / ``dbias``, so their zeros are never read.
+  """
+  first = None
+  if sweep.order.compact:
+    first = functools.partial(sweep.chunk_update, first=True)
+  return sweep_chunks(
+    sweep.order.rows_per_chunk, sweep.valid, sweep.chunk_update, (outputs, grads),
+    first=first,
+  )
+
+
+def _whole_groups_in_place(sweep: _Sweep, outputs, grads):
+  """Chosen for logits in the compute dtype, groups of several chunks.
+
+  A group whose rows all count forms its logits in one matmul, its
+  ``dlogits`` overwrite them, and the ``dhidden`` and ``dweight`` matmuls run
+  over the whole group (``dweight`` is read and written once per group). A
+  group with excluded rows (with compaction, the one where the valid rows
+  end) goes chunk by chunk, skipping empty chunks. The two kinds run in two
+  loops: a ``lax.cond`` between them inside one loop made XLA copy the
+  carried ``dweight``. Each group's ``dhidden`` rows come back as
+  ``[group, D]`` and are written outside. Compacted, group 0 starts
+  ``dweight`` and ``dbias`` (whole or chunk by chunk, in one ``lax.cond``
+  outside the loops, neither branch taking them as operands).
+  """
+  config, hidden, weight = sweep.config, sweep.hidden, sweep.weight
+  group_size, chunk_size = sweep.order.rows_per_group, sweep.order.rows_per_chunk
+  layout, dh_dtype = config.layout, hidden.dtype
+  specs = [None if g is None else (g.shape, g.dtype) for g in grads[1:]]
+  want_rows = grads[0] is not None
+
+  def whole(outputs, dweight, dbias, group, first):
+    outputs, dlogits = sweep.chunk_dlogits(outputs, group, None)
+    h = group.hidden(hidden)
+    _, dweight, dbias = _accumulate(
+      config, (None, dweight, dbias), group, h, dlogits, weight, first=first
+    )
+    rows = None
+    if want_rows:
+      rows = _matmul.dhidden_matmul(dlogits, weight, layout, dh_dtype)
+    return outputs, rows, dweight, dbias
+
+  def by_chunk(outputs, dweight, dbias, group, first):
+    update = functools.partial(sweep.chunk_update, local=True)
+    rows = jnp.zeros((group.size, hidden.shape[1]), dh_dtype) if want_rows else None
+    outputs, (rows, dweight, dbias) = sweep_chunks(
+      chunk_size,
+      group.valid,
+      update,
+      (outputs, (rows, dweight, dbias)),
+      group=group,
+      first=functools.partial(update, first=True) if first else None,
+    )
+    return outputs, rows, dweight, dbias
+
+  def group_update(part):
+    def run(carry, group):
+      outputs, (dhidden, dweight, dbias) = carry
+      outputs, rows, dweight, dbias = part(outputs, dweight, dbias, group, False)
+      if want_rows:
+        dhidden = group.put(dhidden, rows)
+      return outputs, (dhidden, dweight, dbias)
+
+    return run
+
+  def started(part):  # the zeros made here are never read
+    def run(outputs, group):
+      zeros = (None if s is None else jnp.zeros(*s) for s in specs)
+      return part(outputs, *zeros, group, True)
+
+    return run
+
+  dhidden, dweight, dbias = grads
+  later = lambda group: True
+  if sweep.order.compact:
+    group = chunk_of(group_size, sweep.valid, 0)
+    outputs, rows, dweight, dbias = lax.cond(
+      _whole_rows(group), started(whole), started(by_chunk), outputs, group
+    )
+    if want_rows:
+      dhidden = group.put(dhidden, rows)
+    later = lambda group: group.offset > 0
+  carry = sweep_chunks(
+    group_size,
+    sweep.valid,
+    group_update(whole),
+    (outputs, (dhidden, dweight, dbias)),
+    visit=lambda g: _whole_rows(g) & later(g),
+  )
+  return sweep_chunks(
+    group_size,
+    sweep.valid,
+    group_update(by_chunk),
+    carry,
+    visit=lambda g: _partial_rows(g) & later(g),
+  )
+
+
+def _group_buffer(sweep: _Sweep, outputs, grads):
+  """Chosen for logits wider than the compute dtype (float32 logits of bf16).
+
+  Each chunk's float32 logits become ``dlogits`` in the compute dtype,
+  gathered into one ``[group, V]`` buffer (in place when chunks tile the
+  group exactly); a group whose rows all count then does its ``dhidden`` and
+  ``dweight`` matmuls once. Groups with excluded rows go chunk by chunk. The
+  two kinds run in two loops, as in ``_whole_groups_in_place``.
+  """
+  order, hidden, weight = sweep.order, sweep.hidden, sweep.weight
+  group_size, chunk_size = order.rows_per_group, order.rows_per_chunk
+  into_buffer = group_size % chunk_size == 0
+
+  def whole_group(carry, group):
+    outputs, grads, buffer = carry
+
+    def fill(carry, chunk):
+      outputs, buffer = carry
+      if into_buffer:
+        return sweep.chunk_dlogits(outputs, chunk, (buffer, chunk.offset))
+      outputs, dlogits = sweep.chunk_dlogits(outputs, chunk, None)
+      return outputs, chunk.put(buffer, dlogits, local=True)
+
+    outputs, buffer = sweep_chunks(
+      chunk_size, group.valid, fill, (outputs, buffer), group=group
+    )
+    h = group.hidden(hidden)
+    grads = _accumulate(sweep.config, grads, group, h, buffer, weight)
+    return outputs, grads, buffer
+
+  width = _matmul.vocab_size(weight, sweep.config.layout)  # this shard's
+  buffer = jnp.zeros((group_size, width), hidden.dtype)
+  outputs, grads, _ = sweep_chunks(
+    group_size, sweep.valid, whole_group, (outputs, grads, buffer), visit=_whole_rows
+  )
+  return sweep_chunks(
+    group_size, sweep.valid, sweep.chunk_by_chunk, (outputs, grads),
+    visit=_partial_rows,
+  )
+
+
+def _gradient_sweep(sweep: _Sweep, bias, diff: Differentiated, outputs):
+  """Gradients from ``sweep.chunk_dlogits``, by the strategy that fits the plan.
+
+  Returns:
+    ``(outputs, (dhidden, dweight, dbias))``; a gradient is None where ``diff``
+    says its input is not differentiated.
+  """
+  config, hidden = sweep.config, sweep.hidden
+  grads = gradient_init(config, hidden, sweep.weight, bias, diff)
+  if sweep.order.rows_per_chunk == sweep.order.rows_per_group:
+    strategy = _per_chunk
+  elif dlogits_in_place(config.head.logits_dtype, hidden.dtype):
+    strategy = _whole_groups_in_place
+  else:
+    strategy = _group_buffer
+  outputs, grads = strategy(sweep, outputs, grads)
+  return outputs, gradient_finish(grads, sweep.weight, bias)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowChunks:
+  """The row-chunked loop order (static, hashable).
+
+  Attributes:
+    rows_per_chunk: rows whose logits exist at once (outside whole groups),
+      ``1 <= rows_per_chunk <= rows_per_group``.
+    rows_per_group: rows whose ``dhidden`` and ``dweight`` matmuls run at once
+      when all of them count (``_planning.plan_chunks``), ``<= N``.
+    compact: move valid rows to the front before chunking.
+  """
+
+  rows_per_chunk: int
+  rows_per_group: int
+  compact: bool = True
+
+  def forward(self, config: SweepConfig, hidden, weight, bias, labels, valid):
+    """Per-row ``(loss, lse, correct)``."""
+    gather, scatter, view = compaction(self.compact, valid)
+    hidden, labels, valid = view(hidden), gather(labels), gather(valid)
+
+    def update(outputs, chunk):
+      config.announce("forward", chunk.start)
+      y = chunk.take(labels)
+      stats = config.whole_row_stats(chunk.hidden(hidden), weight, bias, y)
+      rows = config.row_outputs(stats, y, chunk.valid)
+      return tuple(map(chunk.put, outputs, rows))
+
+    init = output_init(hidden.shape[0], stat_dtype(hidden))
+    outputs = sweep_chunks(self.rows_per_chunk, valid, update, init)
+    return tuple(map(scatter, outputs))
+
+  def backward(
+    self, config: SweepConfig, hidden, weight, bias, labels, valid, lse, g_loss,
+    g_lse, diff: Differentiated,
+  ):
+    """``(dhidden, dweight, dbias)`` by recomputing each chunk's logits."""
+    gather, _, view = compaction(self.compact, valid)  # recomputed: cheaper than saved
+    hidden = view(hidden)
+    labels, valid, lse, g_loss, g_lse = map(gather, (labels, valid, lse, g_loss, g_lse))
+    offset = config.columns.offset()
+
+    def chunk_dlogits(outputs, chunk, into):
+      config.announce("backward", chunk.start)
+      y = chunk.take(labels)
+      rows = config.backward_rows(
+        *map(chunk.take, (g_loss, g_lse, lse)), y, chunk.valid
+      )
+      dlogits = config.backend.chunk_backward(
+        chunk.hidden(hidden), weight, bias, y, rows, config.head, hidden.dtype,
+        offset=offset,
+      )
+      if into is not None:
+        buffer, row = into
+        dlogits = lax.dynamic_update_slice_in_dim(buffer, dlogits, row, 0)
+      return outputs, dlogits
+
+    # grad-of-grad recomputes the chunk instead of saving its logits.
+    sweep = _Sweep(self, config, hidden, weight, valid, jax.checkpoint(chunk_dlogits))
+    _, grads = _gradient_sweep(sweep, bias, diff, ())
+    return grads
+
+  def fused(
+    self, config: SweepConfig, hidden, weight, bias, labels, valid, row_scale,
+    diff: Differentiated,
+  ):
+    """``((sum(loss * row_scale), lse, correct), grads)`` in one sweep."""
+    gather, scatter, view = compaction(self.compact, valid)
+    hidden = view(hidden)
+    labels, valid, scale = map(gather, (labels, valid, row_scale))
+
+    def chunk_dlogits(outputs, chunk, into):
+      config.announce("fused", chunk.start)
+      y = chunk.take(labels)
+      g_loss = jnp.where(chunk.valid, chunk.take(scale), 0.0)
+      stats, dlogits = config.backend.chunk_forward_backward(
+        chunk.hidden(hidden), weight, bias, y, chunk.valid, g_loss, config.head,
+        hidden.dtype, columns=config.columns, into=into,
+      )
+      rows = config.row_outputs(stats, y, chunk.valid)
+      return tuple(map(chunk.put, outputs, rows)), dlogits
+
+    sweep = _Sweep(self, config, hidden, weight, valid, chunk_dlogits)
+    init = output_init(hidden.shape[0], stat_dtype(hidden))
+    (loss, lse, correct), grads = _gradient_sweep(sweep, bias, diff, init)
+    outputs = (jnp.sum(loss * scale), scatter(lse), scatter(correct))
+    return outputs, grads

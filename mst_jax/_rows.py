@@ -1,0 +1,296 @@
+"""What both loop orders share: their configuration, chunks of rows, compaction.
+
+* ``SweepConfig``: the static configuration every loop order reads.
+* ``Chunk`` / ``chunk_of`` / ``sweep_chunks``: walking the rows in chunks
+  with ``lax.scan``, skipping chunks without a valid row by ``lax.cond`` on a
+  device-side predicate (no host sync). ``N`` need not be a multiple of the
+  chunk: the last chunk is clamped to end at row ``N`` (it overlaps the
+  previous one) and rows it does not own are excluded and never written.
+* ``compaction``: valid rows stably moved to the front (a device-side
+  ``argsort``), so every chunk past the number of valid rows is entirely
+  excluded and skipped; scattered masks then save as much as prefix masks.
+  ``[N, D]`` arrays are seen through the permutation (``Permuted``), never
+  copied into compacted order.
+* The gradient accumulators: started, and finished in their inputs' dtypes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from mst_jax import _ce_math
+from mst_jax._backends import AllColumns, ChunkBackend, Columns, HeadSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepConfig:
+  """Static configuration shared by the loop orders (hashable).
+
+  Attributes:
+    backend: forms a chunk's logits and their cross-entropy.
+    head: the layout, logits dtype, loss options and whole vocabulary size.
+    dweight_dtype: dtype of the ``dweight`` accumulator (the weight's dtype:
+      accumulated in place in the output, one rounding per group).
+    dbias_dtype: dtype of the ``dbias`` accumulator.
+    columns: the vocabulary columns this device's weight holds
+      (``AllColumns``, or a vocab-parallel shard from the mesh layer).
+    chunk_callback: if set, ``chunk_callback(pass_name, first_row)`` runs on
+      the host (``jax.debug.callback``) for every block of rows whose logits
+      are formed (a chunk, or a whole group when all its rows count) rather
+      than skipped, with ``pass_name`` "forward", "backward" or "fused" and
+      the block's first row (in compacted order). For tests and debugging; it
+      costs a host round trip per block.
+  """
+
+  backend: ChunkBackend
+  head: HeadSpec
+  dweight_dtype: jnp.dtype
+  dbias_dtype: jnp.dtype
+  columns: Columns = AllColumns()
+  chunk_callback: Callable[[str, jax.Array], None] | None = None
+
+  @property
+  def layout(self) -> str:
+    return self.head.weight_layout
+
+  def announce(self, pass_name: str, first_row: jax.Array) -> None:
+    if self.chunk_callback is not None:
+      jax.debug.callback(self.chunk_callback, pass_name, first_row)
+
+  def row_outputs(self, stats, labels, valid):
+    """Per-row ``(loss, lse, correct)`` of a chunk's whole-row statistics."""
+    head = self.head
+    return _ce_math.row_outputs(stats, labels, valid, head.options, head.vocab_size)
+
+  def backward_rows(self, g_loss, g_lse, lse, labels, valid) -> _ce_math.BackwardRows:
+    """Per-row ``dlogits`` coefficients from the cotangents and the lse."""
+    head = self.head
+    return _ce_math.backward_rows(
+      g_loss, g_lse, lse, labels, valid, head.options, head.vocab_size
+    )
+
+  def whole_row_stats(self, hidden, weight, bias, labels) -> _ce_math.RowStats:
+    """A chunk's statistics over the whole vocabulary, combined across shards."""
+    offset = self.columns.offset()
+    stats = self.backend.chunk_forward(
+      hidden, weight, bias, labels, self.head, offset=offset
+    )
+    return self.columns.combine(stats, labels)
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class Differentiated:
+  """Which inputs the caller differentiates; a static leaf of the residuals."""
+
+  hidden: bool
+  weight: bool
+  bias: bool
+
+
+# ---- Compaction: valid rows first. ----
+
+
+class Permuted(NamedTuple):
+  """``array`` seen in the row order ``order`` (``view[i] = array[order[i]]``).
+
+  Chunks gather their rows from it and scatter theirs into it, so the
+  ``[N, D]`` hidden states and their gradient are never copied whole into
+  compacted order and back.
+  """
+
+  array: jax.Array
+  order: jax.Array  # int32 [N], a permutation
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return self.array.shape
+
+  @property
+  def dtype(self) -> jnp.dtype:
+    return self.array.dtype
+
+
+def compaction(compact: bool, valid: jax.Array):
+  """``(gather, scatter, view)``: into compacted row order and back.
+
+  ``gather`` and ``scatter`` copy (for per-row ``[N]`` arrays); ``view`` wraps
+  an ``[N, D]`` array as ``Permuted`` without copying it. Without ``compact``
+  all three are the identity.
+  """
+  if not compact:
+    identity = lambda x: x
+    return identity, identity, identity
+  order = jnp.argsort(jnp.logical_not(valid), stable=True).astype(jnp.int32)
+  gather = lambda x: jnp.take(x, order, axis=0)
+  scatter = lambda x: jnp.zeros_like(x).at[order].set(x, unique_indices=True)
+  return gather, scatter, lambda x: Permuted(x, order)
+
+
+def original_order(x: jax.Array | Permuted) -> jax.Array:
+  """The array of a (possibly ``Permuted``) buffer, in the original row order."""
+  return x.array if isinstance(x, Permuted) else x
+
+
+# ---- Chunks and groups. ----
+
+
+class Chunk(NamedTuple):
+  """A run of consecutive rows: a chunk, or a group of chunks.
+
+  Attributes:
+    start: its first row (global).
+    offset: its first row within its group (its start, for a group).
+    owned: bool ``[size]``: rows no earlier sibling or enclosing group covered.
+    local_owned: bool ``[size]``: rows no earlier sibling in the group covered.
+    valid: bool ``[size]``: owned rows that count.
+  """
+
+  start: jax.Array
+  offset: jax.Array
+  owned: jax.Array
+  local_owned: jax.Array
+  valid: jax.Array
+
+  @property
+  def size(self) -> int:
+    return self.owned.shape[0]
+
+  def take(self, x: jax.Array | Permuted) -> jax.Array:
+    if isinstance(x, Permuted):
+      return jnp.take(x.array, self.take(x.order), axis=0)
+    return lax.dynamic_slice_in_dim(x, self.start, self.size, axis=0)
+
+  def put(self, buffer, rows: jax.Array, *, local: bool = False):
+    """Writes ``rows`` into a global (or, ``local``, a group's) buffer.
+
+    Rows the chunk does not own keep the buffer's value.
+    """
+    owned, start = (
+      (self.local_owned, self.offset) if local else (self.owned, self.start)
+    )
+    mask = owned.reshape(owned.shape + (1,) * (rows.ndim - 1))
+    if isinstance(buffer, Permuted):  # the chunk's rows are distinct: in place
+      if local:
+        raise ValueError("a Permuted buffer holds all rows, not a group's")
+      index = self.take(buffer.order)
+      new = jnp.where(mask, rows, jnp.take(buffer.array, index, axis=0))
+      return buffer._replace(array=buffer.array.at[index].set(new, unique_indices=True))
+    old = lax.dynamic_slice_in_dim(buffer, start, self.size, axis=0)
+    return lax.dynamic_update_slice_in_dim(buffer, jnp.where(mask, rows, old), start, 0)
+
+  def hidden(self, hidden: jax.Array | Permuted) -> jax.Array:
+    """The chunk's hidden rows, excluded rows zeroed: they never leak."""
+    h = self.take(hidden)
+    return jnp.where(self.valid[:, None], h, jnp.zeros_like(h))
+
+
+def chunk_of(
+  size: int, valid: jax.Array, index: jax.Array, group: Chunk | None = None
+) -> Chunk:
+  """Chunk ``index`` of ``size`` rows of ``valid`` (all rows, or ``group``'s).
+
+  The last chunk is clamped to end at the last row and owns only the rows the
+  previous chunk did not cover.
+  """
+  n_rows = valid.shape[0]
+  offset = jnp.minimum(index * size, n_rows - size)
+  local_owned = offset + jnp.arange(size) >= index * size
+  owned, start = local_owned, offset
+  if group is not None:
+    owned = local_owned & lax.dynamic_slice_in_dim(group.owned, offset, size)
+    start = group.start + offset
+  chunk_valid = lax.dynamic_slice_in_dim(valid, offset, size) & local_owned
+  return Chunk(start, offset, owned, local_owned, chunk_valid)
+
+
+Update = Callable[[Any, Chunk], Any]
+
+
+def sweep_chunks(
+  size: int,
+  valid: jax.Array,
+  update: Update,
+  carry,
+  *,
+  group: Chunk | None = None,
+  first: Update | None = None,
+  visit: Callable[[Chunk], jax.Array] | None = None,
+):
+  """``carry = update(carry, chunk)`` for every chunk of ``size`` rows to visit.
+
+  Walks the rows of ``valid`` (all rows, or those of ``group``) in chunks
+  (``chunk_of``). A chunk without a valid row (or, with ``visit``, one where
+  ``visit(chunk)`` is false) is skipped by ``lax.cond`` on a device-side
+  predicate (the carry passes through). With ``first``, chunk 0 runs
+  ``first(carry, chunk)`` instead, always (it may start accumulators rather
+  than add to zeros).
+  """
+  visit = visit or (lambda chunk: jnp.any(chunk.valid))
+  chunk_at = lambda index: chunk_of(size, valid, index, group)
+  skipped = lambda carry, chunk: carry
+
+  def body(carry, index):
+    chunk = chunk_at(index)
+    return lax.cond(visit(chunk), update, skipped, carry, chunk), None
+
+  indices = jnp.arange(-(-valid.shape[0] // size))
+  if first is not None:
+    carry = first(carry, chunk_at(0))
+    indices = indices[1:]
+  carry, _ = lax.scan(body, carry, indices)
+  return carry
+
+
+# ---- Outputs and gradient accumulators. ----
+
+
+def output_init(n_rows: int, dtype: jnp.dtype):
+  """Per-row ``(loss, lse, correct)`` buffers; excluded rows stay zero."""
+  return (
+    jnp.zeros((n_rows,), dtype),
+    jnp.zeros((n_rows,), dtype),
+    jnp.zeros((n_rows,), bool),
+  )
+
+
+def stat_dtype(hidden) -> jnp.dtype:
+  """The per-row statistics' dtype: float32, or float64 for float64 inputs."""
+  return jnp.promote_types(hidden.dtype, jnp.float32)
+
+
+def _zeros_if(flag: bool, shape, dtype):
+  return jnp.zeros(shape, dtype) if flag else None
+
+
+def gradient_init(config: SweepConfig, hidden, weight, bias, diff: Differentiated):
+  """Zero ``(dhidden, dweight, dbias)`` accumulators (None: not differentiated).
+
+  ``dhidden`` is ``Permuted`` like ``hidden``.
+  """
+  dhidden = _zeros_if(diff.hidden, hidden.shape, hidden.dtype)
+  if dhidden is not None and isinstance(hidden, Permuted):
+    dhidden = hidden._replace(array=dhidden)
+  return (
+    dhidden,
+    _zeros_if(diff.weight, weight.shape, config.dweight_dtype),
+    _zeros_if(diff.bias, bias.shape if diff.bias else None, config.dbias_dtype),
+  )
+
+
+def gradient_finish(grads, weight, bias):
+  """The accumulators in their inputs' dtypes (and ``dhidden`` in row order)."""
+  dhidden, dweight, dbias = grads
+  if dhidden is not None:
+    dhidden = original_order(dhidden)
+  if dweight is not None:
+    dweight = dweight.astype(weight.dtype)
+  if dbias is not None:
+    dbias = dbias.astype(bias.dtype)
+  return dhidden, dweight, dbias

@@ -1,0 +1,228 @@
+"""The low-memory loop order: vocabulary blocks inside row chunks.
+
+``linear_cross_entropy(..., vocab_block_size=B)`` walks each chunk of rows
+through the vocabulary in blocks of ``B`` columns, twice:
+
+1. **Statistics.** Each block's ``[rows, B]`` float32 logits are reduced by
+   the backend and merged into the running row statistics
+   (``ce_math.combine_stats``: an online max / sum-exp, the target logit from
+   the block that holds the label, the mean, the first argmax).
+2. **Gradients.** Each block's logits are formed again; the backend turns
+   them into ``dlogits`` (the lse is known now); the block's rows of
+   ``dweight`` get ``dlogits^T @ hidden`` and the chunk's ``dhidden``
+   accumulates ``dlogits @ weight_block`` in float32.
+
+Nothing of size ``[rows, V]`` exists: the temporaries are one block's logits
+and ``dlogits`` and a ``[rows, D]`` float32 ``dhidden`` accumulator, so memory
+does not grow with ``V``. The price: the logits are formed twice (8 N·D·V
+FLOPs against the fused row-chunked path's 6), and ``dweight`` is read and
+written once per row chunk (in place, block by block). The forward runs pass
+1; the backward (or, for a scalar loss, the forward itself) runs both.
+
+Row chunks without a valid row are skipped (``lax.cond``). Rows are not
+compacted (the row-chunked order's compaction gathers rows without copying
+``hidden``, so this order could adopt it). ``dweight`` accumulates in the
+weight's dtype by default, whatever the number of row chunks: a float32
+``[V, D]`` accumulator would be the largest buffer of a mode meant to be
+small.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from mst_jax import _ce_math, _matmul
+from mst_jax._backends.base import relative_labels
+from mst_jax._rows import (
+  Chunk,
+  Differentiated,
+  SweepConfig,
+  gradient_finish,
+  gradient_init,
+  output_init,
+  stat_dtype,
+  sweep_chunks,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabBlocks:
+  """The vocabulary-blocked loop order (static, hashable).
+
+  Attributes:
+    rows_per_chunk: rows per chunk (``_planning.plan_vocab_blocked_rows``).
+    block: vocabulary columns per block; the last block of a weight whose
+      width is not a multiple is narrower.
+  """
+
+  rows_per_chunk: int
+  block: int
+
+  def _widths(self, config: SweepConfig, weight) -> tuple[int, int]:
+    """``(columns, block)``: this device's vocabulary and its block width."""
+    vocab = _matmul.vocab_size(weight, config.layout)
+    return vocab, min(self.block, vocab)
+
+  def _over_blocks(self, config, weight, step, carry, *, skip_first=False):
+    """``carry = step(carry, start, size)`` for each vocabulary block in order.
+
+    Full blocks run in a ``lax.scan``; a remainder of ``V mod B`` columns runs
+    once more at its own (static) width. ``skip_first`` leaves out block 0.
+    """
+    vocab, block = self._widths(config, weight)
+    n_full, tail = divmod(vocab, block)
+    starts = jnp.arange(int(skip_first), n_full, dtype=jnp.int32) * block
+    carry, _ = lax.scan(lambda c, start: (step(c, start, block), None), carry, starts)
+    if tail:
+      carry = step(carry, jnp.int32(vocab - tail), tail)
+    return carry
+
+  def _row_stats(self, config, h, weight, bias, labels) -> _ce_math.RowStats:
+    """Whole-row statistics of ``h``'s logits, merged block by block.
+
+    On a vocab-parallel shard the blocks of this shard are merged first and
+    the shards combined once, so the collectives run once per row chunk, not
+    once per block.
+    """
+    shard_start = config.columns.offset()
+    local = relative_labels(labels, shard_start)
+    stacked = lambda reduce: functools.partial(reduce, axis=0)
+    merge = functools.partial(
+      _ce_math.combine_stats,
+      vocab_size=config.head.vocab_size,
+      reduce_max=stacked(jnp.max),
+      reduce_sum=stacked(jnp.sum),
+      reduce_min=stacked(jnp.min),
+    )
+
+    def block_stats(start, size):
+      w, b = _block(config, weight, bias, start, size)
+      stats = config.backend.chunk_forward(h, w, b, local, config.head, offset=start)
+      return stats, (local >= start) & (local < start + size)
+
+    def step(carry, start, size):
+      running, covered = carry
+      stats, here = block_stats(start, size)
+      parts = jax.tree.map(lambda a, b: jnp.stack([a, b]), running, stats)
+      merged = merge(
+        parts,
+        jnp.stack([jnp.ones_like(here), here]),  # running: target already placed
+        jnp.stack([jnp.int32(0), start])[:, None],  # running: argmax already global
+        jnp.stack([covered, jnp.asarray(size, covered.dtype)])[:, None],
+      )
+      return merged, covered + size
+
+    _, first_size = self._widths(config, weight)
+    first, here = block_stats(jnp.int32(0), first_size)
+    one = lambda x: x[None]
+    running = merge(
+      jax.tree.map(one, first),
+      one(here),
+      jnp.zeros((1, 1), jnp.int32),
+      jnp.ones((1, 1), first.mean_logit.dtype),
+    )
+    covered = jnp.asarray(first_size, first.mean_logit.dtype)
+    running, _ = self._over_blocks(
+      config, weight, step, (running, covered), skip_first=True
+    )
+    return config.columns.combine(running, labels)
+
+  def _chunk_gradients(self, config, grads, chunk: Chunk, hidden, weight, bias, y, rows):
+    """Adds one row chunk's contribution to ``(dhidden, dweight, dbias)``."""
+    dhidden, dweight, dbias = grads
+    h = chunk.hidden(hidden)
+    layout, axis = config.layout, _matmul.vocab_axis(config.layout)
+    acc = stat_dtype(hidden)
+    local = relative_labels(y, config.columns.offset())
+
+    def add_block(total, part, start, axis):
+      old = lax.dynamic_slice_in_dim(total, start, part.shape[axis], axis=axis)
+      return lax.dynamic_update_slice_in_dim(total, old + part, start, axis)
+
+    def step(carry, start, size):
+      dh, dw, db = carry
+      w, b = _block(config, weight, bias, start, size)
+      dlogits = config.backend.chunk_backward(
+        h, w, b, local, rows, config.head, hidden.dtype, offset=start
+      )
+      if dh is not None:
+        dh = dh + _matmul.dhidden_matmul(dlogits, w, layout, acc)
+      if dw is not None:
+        dweight_block = _matmul.dweight_matmul(dlogits, h, layout, dw.dtype)
+        dw = add_block(dw, dweight_block, start, axis)
+      if db is not None:
+        db = add_block(db, jnp.sum(dlogits, axis=0, dtype=db.dtype), start, 0)
+      return dh, dw, db
+
+    dh = None if dhidden is None else jnp.zeros(h.shape, acc)
+    dh, dweight, dbias = self._over_blocks(config, weight, step, (dh, dweight, dbias))
+    if dhidden is not None:
+      dhidden = chunk.put(dhidden, dh.astype(dhidden.dtype))
+    return dhidden, dweight, dbias
+
+  def forward(self, config: SweepConfig, hidden, weight, bias, labels, valid):
+    """Per-row ``(loss, lse, correct)``."""
+
+    def update(outputs, chunk):
+      config.announce("forward", chunk.start)
+      y = chunk.take(labels)
+      stats = self._row_stats(config, chunk.hidden(hidden), weight, bias, y)
+      return tuple(map(chunk.put, outputs, config.row_outputs(stats, y, chunk.valid)))
+
+    init = output_init(hidden.shape[0], stat_dtype(hidden))
+    return sweep_chunks(self.rows_per_chunk, valid, update, init)
+
+  def backward(
+    self, config: SweepConfig, hidden, weight, bias, labels, valid, lse, g_loss,
+    g_lse, diff: Differentiated,
+  ):
+    """``(dhidden, dweight, dbias)`` from saved lse and the row cotangents."""
+
+    def update(grads, chunk):
+      config.announce("backward", chunk.start)
+      y = chunk.take(labels)
+      rows = config.backward_rows(*map(chunk.take, (g_loss, g_lse, lse)), y, chunk.valid)
+      return self._chunk_gradients(config, grads, chunk, hidden, weight, bias, y, rows)
+
+    grads = gradient_init(config, hidden, weight, bias, diff)
+    grads = sweep_chunks(self.rows_per_chunk, valid, update, grads)
+    return gradient_finish(grads, weight, bias)
+
+  def fused(
+    self, config: SweepConfig, hidden, weight, bias, labels, valid, row_scale,
+    diff: Differentiated,
+  ):
+    """``((sum(loss * row_scale), lse, correct), grads)``, chunk by chunk."""
+
+    def update(carry, chunk):
+      outputs, grads = carry
+      config.announce("fused", chunk.start)
+      y = chunk.take(labels)
+      stats = self._row_stats(config, chunk.hidden(hidden), weight, bias, y)
+      out = config.row_outputs(stats, y, chunk.valid)
+      g_loss = jnp.where(chunk.valid, chunk.take(row_scale), 0.0)
+      rows = config.backward_rows(
+        g_loss, jnp.zeros_like(g_loss), stats.lse, y, chunk.valid
+      )
+      grads = self._chunk_gradients(config, grads, chunk, hidden, weight, bias, y, rows)
+      return tuple(map(chunk.put, outputs, out)), grads
+
+    init = (
+      output_init(hidden.shape[0], stat_dtype(hidden)),
+      gradient_init(config, hidden, weight, bias, diff),
+    )
+    (loss, lse, correct), grads = sweep_chunks(self.rows_per_chunk, valid, update, init)
+    outputs = (jnp.sum(loss * row_scale), lse, correct)
+    return outputs, gradient_finish(grads, weight, bias)
+
+
+def _block(config: SweepConfig, weight, bias, start, size):
+  """The weight's (and bias's) columns ``[start, start + size)``."""
+  w = _matmul.weight_columns(weight, start, size, config.layout)
+  b = None if bias is None else lax.dynamic_slice_in_dim(bias, start, size)
+  return w, b
