@@ -194,8 +194,13 @@ def linear_cross_entropy(
     if layout is not None and n_rows:
       raise ValueError("impl='reference' forms the full logits; it takes no mesh.")
     outputs = _full_logits.row_losses(
-      rows.hidden, rows.weight, rows.bias, rows.labels, rows.valid,
-      options=options.ce, weight_layout=weight_layout,
+      rows.hidden,
+      rows.weight,
+      rows.bias,
+      rows.labels,
+      rows.valid,
+      options=options.ce,
+      weight_layout=weight_layout,
     )
   else:
     plan, fused = resolve(rows, options, perf, weight_layout, layout)
@@ -233,7 +238,9 @@ def resolve(
       config = dataclasses.replace(config, columns=shard)
     order = _mesh.Sharded(order, layout)
   # The gradient in the forward pass for a scalar loss, recompute per token.
-  grad_mode = perf.grad_mode or ("recompute" if options.reduction == "none" else "fused")
+  grad_mode = perf.grad_mode or (
+    "recompute" if options.reduction == "none" else "fused"
+  )
   return Plan(config, order), grad_mode == "fused"
 
 
@@ -266,7 +273,10 @@ def _loop_order(rows: Rows, perf: PerfOptions, logits_dtype, layout):
     block = perf.vocab_block_size
     # A row's cost does not depend on V: the default budget is not divided.
     chunk = chunk or _planning.plan_vocab_blocked_rows(
-      n_rows, rows.hidden.shape[1], min(block, vocab), dtype,
+      n_rows,
+      rows.hidden.shape[1],
+      min(block, vocab),
+      dtype,
       memory_budget=budget or DEFAULT_MEMORY_BUDGET,
     )
     # dweight stays in place: a float32 [V, D] buffer would be this order's largest.
@@ -274,7 +284,9 @@ def _loop_order(rows: Rows, perf: PerfOptions, logits_dtype, layout):
   group = chunk
   if chunk is None:
     chunk, group = _planning.plan_chunks(
-      n_rows, vocab, dtype,
+      n_rows,
+      vocab,
+      dtype,
       # The default budget is the whole head's: vocab shards split it, so each
       # device plans the row chunks one device would use.
       memory_budget=budget or DEFAULT_MEMORY_BUDGET // vocab_devices,

@@ -51,7 +51,7 @@ class CEOptions:
   z_loss: float = 0.0
   logit_softcap: float | None = None
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     eps, zl, cap = self.label_smoothing, self.z_loss, self.logit_softcap
     if not (math.isfinite(eps) and 0.0 <= eps <= 1.0):
       raise ValueError(f"label_smoothing must be in [0, 1], got {eps!r}.")

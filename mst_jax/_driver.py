@@ -22,24 +22,46 @@ from typing import NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 
-from mst_jax._rows import Differentiated, SweepConfig
+from mst_jax._rows import Differentiated, Grads, SweepConfig
 
 
 class LoopOrder(Protocol):
   """How the rows (and columns) are walked: ``RowChunks``, ``VocabBlocks``,
   or either of them mapped over a mesh (``mst_jax._mesh``)."""
 
-  def forward(self, config, hidden, weight, bias, labels, valid):
+  def forward(
+    self, config: SweepConfig, hidden, weight, bias, labels, valid
+  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per-row ``(loss, lse, correct)``."""
     ...
 
   def backward(
-    self, config, hidden, weight, bias, labels, valid, lse, g_loss, g_lse, diff
-  ):
+    self,
+    config: SweepConfig,
+    hidden,
+    weight,
+    bias,
+    labels,
+    valid,
+    lse,
+    g_loss,
+    g_lse,
+    diff: Differentiated,
+  ) -> Grads:
     """``(dhidden, dweight, dbias)`` of ``sum(loss * g_loss + lse * g_lse)``."""
     ...
 
-  def fused(self, config, hidden, weight, bias, labels, valid, row_scale, diff):
+  def fused(
+    self,
+    config: SweepConfig,
+    hidden,
+    weight,
+    bias,
+    labels,
+    valid,
+    row_scale,
+    diff: Differentiated,
+  ) -> tuple[tuple[jax.Array, jax.Array, jax.Array], Grads]:
     """``((sum(loss * row_scale), lse, correct), (dhidden, dweight, dbias))``."""
     ...
 
@@ -60,7 +82,7 @@ def _differentiated(hidden, weight, bias) -> Differentiated:
   )
 
 
-def _unwrap(*primals):
+def _unwrap(*primals) -> tuple:
   return tuple(None if p is None else p.value for p in primals)
 
 
@@ -92,14 +114,14 @@ def row_losses(plan: Plan, hidden, weight, bias, labels, valid):
   return plan.order.forward(plan.config, hidden, weight, bias, labels, valid)
 
 
-def _row_losses_fwd(plan, hidden, weight, bias, labels, valid):
+def _row_losses_fwd(plan: Plan, hidden, weight, bias, labels, valid):
   diff = _differentiated(hidden, weight, bias)
   hidden, weight, bias, labels, valid = _unwrap(hidden, weight, bias, labels, valid)
   outputs = plan.order.forward(plan.config, hidden, weight, bias, labels, valid)
   return outputs, (hidden, weight, bias, labels, valid, outputs[1], diff)
 
 
-def _row_losses_bwd(plan, residuals, cotangents):
+def _row_losses_bwd(plan: Plan, residuals: tuple, cotangents: tuple) -> tuple:
   hidden, weight, bias, labels, valid, lse, diff = residuals
   g_loss = _instantiate(cotangents[0], lse)
   g_lse = _instantiate(cotangents[1], lse)
@@ -135,13 +157,13 @@ def reduced_loss(plan: Plan, hidden, weight, bias, labels, valid, row_scale):
   return jnp.sum(loss * row_scale), lse, correct
 
 
-def _reduced_loss_fwd(plan, hidden, weight, bias, labels, valid, row_scale):
+def _reduced_loss_fwd(plan: Plan, hidden, weight, bias, labels, valid, row_scale):
   diff = _differentiated(hidden, weight, bias)
   args = _unwrap(hidden, weight, bias, labels, valid, row_scale)
   return plan.order.fused(plan.config, *args, diff)
 
 
-def _reduced_loss_bwd(plan, residuals, cotangents):
+def _reduced_loss_bwd(plan: Plan, residuals: Grads, cotangents: tuple) -> tuple:
   del plan
   g_loss, g_lse, _ = cotangents
   if not isinstance(g_lse, jax.custom_derivatives.SymbolicZero):

@@ -58,7 +58,7 @@ class Rows(NamedTuple):
   vocab_size: int
 
 
-def _check_float(name, x):
+def _check_float(name: str, x: jax.Array) -> None:
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"{name} must have a floating dtype, got {x.dtype}.")
 
@@ -119,7 +119,9 @@ def prepare(
   valid = labels != ignore_index
   if where is not None:
     valid = valid & where
-  if options.shift:  # Position t predicts label t + 1; the last position predicts nothing.
+  if (
+    options.shift
+  ):  # Position t predicts label t + 1; the last position predicts nothing.
     labels = jnp.concatenate(
       [labels[..., 1:], jnp.full_like(labels[..., :1], ignore_index)], axis=-1
     )

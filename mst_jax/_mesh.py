@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from mst_jax import _ce_math
 from mst_jax._driver import LoopOrder
-from mst_jax._rows import Differentiated
+from mst_jax._rows import Differentiated, Grads, SweepConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +114,7 @@ class Layout:
   def sum_over(self, x, axis: str | None):
     return x if x is None or axis is None else lax.psum(x, axis)
 
-  def reduce_grads(self, grads):
+  def reduce_grads(self, grads: Grads) -> Grads:
     """Per-device gradients to whole ones: ``dhidden`` summed over the
     vocabulary shards, ``dweight`` and ``dbias`` over the row shards."""
     dhidden, dweight, dbias = grads
@@ -123,14 +124,22 @@ class Layout:
       self.sum_over(dbias, self.batch_axis),
     )
 
-  def grad_specs(self, diff: Differentiated):
+  def grad_specs(self, diff: Differentiated) -> tuple[P | None, P | None, P | None]:
     return (
       self.hidden if diff.hidden else None,
       self.weight if diff.weight else None,
       self.bias if diff.bias else None,
     )
 
-  def per_device(self, fn, hidden, weight, bias, rows, out_specs):
+  def per_device(
+    self,
+    fn: Callable,
+    hidden: jax.Array,
+    weight: jax.Array,
+    bias: jax.Array | None,
+    rows: tuple[jax.Array, ...],
+    out_specs,
+  ):
     """``fn(hidden, weight, bias, *rows)`` on each device's shards.
 
     ``rows`` are ``[N]`` arrays split like the rows; a None ``bias`` is not
@@ -165,25 +174,53 @@ class Sharded:
   inner: LoopOrder
   layout: Layout
 
-  def forward(self, config, hidden, weight, bias, labels, valid):
+  def forward(self, config: SweepConfig, hidden, weight, bias, labels, valid):
     rows = self.layout.rows
     return self.layout.per_device(
       functools.partial(self.inner.forward, config),
-      hidden, weight, bias, (labels, valid), (rows, rows, rows),
+      hidden,
+      weight,
+      bias,
+      (labels, valid),
+      (rows, rows, rows),
     )
 
   def backward(
-    self, config, hidden, weight, bias, labels, valid, lse, g_loss, g_lse, diff
-  ):
+    self,
+    config: SweepConfig,
+    hidden,
+    weight,
+    bias,
+    labels,
+    valid,
+    lse,
+    g_loss,
+    g_lse,
+    diff: Differentiated,
+  ) -> Grads:
     def body(h, w, b, *rows):
       return self.layout.reduce_grads(self.inner.backward(config, h, w, b, *rows, diff))
 
     return self.layout.per_device(
-      body, hidden, weight, bias, (labels, valid, lse, g_loss, g_lse),
+      body,
+      hidden,
+      weight,
+      bias,
+      (labels, valid, lse, g_loss, g_lse),
       self.layout.grad_specs(diff),
     )
 
-  def fused(self, config, hidden, weight, bias, labels, valid, row_scale, diff):
+  def fused(
+    self,
+    config: SweepConfig,
+    hidden,
+    weight,
+    bias,
+    labels,
+    valid,
+    row_scale,
+    diff: Differentiated,
+  ):
     layout = self.layout
 
     def body(h, w, b, *rows):
@@ -193,14 +230,22 @@ class Sharded:
 
     rows = layout.rows
     return layout.per_device(
-      body, hidden, weight, bias, (labels, valid, row_scale),
+      body,
+      hidden,
+      weight,
+      bias,
+      (labels, valid, row_scale),
       ((P(), rows, rows), layout.grad_specs(diff)),
     )
 
 
 def layout_for(
-  mesh, batch_axis: str | None, vocab_axis: str | None, weight_layout: str,
-  n_rows: int, vocab_size: int,
+  mesh,
+  batch_axis: str | None,
+  vocab_axis: str | None,
+  weight_layout: str,
+  n_rows: int,
+  vocab_size: int,
 ) -> Layout | None:
   """The ``Layout`` for a mesh (None without one), after checks."""
   if mesh is None:

@@ -85,7 +85,7 @@ class LossOptions:
   logit_softcap: float | None = None
   shift: bool = False
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     check_choice("reduction", self.reduction, REDUCTIONS)
     _replace_field(self, "ignore_index", check_int("ignore_index", self.ignore_index))
     if not isinstance(self.shift, bool):
@@ -119,7 +119,7 @@ class PerfOptions:
   logits_dtype: jax.typing.DTypeLike | None = None
   grad_mode: str | None = None
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     check_choice("impl", self.impl, IMPLEMENTATIONS)
     for name in ("chunk_size", "memory_budget", "vocab_block_size"):
       if getattr(self, name) is not None:
@@ -131,7 +131,9 @@ class PerfOptions:
     check_choice("grad_mode", self.grad_mode, GRAD_MODES)
     chunked_only = [f.name for f in dataclasses.fields(PerfOptions)]
     chunked_only.remove("impl")
-    if self.impl == "reference" and any(getattr(self, n) is not None for n in chunked_only):
+    if self.impl == "reference" and any(
+      getattr(self, n) is not None for n in chunked_only
+    ):
       raise ValueError(
         f"{', '.join(chunked_only[:-1])} and {chunked_only[-1]} apply to the"
         " chunked implementations, not impl='reference' (which forms the full"
@@ -169,7 +171,7 @@ class HeadLossOptions(LossOptions, PerfOptions):
   at its first call.
   """
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     from_arguments(dataclasses.asdict(self))
 
 

@@ -33,6 +33,7 @@ from mst_jax._planning import dlogits_in_place
 from mst_jax._rows import (
   Chunk,
   Differentiated,
+  Grads,
   SweepConfig,
   chunk_of,
   compaction,
@@ -44,7 +45,17 @@ from mst_jax._rows import (
 )
 
 
-def _accumulate(config, grads, group, h, dlogits, weight, *, first=False, local=False):
+def _accumulate(
+  config: SweepConfig,
+  grads: Grads,
+  group: Chunk,
+  h: jax.Array,
+  dlogits: jax.Array,
+  weight: jax.Array,
+  *,
+  first: bool = False,
+  local: bool = False,
+) -> Grads:
   """Adds one group's ``dlogits`` to ``(dhidden, dweight, dbias)``.
 
   ``first``: the first group's contributions replace the (zero) ``dweight``
@@ -81,7 +92,7 @@ class _Sweep:
   valid: jax.Array
   chunk_dlogits: object
 
-  def chunk_update(self, carry, chunk, first=False, local=False):
+  def chunk_update(self, carry, chunk: Chunk, first: bool = False, local: bool = False):
     outputs, grads = carry
     outputs, dlogits = self.chunk_dlogits(outputs, chunk, None)
     h = chunk.hidden(self.hidden)
@@ -90,7 +101,7 @@ class _Sweep:
     )
     return outputs, grads
 
-  def chunk_by_chunk(self, carry, group):
+  def chunk_by_chunk(self, carry, group: Chunk):
     return sweep_chunks(
       self.order.rows_per_chunk, group.valid, self.chunk_update, carry, group=group
     )
@@ -114,7 +125,10 @@ def _per_chunk(sweep: _Sweep, outputs, grads):
   if sweep.order.compact:
     first = functools.partial(sweep.chunk_update, first=True)
   return sweep_chunks(
-    sweep.order.rows_per_chunk, sweep.valid, sweep.chunk_update, (outputs, grads),
+    sweep.order.rows_per_chunk,
+    sweep.valid,
+    sweep.chunk_update,
+    (outputs, grads),
     first=first,
   )
 
@@ -242,7 +256,10 @@ def _group_buffer(sweep: _Sweep, outputs, grads):
     group_size, sweep.valid, whole_group, (outputs, grads, buffer), visit=_whole_rows
   )
   return sweep_chunks(
-    group_size, sweep.valid, sweep.chunk_by_chunk, (outputs, grads),
+    group_size,
+    sweep.valid,
+    sweep.chunk_by_chunk,
+    (outputs, grads),
     visit=_partial_rows,
   )
 
@@ -299,8 +316,17 @@ class RowChunks:
     return tuple(map(scatter, outputs))
 
   def backward(
-    self, config: SweepConfig, hidden, weight, bias, labels, valid, lse, g_loss,
-    g_lse, diff: Differentiated,
+    self,
+    config: SweepConfig,
+    hidden,
+    weight,
+    bias,
+    labels,
+    valid,
+    lse,
+    g_loss,
+    g_lse,
+    diff: Differentiated,
   ):
     """``(dhidden, dweight, dbias)`` by recomputing each chunk's logits."""
     gather, _, view = compaction(self.compact, valid)  # recomputed: cheaper than saved
@@ -315,7 +341,13 @@ class RowChunks:
         *map(chunk.take, (g_loss, g_lse, lse)), y, chunk.valid
       )
       dlogits = config.backend.chunk_backward(
-        chunk.hidden(hidden), weight, bias, y, rows, config.head, hidden.dtype,
+        chunk.hidden(hidden),
+        weight,
+        bias,
+        y,
+        rows,
+        config.head,
+        hidden.dtype,
         offset=offset,
       )
       if into is not None:
@@ -329,7 +361,14 @@ class RowChunks:
     return grads
 
   def fused(
-    self, config: SweepConfig, hidden, weight, bias, labels, valid, row_scale,
+    self,
+    config: SweepConfig,
+    hidden,
+    weight,
+    bias,
+    labels,
+    valid,
+    row_scale,
     diff: Differentiated,
   ):
     """``((sum(loss * row_scale), lse, correct), grads)`` in one sweep."""
@@ -342,8 +381,16 @@ class RowChunks:
       y = chunk.take(labels)
       g_loss = jnp.where(chunk.valid, chunk.take(scale), 0.0)
       stats, dlogits = config.backend.chunk_forward_backward(
-        chunk.hidden(hidden), weight, bias, y, chunk.valid, g_loss, config.head,
-        hidden.dtype, columns=config.columns, into=into,
+        chunk.hidden(hidden),
+        weight,
+        bias,
+        y,
+        chunk.valid,
+        g_loss,
+        config.head,
+        hidden.dtype,
+        columns=config.columns,
+        into=into,
       )
       rows = config.row_outputs(stats, y, chunk.valid)
       return tuple(map(chunk.put, outputs, rows)), dlogits

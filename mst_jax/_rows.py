@@ -63,7 +63,9 @@ class SweepConfig:
     if self.chunk_callback is not None:
       jax.debug.callback(self.chunk_callback, pass_name, first_row)
 
-  def row_outputs(self, stats, labels, valid):
+  def row_outputs(
+    self, stats: _ce_math.RowStats, labels: jax.Array, valid: jax.Array
+  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per-row ``(loss, lse, correct)`` of a chunk's whole-row statistics."""
     head = self.head
     return _ce_math.row_outputs(stats, labels, valid, head.options, head.vocab_size)
@@ -211,6 +213,8 @@ def chunk_of(
 
 
 Update = Callable[[Any, Chunk], Any]
+# (dhidden, dweight, dbias); None where an input is not differentiated.
+Grads = tuple[Any, jax.Array | None, jax.Array | None]
 
 
 def sweep_chunks(
@@ -269,7 +273,9 @@ def _zeros_if(flag: bool, shape, dtype):
   return jnp.zeros(shape, dtype) if flag else None
 
 
-def gradient_init(config: SweepConfig, hidden, weight, bias, diff: Differentiated):
+def gradient_init(
+  config: SweepConfig, hidden, weight: jax.Array, bias, diff: Differentiated
+) -> Grads:
   """Zero ``(dhidden, dweight, dbias)`` accumulators (None: not differentiated).
 
   ``dhidden`` is ``Permuted`` like ``hidden``.
@@ -284,7 +290,7 @@ def gradient_init(config: SweepConfig, hidden, weight, bias, diff: Differentiate
   )
 
 
-def gradient_finish(grads, weight, bias):
+def gradient_finish(grads: Grads, weight: jax.Array, bias: jax.Array | None) -> Grads:
   """The accumulators in their inputs' dtypes (and ``dhidden`` in row order)."""
   dhidden, dweight, dbias = grads
   if dhidden is not None:

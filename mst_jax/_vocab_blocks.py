@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -68,7 +69,15 @@ class VocabBlocks:
     vocab = _matmul.vocab_size(weight, config.layout)
     return vocab, min(self.block, vocab)
 
-  def _over_blocks(self, config, weight, step, carry, *, skip_first=False):
+  def _over_blocks(
+    self,
+    config: SweepConfig,
+    weight: jax.Array,
+    step: Callable,
+    carry,
+    *,
+    skip_first: bool = False,
+  ):
     """``carry = step(carry, start, size)`` for each vocabulary block in order.
 
     Full blocks run in a ``lax.scan``; a remainder of ``V mod B`` columns runs
@@ -132,7 +141,9 @@ class VocabBlocks:
     )
     return config.columns.combine(running, labels)
 
-  def _chunk_gradients(self, config, grads, chunk: Chunk, hidden, weight, bias, y, rows):
+  def _chunk_gradients(
+    self, config, grads, chunk: Chunk, hidden, weight, bias, y, rows
+  ):
     """Adds one row chunk's contribution to ``(dhidden, dweight, dbias)``."""
     dhidden, dweight, dbias = grads
     h = chunk.hidden(hidden)
@@ -178,15 +189,26 @@ class VocabBlocks:
     return sweep_chunks(self.rows_per_chunk, valid, update, init)
 
   def backward(
-    self, config: SweepConfig, hidden, weight, bias, labels, valid, lse, g_loss,
-    g_lse, diff: Differentiated,
+    self,
+    config: SweepConfig,
+    hidden,
+    weight,
+    bias,
+    labels,
+    valid,
+    lse,
+    g_loss,
+    g_lse,
+    diff: Differentiated,
   ):
     """``(dhidden, dweight, dbias)`` from saved lse and the row cotangents."""
 
     def update(grads, chunk):
       config.announce("backward", chunk.start)
       y = chunk.take(labels)
-      rows = config.backward_rows(*map(chunk.take, (g_loss, g_lse, lse)), y, chunk.valid)
+      rows = config.backward_rows(
+        *map(chunk.take, (g_loss, g_lse, lse)), y, chunk.valid
+      )
       return self._chunk_gradients(config, grads, chunk, hidden, weight, bias, y, rows)
 
     grads = gradient_init(config, hidden, weight, bias, diff)
@@ -194,7 +216,14 @@ class VocabBlocks:
     return gradient_finish(grads, weight, bias)
 
   def fused(
-    self, config: SweepConfig, hidden, weight, bias, labels, valid, row_scale,
+    self,
+    config: SweepConfig,
+    hidden,
+    weight,
+    bias,
+    labels,
+    valid,
+    row_scale,
     diff: Differentiated,
   ):
     """``((sum(loss * row_scale), lse, correct), grads)``, chunk by chunk."""

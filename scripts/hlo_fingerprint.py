@@ -9,6 +9,7 @@ tree to fingerprint: ``python scripts/hlo_fingerprint.py > before.txt``.
 from __future__ import annotations
 
 import collections
+import functools
 import re
 
 import jax
@@ -35,10 +36,9 @@ def main() -> None:
   instruction = re.compile(r"^\s*(?:ROOT )?\S+ = (\S+?)(?:\{[^}]*\})? (\w[\w-]*)\(")
   for grad_mode, logits_dtype, accum_dtype in CONFIGS:
     fn = jax.value_and_grad(
-      lambda h, w: mst_jax.linear_cross_entropy(
-        h,
-        w,
-        labels,
+      functools.partial(
+        mst_jax.linear_cross_entropy,
+        labels=labels,
         where=where,
         impl="xla",
         memory_budget=700 * vocab * 4,
@@ -52,8 +52,14 @@ def main() -> None:
     stats = compiled.memory_analysis()
     print(f"== {grad_mode} logits={logits_dtype} accum={accum_dtype}")
     print(
-      "temp", stats.temp_size_in_bytes, "args", stats.argument_size_in_bytes,
-      "out", stats.output_size_in_bytes, "alias", stats.alias_size_in_bytes,
+      "temp",
+      stats.temp_size_in_bytes,
+      "args",
+      stats.argument_size_in_bytes,
+      "out",
+      stats.output_size_in_bytes,
+      "alias",
+      stats.alias_size_in_bytes,
     )
     counts = collections.Counter()
     for line in compiled.as_text().splitlines():

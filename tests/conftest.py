@@ -52,6 +52,32 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(skip)
 
 
+# The shared suite's axes: every chunked implementation (on a CPU the Pallas
+# kernels run in interpret mode), both gradient modes, and both loop orders
+# (as the keyword arguments that select them; 1031-column problems get four
+# 256-column blocks and a 7-column remainder).
+IMPLS = ["xla", "pallas"]
+GRAD_MODES = ["fused", "recompute"]
+LOOP_ORDERS = {"row_chunks": {}, "vocab_blocks": {"vocab_block_size": 256}}
+ALL_OPTIONS = dict(label_smoothing=0.1, z_loss=1e-3, logit_softcap=4.0)
+
+
+@pytest.fixture(params=IMPLS)
+def impl(request):
+  return request.param
+
+
+@pytest.fixture(params=GRAD_MODES)
+def grad_mode(request):
+  return request.param
+
+
+@pytest.fixture(params=list(LOOP_ORDERS))
+def loop_order(request):
+  """Extra keyword arguments of ``linear_cross_entropy`` selecting a loop order."""
+  return LOOP_ORDERS[request.param]
+
+
 @pytest.fixture
 def rng():
   """A fresh numpy Generator per test; the seed is printed on failure."""
@@ -233,7 +259,7 @@ def reference_dlogits(problem, **kwargs):
   kwargs = {k: v for k, v in kwargs.items() if k not in _REFERENCE_ONLY}
   layout = kwargs.pop("weight_layout", "vd")
   loss_options = mst_jax.LossOptions(**kwargs)
-  options, reduction = loss_options.ce, loss_options.reduction
+  options = loss_options.ce
   with jax.enable_x64(True):
     rows = inputs.prepare(
       jnp.asarray(to64(problem.hidden)),

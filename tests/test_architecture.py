@@ -128,7 +128,9 @@ def test_private_modules_are_prefixed():
     assert module in public or private, module
 
 
-_HISTORY = re.compile(r"\b(session [0-9]+|runs? [0-9]+(-[0-9]+)?|the issue'?s?)\b", re.I)
+_HISTORY = re.compile(
+  r"\b(session [0-9]+|runs? [0-9]+(-[0-9]+)?|the issue'?s?)\b", re.I
+)
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,11 @@ from mst_jax._rows import SweepConfig
 
 
 def _plan(
-  vocab_size, rows_per_chunk, callback=None, compact=True, rows_per_group=None,
+  vocab_size,
+  rows_per_chunk,
+  callback=None,
+  compact=True,
+  rows_per_group=None,
   **options,
 ):
   config = SweepConfig(

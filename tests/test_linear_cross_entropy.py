@@ -8,6 +8,7 @@ import jax.test_util
 import numpy as np
 import pytest
 from conftest import (
+  ALL_OPTIONS,
   GRAD_RTOL,
   LOSS_RTOL,
   assert_close,
@@ -19,11 +20,8 @@ from conftest import (
 )
 
 import mst_jax
-from mst_jax import _planning as config
+from mst_jax import _planning
 
-IMPLS = ["xla", "pallas"]
-
-ALL_OPTIONS = dict(label_smoothing=0.1, z_loss=1e-3, logit_softcap=4.0)
 SINGLE_OPTIONS = {
   "plain": {},
   "label_smoothing": dict(label_smoothing=0.2),
@@ -32,16 +30,6 @@ SINGLE_OPTIONS = {
   "bias": {},
   "all": ALL_OPTIONS,
 }
-
-
-@pytest.fixture(params=IMPLS)
-def impl(request):
-  return request.param
-
-
-@pytest.fixture(params=["fused", "recompute"])
-def grad_mode(request):
-  return request.param
 
 
 @pytest.mark.parametrize(
@@ -56,7 +44,7 @@ def grad_mode(request):
   ],
 )
 def test_each_option_and_all_together(
-  rng, impl, option, dtype, logits_dtype, grad_mode
+  rng, impl, option, dtype, logits_dtype, grad_mode, loop_order
 ):
   problem = make_problem(
     rng, (3, 13), dtype=dtype, bias=option in ("bias", "all"), mask="scattered"
@@ -69,15 +57,22 @@ def test_each_option_and_all_together(
     grad_mode=grad_mode,
     logits_dtype=logits_dtype,
     **SINGLE_OPTIONS[option],
+    **loop_order,
   )
 
 
 @pytest.mark.parametrize("batch_shape", [(37,), (3, 13)], ids=["N_D", "B_T_D"])
 @pytest.mark.parametrize("mask", ["none", "prefix", "scattered"])
-def test_mask_kinds(rng, impl, batch_shape, mask, grad_mode):
+def test_mask_kinds(rng, impl, batch_shape, mask, grad_mode, loop_order):
   problem = make_problem(rng, batch_shape, mask=mask, bias=True)
   check_against_oracle(
-    problem, "float32", impl=impl, chunk_size=8, grad_mode=grad_mode, **ALL_OPTIONS
+    problem,
+    "float32",
+    impl=impl,
+    chunk_size=8,
+    grad_mode=grad_mode,
+    **ALL_OPTIONS,
+    **loop_order,
   )
 
 
@@ -91,7 +86,7 @@ def test_chunk_sizes(rng, impl, chunk_size, grad_mode):
 
 
 @pytest.mark.parametrize("weight_layout", ["vd", "dv"])
-def test_weight_layouts(rng, impl, weight_layout, grad_mode):
+def test_weight_layouts(rng, impl, weight_layout, grad_mode, loop_order):
   problem = make_problem(rng, (2, 11), weight_layout=weight_layout, bias=True)
   check_against_oracle(
     problem,
@@ -100,6 +95,7 @@ def test_weight_layouts(rng, impl, weight_layout, grad_mode):
     chunk_size=6,
     weight_layout=weight_layout,
     grad_mode=grad_mode,
+    **loop_order,
   )
 
 
@@ -116,10 +112,12 @@ def test_mixed_input_dtypes(rng, impl):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_reductions(rng, impl, reduction):
+def test_reductions(rng, impl, reduction, loop_order):
   """Default grad_mode: fused for mean and sum, recompute for none."""
   problem = make_problem(rng, (3, 13), bias=True)
-  kwargs = dict(impl=impl, chunk_size=8, reduction=reduction, **ALL_OPTIONS)
+  kwargs = dict(
+    impl=impl, chunk_size=8, reduction=reduction, **ALL_OPTIONS, **loop_order
+  )
   check_against_oracle(problem, "float32", **kwargs)
   per_token = mst_jax.linear_cross_entropy(*problem.args, where=problem.where, **kwargs)
   ref = mst_jax.reference.linear_cross_entropy(
@@ -157,7 +155,7 @@ def test_shift_matches_shifted_inputs(rng, impl):
   assert_close(shifted[:, :-1], np.asarray(by_hand, np.float64), 1e-6, "shift")
 
 
-def test_all_masked_gives_exact_zeros(rng, impl, grad_mode):
+def test_all_masked_gives_exact_zeros(rng, impl, grad_mode, loop_order):
   problem = make_problem(rng, (3, 13), mask="all", bias=True)
   for reduction in ("mean", "sum") if grad_mode == "fused" else ("mean", "none"):
     loss, grads = value_and_grads(
@@ -168,13 +166,14 @@ def test_all_masked_gives_exact_zeros(rng, impl, grad_mode):
       reduction=reduction,
       grad_mode=grad_mode,
       **ALL_OPTIONS,
+      **loop_order,
     )
     np.testing.assert_array_equal(loss, 0.0)
     for g in grads:
       np.testing.assert_array_equal(g, 0.0)
 
 
-def test_excluded_rows_get_exactly_zero_gradient(rng, impl, grad_mode):
+def test_excluded_rows_get_exactly_zero_gradient(rng, impl, grad_mode, loop_order):
   problem = make_problem(rng, (37,), mask="scattered")
   _, (dhidden, _) = value_and_grads(
     mst_jax.linear_cross_entropy,
@@ -182,6 +181,7 @@ def test_excluded_rows_get_exactly_zero_gradient(rng, impl, grad_mode):
     impl=impl,
     chunk_size=8,
     grad_mode=grad_mode,
+    **loop_order,
   )
   excluded = ~np.asarray(problem.where)
   np.testing.assert_array_equal(np.asarray(dhidden)[excluded], 0.0)
@@ -194,7 +194,7 @@ def test_ignore_index_and_where_combine(rng, impl):
   check_against_oracle(problem, "float32", impl=impl, chunk_size=8, ignore_index=7)
 
 
-def test_return_aux(rng, impl):
+def test_return_aux(rng, impl, loop_order):
   problem = make_problem(rng, (3, 13), bias=True)
   logits = to64(problem.hidden) @ to64(problem.weight).T + to64(problem.bias)
   labels = np.asarray(problem.labels).copy()
@@ -202,7 +202,7 @@ def test_return_aux(rng, impl):
   problem.labels = jnp.asarray(labels)
   kwargs = dict(where=problem.where, **ALL_OPTIONS)
   loss, aux = mst_jax.linear_cross_entropy(
-    *problem.args, impl=impl, chunk_size=8, return_aux=True, **kwargs
+    *problem.args, impl=impl, chunk_size=8, return_aux=True, **kwargs, **loop_order
   )
   ref_loss, ref_aux = mst_jax.reference.linear_cross_entropy(
     *problem.args, return_aux=True, **kwargs
@@ -354,7 +354,7 @@ def test_memory_budget_groups_chunks(rng, impl, grad_mode, dtype, budget, plan, 
   the clamped last one goes chunk by chunk; with one, the group where the
   compacted valid rows end goes chunk by chunk.
   """
-  chunk, group = config.plan_chunks(37, 1031, jnp.dtype(dtype), memory_budget=budget)
+  chunk, group = _planning.plan_chunks(37, 1031, jnp.dtype(dtype), memory_budget=budget)
   assert (chunk, group) == plan
   problem = make_problem(rng, (37,), dtype=dtype, mask=mask, bias=True)
   check_against_oracle(

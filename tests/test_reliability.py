@@ -30,13 +30,6 @@ from hypothesis import strategies as st
 
 import mst_jax
 
-IMPLS = ["xla", "pallas"]
-
-
-@pytest.fixture(params=IMPLS)
-def impl(request):
-  return request.param
-
 
 def _finite(*arrays):
   return all(np.isfinite(np.asarray(a, np.float32)).all() for a in arrays)

@@ -1,8 +1,10 @@
-"""The low-memory loop order (``vocab_block_size``) against the float64 oracle.
+"""What is particular to the low-memory loop order (``vocab_block_size``).
 
 Vocabulary blocks of 1, 7, 128, V - 1, V and more than V columns, with a
 remainder block wherever V is not a multiple; row chunks that do not divide N;
-every option, mask, reduction and gradient mode; both backends.
+its row planning and its matmuls. Every option, mask, reduction, layout and
+gradient mode runs in the shared suite (test_linear_cross_entropy.py), whose
+``loop_order`` axis includes this order.
 """
 
 from __future__ import annotations
@@ -12,29 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import (
-  LOSS_RTOL,
-  assert_close,
+  ALL_OPTIONS,
   check_against_oracle,
   make_problem,
-  to64,
-  value_and_grads,
 )
 
 import mst_jax
-from mst_jax import _planning as config
+from mst_jax import _planning
 
-ALL_OPTIONS = dict(label_smoothing=0.1, z_loss=1e-3, logit_softcap=4.0)
 V = 1031
-
-
-@pytest.fixture(params=["xla", "pallas"])
-def impl(request):
-  return request.param
-
-
-@pytest.fixture(params=["fused", "recompute"])
-def grad_mode(request):
-  return request.param
 
 
 @pytest.mark.parametrize("block", [1, 7, 128, V - 1, V, 4096])
@@ -45,103 +33,20 @@ def test_block_sizes(rng, block):
   )
 
 
-@pytest.mark.parametrize(
-  "options, dtype",
-  [
-    ({}, "float32"),
-    (ALL_OPTIONS, "float32"),
-    ({}, "bfloat16"),
-    (ALL_OPTIONS, "bfloat16"),
-  ],
-  ids=["plain-f32", "all-f32", "plain-bf16", "all-bf16"],
-)
-def test_options_and_dtypes(rng, impl, grad_mode, options, dtype):
-  problem = make_problem(
-    rng, (3, 13), vocab=V, dtype=dtype, bias=True, mask="scattered"
-  )
-  check_against_oracle(
-    problem,
-    dtype,
-    impl=impl,
-    grad_mode=grad_mode,
-    vocab_block_size=256,
-    chunk_size=16,
-    **options,
-  )
-
-
-@pytest.mark.parametrize("mask", ["none", "prefix", "scattered"])
-@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_masks_and_reductions(rng, mask, reduction):
-  problem = make_problem(rng, (4, 10), vocab=V, mask=mask)
-  check_against_oracle(
-    problem,
-    "float32",
-    impl="xla",
-    reduction=reduction,
-    vocab_block_size=300,
-    chunk_size=12,
-    **ALL_OPTIONS,
-  )
-
-
-def test_weight_layout_dv(rng, grad_mode):
-  problem = make_problem(rng, (29,), vocab=V, bias=True, weight_layout="dv")
-  check_against_oracle(
-    problem,
-    "float32",
-    impl="xla",
-    weight_layout="dv",
-    grad_mode=grad_mode,
-    vocab_block_size=200,
-    chunk_size=8,
-  )
-
-
 def test_memory_budget_plans_the_rows(rng):
   problem = make_problem(rng, (300,), dim=32, vocab=V, mask="scattered")
   # 8 rows' worth of budget: 8-row chunks (the budget is below 128 rows).
   per_row = 4 * 32 + (4 + 4) * 128
   assert (
-    config.plan_vocab_blocked_rows(300, 32, 128, np.float32, memory_budget=8 * per_row)
+    _planning.plan_vocab_blocked_rows(
+      300, 32, 128, np.float32, memory_budget=8 * per_row
+    )
     == 8
   )
-  assert config.plan_vocab_blocked_rows(300, 32, 128, np.float32) == 300
+  assert _planning.plan_vocab_blocked_rows(300, 32, 128, np.float32) == 300
   check_against_oracle(
     problem, "float32", impl="xla", vocab_block_size=128, memory_budget=8 * per_row
   )
-
-
-def test_return_aux_counts_the_first_argmax(rng, impl):
-  problem = make_problem(rng, (3, 13), vocab=V, bias=True)
-  logits = to64(problem.hidden) @ to64(problem.weight).T + to64(problem.bias)
-  labels = np.asarray(problem.labels).copy()
-  labels[:, ::2] = np.argmax(logits, axis=-1)[:, ::2]
-  problem.labels = jnp.asarray(labels)
-  kwargs = dict(where=problem.where, **ALL_OPTIONS)
-  loss, aux = mst_jax.linear_cross_entropy(
-    *problem.args, impl=impl, vocab_block_size=100, return_aux=True, **kwargs
-  )
-  ref_loss, ref_aux = mst_jax.reference.linear_cross_entropy(
-    *problem.args, return_aux=True, **kwargs
-  )
-  assert_close(loss, np.asarray(ref_loss), LOSS_RTOL["float32"], "loss")
-  assert_close(aux.lse, np.asarray(ref_aux.lse), LOSS_RTOL["float32"], "lse")
-  expected = np.sum((np.argmax(logits, axis=-1) == labels) & np.asarray(problem.where))
-  assert int(aux.n_correct) == int(ref_aux.n_correct) == expected > 0
-
-
-def test_all_masked_and_excluded_rows_are_exact_zeros(rng, grad_mode):
-  problem = make_problem(rng, (37,), vocab=V, mask="scattered", bias=True)
-  kwargs = dict(impl="xla", vocab_block_size=128, chunk_size=8, grad_mode=grad_mode)
-  _, (dhidden, _, _) = value_and_grads(mst_jax.linear_cross_entropy, problem, **kwargs)
-  excluded = ~np.asarray(problem.where)
-  np.testing.assert_array_equal(np.asarray(dhidden)[excluded], 0.0)
-  problem = make_problem(rng, (37,), vocab=V, mask="all", bias=True)
-  loss, grads = value_and_grads(mst_jax.linear_cross_entropy, problem, **kwargs)
-  np.testing.assert_array_equal(loss, 0.0)
-  for g in grads:
-    np.testing.assert_array_equal(g, 0.0)
 
 
 def test_label_in_the_remainder_block_and_out_of_range(rng):

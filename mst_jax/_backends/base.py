@@ -98,15 +98,33 @@ class ChunkBackend(Protocol):
     ...
 
   def chunk_backward(
-    self, hidden, weight, bias, labels, rows: BackwardRows, head: HeadSpec,
-    out_dtype, *, offset=0,
+    self,
+    hidden,
+    weight,
+    bias,
+    labels,
+    rows: BackwardRows,
+    head: HeadSpec,
+    out_dtype,
+    *,
+    offset=0,
   ) -> jax.Array:
-    """``dloss/dlogits`` of the weight's columns, ``[rows, columns]`` in ``out_dtype``."""
+    """``dloss/dlogits`` of the weight's columns (``[rows, columns]``)."""
     ...
 
   def chunk_forward_backward(
-    self, hidden, weight, bias, labels, valid, g_loss, head: HeadSpec, out_dtype,
-    *, columns: Columns = AllColumns(), into=None,
+    self,
+    hidden,
+    weight,
+    bias,
+    labels,
+    valid,
+    g_loss,
+    head: HeadSpec,
+    out_dtype,
+    *,
+    columns: Columns = AllColumns(),
+    into=None,
   ) -> tuple[RowStats, jax.Array]:
     """Whole-row ``RowStats`` and ``dlogits`` in one sweep, for a known loss cotangent.
 
@@ -127,7 +145,12 @@ class LogitsCE(Protocol):
     ...
 
   def backward(
-    self, logits, labels, rows: BackwardRows, options: CEOptions, out_dtype,
+    self,
+    logits,
+    labels,
+    rows: BackwardRows,
+    options: CEOptions,
+    out_dtype,
     vocab_size: int | None = None,
   ) -> jax.Array:
     """``dloss/dlogits`` in ``out_dtype``; ``vocab_size`` default: the width."""
@@ -161,13 +184,21 @@ class MatmulThenCE:
   ):
     logits = self._logits(hidden, weight, bias, head)
     labels = relative_labels(labels, offset)
-    return self.backward(
-      logits, labels, rows, head.options, out_dtype, head.vocab_size
-    )
+    return self.backward(logits, labels, rows, head.options, out_dtype, head.vocab_size)
 
   def chunk_forward_backward(
-    self, hidden, weight, bias, labels, valid, g_loss, head, out_dtype,
-    *, columns=AllColumns(), into=None,
+    self,
+    hidden,
+    weight,
+    bias,
+    labels,
+    valid,
+    g_loss,
+    head,
+    out_dtype,
+    *,
+    columns=AllColumns(),
+    into=None,
   ):
     logits = self._logits(hidden, weight, bias, head)
     if not columns.split:
@@ -176,7 +207,14 @@ class MatmulThenCE:
       )
     local = relative_labels(labels, columns.offset())
     return unfused_forward_backward(
-      self, logits, labels, valid, g_loss, head.options, out_dtype, into,
+      self,
+      logits,
+      labels,
+      valid,
+      g_loss,
+      head.options,
+      out_dtype,
+      into,
       vocab_size=head.vocab_size,
       stats=lambda: columns.combine(self.forward(logits, local, head.options), labels),
       local_labels=local,

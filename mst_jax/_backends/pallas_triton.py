@@ -68,7 +68,7 @@ class KernelBlocks:
   num_warps: int = 4
   num_stages: int = 2
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     for name in ("block_rows", "block_v", "num_warps"):
       value = getattr(self, name)
       if not _is_power_of_2(value):

@@ -129,7 +129,6 @@ CASES = {
     ),
   ]
 }
-MULTI_DEVICE_CASES = ["llama_16k", "llama_16k_dp", "llama_16k_vp"]
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "dtype", "blocks"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mst_jax import _planning as config
+from mst_jax import _planning
 
 
 @pytest.mark.parametrize("n_rows", [1, 37, 1000, 2048, 8192, 32768, 100_000])
@@ -14,7 +14,7 @@ from mst_jax import _planning as config
 @pytest.mark.parametrize("budget", [2**20, 2**27, 2**31])
 def test_plan_fits_budget_and_tiles_rows(n_rows, vocab, dtype, budget):
   dtype = np.dtype(dtype)
-  chunk, group = config.plan_chunks(n_rows, vocab, dtype, memory_budget=budget)
+  chunk, group = _planning.plan_chunks(n_rows, vocab, dtype, memory_budget=budget)
   assert 1 <= chunk <= group <= n_rows
   assert group % chunk == 0 or group == n_rows
   itemsize = dtype.itemsize
@@ -32,7 +32,7 @@ def test_plan_fits_budget_and_tiles_rows(n_rows, vocab, dtype, budget):
 def test_in_place_plan_fits_budget_with_even_groups(n_rows, vocab, dtype, budget):
   """Logits in the compute dtype: as few, even groups as fit, in eighths."""
   dtype = np.dtype(dtype)
-  chunk, group = config.plan_chunks(
+  chunk, group = _planning.plan_chunks(
     n_rows, vocab, dtype, memory_budget=budget, logits_dtype=dtype
   )
   assert 1 <= chunk <= group <= n_rows
@@ -52,20 +52,25 @@ def test_in_place_plan_fits_budget_with_even_groups(n_rows, vocab, dtype, budget
 
 def test_plan_for_the_benchmark_heads():
   bf16 = np.dtype("bfloat16")
-  in_place = lambda n, v, **kw: config.plan_chunks(n, v, bf16, logits_dtype=bf16, **kw)
+  in_place = lambda n, v, **kw: _planning.plan_chunks(
+    n, v, bf16, logits_dtype=bf16, **kw
+  )
   assert in_place(8192, 128256) == (1024, 8192)  # the whole batch in 2.25 GiB
   assert in_place(32768, 128256) == (1024, 8192)  # four even groups
   assert in_place(8192, 256000) == (512, 4096)
-  assert config.plan_chunks(8192, 128256, bf16) == (1024, 4096)  # 2 whole groups
+  assert _planning.plan_chunks(8192, 128256, bf16) == (1024, 4096)  # 2 whole groups
   # float32 logits: 2 groups + one of 2 chunks (3584 + 3584 + 1024).
-  assert config.plan_chunks(8192, 256000, bf16) == (512, 3584)
-  assert config.plan_chunks(2048, 128256, bf16) == (256, 1024)  # small N, small budget
+  assert _planning.plan_chunks(8192, 256000, bf16) == (512, 3584)
+  assert _planning.plan_chunks(2048, 128256, bf16) == (
+    256,
+    1024,
+  )  # small N, small budget
 
 
 def test_logits_of_another_16_bit_type_are_not_planned_in_place():
   """float16 inputs with bfloat16 logits: the sweep cannot write dlogits over
   the logits (different dtypes), so the plan is the float32-logits one."""
   f16, bf16 = np.dtype("float16"), np.dtype("bfloat16")
-  other = config.plan_chunks(8192, 128256, f16, logits_dtype=bf16)
-  assert other == config.plan_chunks(8192, 128256, f16)
-  assert other != config.plan_chunks(8192, 128256, f16, logits_dtype=f16)
+  other = _planning.plan_chunks(8192, 128256, f16, logits_dtype=bf16)
+  assert other == _planning.plan_chunks(8192, 128256, f16)
+  assert other != _planning.plan_chunks(8192, 128256, f16, logits_dtype=f16)
