@@ -194,17 +194,11 @@ def linear_cross_entropy(
     if layout is not None and n_rows:
       raise ValueError("impl='reference' forms the full logits; it takes no mesh.")
     outputs = _full_logits.row_losses(
-      rows.hidden,
-      rows.weight,
-      rows.bias,
-      rows.labels,
-      rows.valid,
-      options=options.ce,
-      weight_layout=weight_layout,
+      *rows.arrays, options=options.ce, weight_layout=weight_layout
     )
   else:
     plan, fused = resolve(rows, options, perf, weight_layout, layout)
-    args = (plan, rows.hidden, rows.weight, rows.bias, rows.labels, rows.valid)
+    args = (plan, *rows.arrays)
     if fused:
       stat_dtype = jnp.promote_types(rows.hidden.dtype, jnp.float32)
       row_scale = _inputs.row_weights(rows, options.reduction, stat_dtype)

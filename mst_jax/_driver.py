@@ -22,46 +22,33 @@ from typing import NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 
-from mst_jax._rows import Differentiated, Grads, SweepConfig
+from mst_jax._rows import (
+  Differentiated,
+  Grads,
+  Outputs,
+  RowCotangents,
+  RowInputs,
+  SweepConfig,
+)
 
 
 class LoopOrder(Protocol):
   """How the rows (and columns) are walked: ``RowChunks``, ``VocabBlocks``,
-  or either of them mapped over a mesh (``mst_jax._mesh``)."""
+  or either of them mapped over a mesh (``mst_jax._mesh.Sharded``)."""
 
-  def forward(
-    self, config: SweepConfig, hidden, weight, bias, labels, valid
-  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  def forward(self, config: SweepConfig, x: RowInputs) -> Outputs:
     """Per-row ``(loss, lse, correct)``."""
     ...
 
   def backward(
-    self,
-    config: SweepConfig,
-    hidden,
-    weight,
-    bias,
-    labels,
-    valid,
-    lse,
-    g_loss,
-    g_lse,
-    diff: Differentiated,
+    self, config: SweepConfig, x: RowInputs, cot: RowCotangents, diff: Differentiated
   ) -> Grads:
     """``(dhidden, dweight, dbias)`` of ``sum(loss * g_loss + lse * g_lse)``."""
     ...
 
   def fused(
-    self,
-    config: SweepConfig,
-    hidden,
-    weight,
-    bias,
-    labels,
-    valid,
-    row_scale,
-    diff: Differentiated,
-  ) -> tuple[tuple[jax.Array, jax.Array, jax.Array], Grads]:
+    self, config: SweepConfig, x: RowInputs, row_scale: jax.Array, diff: Differentiated
+  ) -> tuple[Outputs, Grads]:
     """``((sum(loss * row_scale), lse, correct), (dhidden, dweight, dbias))``."""
     ...
 
@@ -111,24 +98,22 @@ def row_losses(plan: Plan, hidden, weight, bias, labels, valid):
     ``(loss, lse, correct)``: ``[N]`` float32 (float64 for float64 inputs),
     ``[N]`` float32 and ``[N]`` bool. ``loss`` and ``lse`` are differentiable.
   """
-  return plan.order.forward(plan.config, hidden, weight, bias, labels, valid)
+  return plan.order.forward(plan.config, RowInputs(hidden, weight, bias, labels, valid))
 
 
 def _row_losses_fwd(plan: Plan, hidden, weight, bias, labels, valid):
   diff = _differentiated(hidden, weight, bias)
-  hidden, weight, bias, labels, valid = _unwrap(hidden, weight, bias, labels, valid)
-  outputs = plan.order.forward(plan.config, hidden, weight, bias, labels, valid)
-  return outputs, (hidden, weight, bias, labels, valid, outputs[1], diff)
+  x = RowInputs(*_unwrap(hidden, weight, bias, labels, valid))
+  outputs = plan.order.forward(plan.config, x)
+  return outputs, (x, outputs[1], diff)
 
 
 def _row_losses_bwd(plan: Plan, residuals: tuple, cotangents: tuple) -> tuple:
-  hidden, weight, bias, labels, valid, lse, diff = residuals
+  x, lse, diff = residuals
   g_loss = _instantiate(cotangents[0], lse)
   g_lse = _instantiate(cotangents[1], lse)
-  grads = plan.order.backward(
-    plan.config, hidden, weight, bias, labels, valid, lse, g_loss, g_lse, diff
-  )
-  return (*grads, None, None)
+  cot = RowCotangents(lse, g_loss, g_lse)
+  return (*plan.order.backward(plan.config, x, cot, diff), None, None)
 
 
 row_losses.defvjp(_row_losses_fwd, _row_losses_bwd, symbolic_zeros=True)
@@ -151,16 +136,15 @@ def reduced_loss(plan: Plan, hidden, weight, bias, labels, valid, row_scale):
     Only ``loss`` is differentiable: differentiating through ``lse`` raises
     (use ``row_losses``).
   """
-  loss, lse, correct = plan.order.forward(
-    plan.config, hidden, weight, bias, labels, valid
-  )
+  x = RowInputs(hidden, weight, bias, labels, valid)
+  loss, lse, correct = plan.order.forward(plan.config, x)
   return jnp.sum(loss * row_scale), lse, correct
 
 
 def _reduced_loss_fwd(plan: Plan, hidden, weight, bias, labels, valid, row_scale):
   diff = _differentiated(hidden, weight, bias)
-  args = _unwrap(hidden, weight, bias, labels, valid, row_scale)
-  return plan.order.fused(plan.config, *args, diff)
+  *arrays, row_scale = _unwrap(hidden, weight, bias, labels, valid, row_scale)
+  return plan.order.fused(plan.config, RowInputs(*arrays), row_scale, diff)
 
 
 def _reduced_loss_bwd(plan: Plan, residuals: Grads, cotangents: tuple) -> tuple:

@@ -40,15 +40,9 @@ def head_loss(
   """``linear_cross_entropy`` with inputs promoted to ``dtype`` like Flax's Dense."""
   weight, weight_layout, bias = params
   hidden, weight, bias = dtypes.promote_dtype((hidden, weight, bias), dtype=dtype)
+  options = dict(dataclasses.asdict(options), weight_layout=weight_layout)
   return linear_cross_entropy(
-    hidden,
-    weight,
-    labels,
-    bias,
-    where=where,
-    weight_layout=weight_layout,
-    return_aux=return_aux,
-    **dataclasses.asdict(options),
+    hidden, weight, labels, bias, where=where, return_aux=return_aux, **options
   )
 
 

@@ -57,6 +57,11 @@ class Rows(NamedTuple):
   batch_shape: tuple[int, ...]
   vocab_size: int
 
+  @property
+  def arrays(self) -> tuple:
+    """``(hidden, weight, bias, labels, valid)``."""
+    return self.hidden, self.weight, self.bias, self.labels, self.valid
+
 
 def _check_float(name: str, x: jax.Array) -> None:
   if not jnp.issubdtype(x.dtype, jnp.floating):

@@ -35,7 +35,12 @@ from jax.sharding import PartitionSpec as P
 
 from mst_jax import _ce_math
 from mst_jax._driver import LoopOrder
-from mst_jax._rows import Differentiated, Grads, SweepConfig
+from mst_jax._rows import (
+  Differentiated,
+  Grads,
+  RowCotangents,
+  RowInputs,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,28 +136,22 @@ class Layout:
       self.bias if diff.bias else None,
     )
 
-  def per_device(
-    self,
-    fn: Callable,
-    hidden: jax.Array,
-    weight: jax.Array,
-    bias: jax.Array | None,
-    rows: tuple[jax.Array, ...],
-    out_specs,
-  ):
-    """``fn(hidden, weight, bias, *rows)`` on each device's shards.
+  def per_device(self, fn: Callable, x: RowInputs, extra: tuple, out_specs):
+    """``fn(x, *extra)`` on each device's shards.
 
-    ``rows`` are ``[N]`` arrays split like the rows; a None ``bias`` is not
+    ``extra`` are ``[N]`` arrays split like the rows. A None bias is not
     passed through ``shard_map`` (which takes arrays only).
     """
-    args = [hidden, weight, *([] if bias is None else [bias]), *rows]
-    specs = [self.hidden, self.weight, *([] if bias is None else [self.bias])]
-    specs += [self.rows] * len(rows)
+    has_bias = x.bias is not None
+    arrays = [a for a in (*x, *extra) if a is not None]
+    specs = [self.hidden, self.weight, *[self.bias] * has_bias]
+    specs += [self.rows] * (len(arrays) - len(specs))
 
-    def body(h, w, *rest):
-      if bias is None:
-        return fn(h, w, None, *rest)
-      return fn(h, w, *rest)
+    def body(*arrays):
+      hidden, weight, *rest = arrays
+      bias = rest.pop(0) if has_bias else None
+      labels, valid, *rest = rest
+      return fn(RowInputs(hidden, weight, bias, labels, valid), *rest)
 
     mapped = jax.shard_map(
       body,
@@ -164,79 +163,37 @@ class Layout:
       # state every output's sharding, so the varying-axes check adds nothing.
       check_vma=False,
     )
-    return mapped(*(self.constrain(x, s) for x, s in zip(args, specs, strict=True)))
+    return mapped(*(self.constrain(a, s) for a, s in zip(arrays, specs, strict=True)))
 
 
 @dataclasses.dataclass(frozen=True)
 class Sharded:
-  """A loop order run per device on ``layout.mesh`` (a ``LoopOrder`` itself)."""
+  """A loop order run per device on ``layout.mesh`` (a ``_driver.LoopOrder`` itself)."""
 
   inner: LoopOrder
   layout: Layout
 
-  def forward(self, config: SweepConfig, hidden, weight, bias, labels, valid):
-    rows = self.layout.rows
-    return self.layout.per_device(
-      functools.partial(self.inner.forward, config),
-      hidden,
-      weight,
-      bias,
-      (labels, valid),
-      (rows, rows, rows),
-    )
+  def forward(self, config, x):
+    forward = functools.partial(self.inner.forward, config)
+    return self.layout.per_device(forward, x, (), (self.layout.rows,) * 3)
 
-  def backward(
-    self,
-    config: SweepConfig,
-    hidden,
-    weight,
-    bias,
-    labels,
-    valid,
-    lse,
-    g_loss,
-    g_lse,
-    diff: Differentiated,
-  ) -> Grads:
-    def body(h, w, b, *rows):
-      return self.layout.reduce_grads(self.inner.backward(config, h, w, b, *rows, diff))
+  def backward(self, config, x, cot, diff):
+    def body(x, *cot):
+      grads = self.inner.backward(config, x, RowCotangents(*cot), diff)
+      return self.layout.reduce_grads(grads)
 
-    return self.layout.per_device(
-      body,
-      hidden,
-      weight,
-      bias,
-      (labels, valid, lse, g_loss, g_lse),
-      self.layout.grad_specs(diff),
-    )
+    return self.layout.per_device(body, x, tuple(cot), self.layout.grad_specs(diff))
 
-  def fused(
-    self,
-    config: SweepConfig,
-    hidden,
-    weight,
-    bias,
-    labels,
-    valid,
-    row_scale,
-    diff: Differentiated,
-  ):
+  def fused(self, config, x, row_scale, diff):
     layout = self.layout
 
-    def body(h, w, b, *rows):
-      (loss, lse, correct), grads = self.inner.fused(config, h, w, b, *rows, diff)
+    def body(x, row_scale):
+      (loss, lse, correct), grads = self.inner.fused(config, x, row_scale, diff)
       loss = layout.sum_over(loss, layout.batch_axis)
       return (loss, lse, correct), layout.reduce_grads(grads)
 
-    rows = layout.rows
-    return layout.per_device(
-      body,
-      hidden,
-      weight,
-      bias,
-      (labels, valid, row_scale),
-      ((P(), rows, rows), layout.grad_specs(diff)),
-    )
+    out_specs = ((P(), layout.rows, layout.rows), layout.grad_specs(diff))
+    return layout.per_device(body, x, (row_scale,), out_specs)
 
 
 def layout_for(

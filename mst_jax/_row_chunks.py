@@ -23,20 +23,23 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from mst_jax import _matmul
+from mst_jax._backends.base import write_into
 from mst_jax._planning import dlogits_in_place
 from mst_jax._rows import (
   Chunk,
   Differentiated,
   Grads,
+  RowCotangents,
+  RowInputs,
   SweepConfig,
   chunk_of,
-  compaction,
   gradient_finish,
   gradient_init,
   output_init,
@@ -87,10 +90,20 @@ class _Sweep:
 
   order: RowChunks
   config: SweepConfig
-  hidden: jax.Array
-  weight: jax.Array
-  valid: jax.Array
-  chunk_dlogits: object
+  x: RowInputs
+  chunk_dlogits: Callable
+
+  @property
+  def hidden(self):
+    return self.x.hidden
+
+  @property
+  def weight(self) -> jax.Array:
+    return self.x.weight
+
+  @property
+  def valid(self) -> jax.Array:
+    return self.x.valid
 
   def chunk_update(self, carry, chunk: Chunk, first: bool = False, local: bool = False):
     outputs, grads = carry
@@ -264,28 +277,28 @@ def _group_buffer(sweep: _Sweep, outputs, grads):
   )
 
 
-def _gradient_sweep(sweep: _Sweep, bias, diff: Differentiated, outputs):
+def _gradient_sweep(sweep: _Sweep, diff: Differentiated, outputs):
   """Gradients from ``sweep.chunk_dlogits``, by the strategy that fits the plan.
 
   Returns:
     ``(outputs, (dhidden, dweight, dbias))``; a gradient is None where ``diff``
     says its input is not differentiated.
   """
-  config, hidden = sweep.config, sweep.hidden
-  grads = gradient_init(config, hidden, sweep.weight, bias, diff)
-  if sweep.order.rows_per_chunk == sweep.order.rows_per_group:
+  config, order = sweep.config, sweep.order
+  grads = gradient_init(config, sweep.x, diff)
+  if order.rows_per_chunk == order.rows_per_group:
     strategy = _per_chunk
-  elif dlogits_in_place(config.head.logits_dtype, hidden.dtype):
+  elif dlogits_in_place(config.head.logits_dtype, sweep.hidden.dtype):
     strategy = _whole_groups_in_place
   else:
     strategy = _group_buffer
   outputs, grads = strategy(sweep, outputs, grads)
-  return outputs, gradient_finish(grads, sweep.weight, bias)
+  return outputs, gradient_finish(grads, sweep.x)
 
 
 @dataclasses.dataclass(frozen=True)
 class RowChunks:
-  """The row-chunked loop order (static, hashable).
+  """The row-chunked loop order (static, hashable; a ``_driver.LoopOrder``).
 
   Attributes:
     rows_per_chunk: rows whose logits exist at once (outside whole groups),
@@ -299,104 +312,68 @@ class RowChunks:
   rows_per_group: int
   compact: bool = True
 
-  def forward(self, config: SweepConfig, hidden, weight, bias, labels, valid):
+  def forward(self, config, x):
     """Per-row ``(loss, lse, correct)``."""
-    gather, scatter, view = compaction(self.compact, valid)
-    hidden, labels, valid = view(hidden), gather(labels), gather(valid)
+    x, _, scatter = x.compacted(self.compact)
 
     def update(outputs, chunk):
       config.announce("forward", chunk.start)
-      y = chunk.take(labels)
-      stats = config.whole_row_stats(chunk.hidden(hidden), weight, bias, y)
-      rows = config.row_outputs(stats, y, chunk.valid)
-      return tuple(map(chunk.put, outputs, rows))
+      rows = x.chunk(chunk)
+      stats = config.whole_row_stats(rows)
+      return tuple(
+        map(chunk.put, outputs, config.row_outputs(stats, rows.labels, chunk.valid))
+      )
 
-    init = output_init(hidden.shape[0], stat_dtype(hidden))
-    outputs = sweep_chunks(self.rows_per_chunk, valid, update, init)
+    init = output_init(x.hidden.shape[0], stat_dtype(x.hidden))
+    outputs = sweep_chunks(self.rows_per_chunk, x.valid, update, init)
     return tuple(map(scatter, outputs))
 
-  def backward(
-    self,
-    config: SweepConfig,
-    hidden,
-    weight,
-    bias,
-    labels,
-    valid,
-    lse,
-    g_loss,
-    g_lse,
-    diff: Differentiated,
-  ):
+  def backward(self, config, x, cot, diff):
     """``(dhidden, dweight, dbias)`` by recomputing each chunk's logits."""
-    gather, _, view = compaction(self.compact, valid)  # recomputed: cheaper than saved
-    hidden = view(hidden)
-    labels, valid, lse, g_loss, g_lse = map(gather, (labels, valid, lse, g_loss, g_lse))
+    x, gather, _ = x.compacted(self.compact)  # recomputed: cheaper than saved
+    cot = RowCotangents(*map(gather, cot))
     offset = config.columns.offset()
 
     def chunk_dlogits(outputs, chunk, into):
       config.announce("backward", chunk.start)
-      y = chunk.take(labels)
-      rows = config.backward_rows(
-        *map(chunk.take, (g_loss, g_lse, lse)), y, chunk.valid
+      rows = x.chunk(chunk)
+      coefficients = config.backward_rows(
+        *map(chunk.take, (cot.g_loss, cot.g_lse, cot.lse)), rows.labels, chunk.valid
       )
       dlogits = config.backend.chunk_backward(
-        chunk.hidden(hidden),
-        weight,
-        bias,
-        y,
-        rows,
-        config.head,
-        hidden.dtype,
-        offset=offset,
+        rows, coefficients, config.head, x.hidden.dtype, offset=offset
       )
-      if into is not None:
-        buffer, row = into
-        dlogits = lax.dynamic_update_slice_in_dim(buffer, dlogits, row, 0)
-      return outputs, dlogits
+      return outputs, write_into(into, dlogits)
 
     # grad-of-grad recomputes the chunk instead of saving its logits.
-    sweep = _Sweep(self, config, hidden, weight, valid, jax.checkpoint(chunk_dlogits))
-    _, grads = _gradient_sweep(sweep, bias, diff, ())
+    sweep = _Sweep(self, config, x, jax.checkpoint(chunk_dlogits))
+    _, grads = _gradient_sweep(sweep, diff, ())
     return grads
 
-  def fused(
-    self,
-    config: SweepConfig,
-    hidden,
-    weight,
-    bias,
-    labels,
-    valid,
-    row_scale,
-    diff: Differentiated,
-  ):
+  def fused(self, config, x, row_scale, diff):
     """``((sum(loss * row_scale), lse, correct), grads)`` in one sweep."""
-    gather, scatter, view = compaction(self.compact, valid)
-    hidden = view(hidden)
-    labels, valid, scale = map(gather, (labels, valid, row_scale))
+    x, gather, scatter = x.compacted(self.compact)
+    scale = gather(row_scale)
 
     def chunk_dlogits(outputs, chunk, into):
       config.announce("fused", chunk.start)
-      y = chunk.take(labels)
+      rows = x.chunk(chunk)
       g_loss = jnp.where(chunk.valid, chunk.take(scale), 0.0)
       stats, dlogits = config.backend.chunk_forward_backward(
-        chunk.hidden(hidden),
-        weight,
-        bias,
-        y,
-        chunk.valid,
+        rows,
         g_loss,
         config.head,
-        hidden.dtype,
+        x.hidden.dtype,
+        valid=chunk.valid,
         columns=config.columns,
         into=into,
       )
-      rows = config.row_outputs(stats, y, chunk.valid)
-      return tuple(map(chunk.put, outputs, rows)), dlogits
+      outputs = map(
+        chunk.put, outputs, config.row_outputs(stats, rows.labels, chunk.valid)
+      )
+      return tuple(outputs), dlogits
 
-    sweep = _Sweep(self, config, hidden, weight, valid, chunk_dlogits)
-    init = output_init(hidden.shape[0], stat_dtype(hidden))
-    (loss, lse, correct), grads = _gradient_sweep(sweep, bias, diff, init)
-    outputs = (jnp.sum(loss * scale), scatter(lse), scatter(correct))
-    return outputs, grads
+    sweep = _Sweep(self, config, x, chunk_dlogits)
+    init = output_init(x.hidden.shape[0], stat_dtype(x.hidden))
+    (loss, lse, correct), grads = _gradient_sweep(sweep, diff, init)
+    return (jnp.sum(loss * scale), scatter(lse), scatter(correct)), grads

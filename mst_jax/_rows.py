@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mst_jax import _ce_math
-from mst_jax._backends import AllColumns, ChunkBackend, Columns, HeadSpec
+from mst_jax._backends import AllColumns, ChunkBackend, ChunkInputs, Columns, HeadSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,13 +77,56 @@ class SweepConfig:
       g_loss, g_lse, lse, labels, valid, head.options, head.vocab_size
     )
 
-  def whole_row_stats(self, hidden, weight, bias, labels) -> _ce_math.RowStats:
+  def whole_row_stats(self, x: ChunkInputs) -> _ce_math.RowStats:
     """A chunk's statistics over the whole vocabulary, combined across shards."""
     offset = self.columns.offset()
-    stats = self.backend.chunk_forward(
-      hidden, weight, bias, labels, self.head, offset=offset
+    stats = self.backend.chunk_forward(x, self.head, offset=offset)
+    return self.columns.combine(stats, x.labels)
+
+
+class RowInputs(NamedTuple):
+  """The driver's arrays (hidden may be ``Permuted``, in compacted order).
+
+  Attributes:
+    hidden: ``[N, D]`` float.
+    weight: ``[V, D]`` or ``[D, V]`` (``SweepConfig.layout``), hidden's dtype.
+    bias: ``[V]`` float or None.
+    labels: int32 ``[N]``.
+    valid: bool ``[N]``; False rows give 0 loss, 0 lse and zero gradients.
+  """
+
+  hidden: Any
+  weight: jax.Array
+  bias: jax.Array | None
+  labels: jax.Array
+  valid: jax.Array
+
+  def compacted(self, compact: bool):
+    """``(rows, gather, scatter)``: these rows with valid ones first
+    (``compaction``), and the maps of ``[N]`` arrays into that order and back."""
+    gather, scatter, view = compaction(compact, self.valid)
+    hidden, labels, valid = view(self.hidden), gather(self.labels), gather(self.valid)
+    return RowInputs(hidden, self.weight, self.bias, labels, valid), gather, scatter
+
+  def chunk(self, chunk: Chunk) -> ChunkInputs:
+    """A chunk's rows (excluded ones zeroed) with the whole weight."""
+    return ChunkInputs(
+      chunk.hidden(self.hidden), self.weight, self.bias, chunk.take(self.labels)
     )
-    return self.columns.combine(stats, labels)
+
+
+class RowCotangents(NamedTuple):
+  """What the recompute backward gets per row, each ``[N]`` float32.
+
+  Attributes:
+    lse: the forward's saved lse.
+    g_loss: the cotangent of each row's loss.
+    g_lse: the cotangent of each row's lse.
+  """
+
+  lse: jax.Array
+  g_loss: jax.Array
+  g_lse: jax.Array
 
 
 @jax.tree_util.register_static
@@ -213,6 +256,8 @@ def chunk_of(
 
 
 Update = Callable[[Any, Chunk], Any]
+# Per-row (loss, lse, correct), each [N].
+Outputs = tuple[jax.Array, jax.Array, jax.Array]
 # (dhidden, dweight, dbias); None where an input is not differentiated.
 Grads = tuple[Any, jax.Array | None, jax.Array | None]
 
@@ -273,13 +318,12 @@ def _zeros_if(flag: bool, shape, dtype):
   return jnp.zeros(shape, dtype) if flag else None
 
 
-def gradient_init(
-  config: SweepConfig, hidden, weight: jax.Array, bias, diff: Differentiated
-) -> Grads:
+def gradient_init(config: SweepConfig, x: RowInputs, diff: Differentiated) -> Grads:
   """Zero ``(dhidden, dweight, dbias)`` accumulators (None: not differentiated).
 
   ``dhidden`` is ``Permuted`` like ``hidden``.
   """
+  hidden, weight, bias = x.hidden, x.weight, x.bias
   dhidden = _zeros_if(diff.hidden, hidden.shape, hidden.dtype)
   if dhidden is not None and isinstance(hidden, Permuted):
     dhidden = hidden._replace(array=dhidden)
@@ -290,9 +334,9 @@ def gradient_init(
   )
 
 
-def gradient_finish(grads: Grads, weight: jax.Array, bias: jax.Array | None) -> Grads:
+def gradient_finish(grads: Grads, x: RowInputs) -> Grads:
   """The accumulators in their inputs' dtypes (and ``dhidden`` in row order)."""
-  dhidden, dweight, dbias = grads
+  (dhidden, dweight, dbias), weight, bias = grads, x.weight, x.bias
   if dhidden is not None:
     dhidden = original_order(dhidden)
   if dweight is not None:

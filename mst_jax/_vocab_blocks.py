@@ -38,10 +38,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from mst_jax import _ce_math, _matmul
-from mst_jax._backends.base import relative_labels
+from mst_jax._backends.base import ChunkInputs, relative_labels
 from mst_jax._rows import (
   Chunk,
-  Differentiated,
+  Grads,
   SweepConfig,
   gradient_finish,
   gradient_init,
@@ -53,7 +53,7 @@ from mst_jax._rows import (
 
 @dataclasses.dataclass(frozen=True)
 class VocabBlocks:
-  """The vocabulary-blocked loop order (static, hashable).
+  """The vocabulary-blocked loop order (static, hashable; a ``_driver.LoopOrder``).
 
   Attributes:
     rows_per_chunk: rows per chunk (``_planning.plan_vocab_blocked_rows``).
@@ -91,15 +91,14 @@ class VocabBlocks:
       carry = step(carry, jnp.int32(vocab - tail), tail)
     return carry
 
-  def _row_stats(self, config, h, weight, bias, labels) -> _ce_math.RowStats:
-    """Whole-row statistics of ``h``'s logits, merged block by block.
+  def _row_stats(self, config: SweepConfig, x: ChunkInputs) -> _ce_math.RowStats:
+    """Whole-row statistics of a chunk's logits, merged block by block.
 
     On a vocab-parallel shard the blocks of this shard are merged first and
     the shards combined once, so the collectives run once per row chunk, not
     once per block.
     """
-    shard_start = config.columns.offset()
-    local = relative_labels(labels, shard_start)
+    local = relative_labels(x.labels, config.columns.offset())
     stacked = lambda reduce: functools.partial(reduce, axis=0)
     merge = functools.partial(
       _ce_math.combine_stats,
@@ -110,8 +109,8 @@ class VocabBlocks:
     )
 
     def block_stats(start, size):
-      w, b = _block(config, weight, bias, start, size)
-      stats = config.backend.chunk_forward(h, w, b, local, config.head, offset=start)
+      block = _block(config, x._replace(labels=local), start, size)
+      stats = config.backend.chunk_forward(block, config.head, offset=start)
       return stats, (local >= start) & (local < start + size)
 
     def step(carry, start, size):
@@ -126,7 +125,7 @@ class VocabBlocks:
       )
       return merged, covered + size
 
-    _, first_size = self._widths(config, weight)
+    _, first_size = self._widths(config, x.weight)
     first, here = block_stats(jnp.int32(0), first_size)
     one = lambda x: x[None]
     running = merge(
@@ -137,19 +136,18 @@ class VocabBlocks:
     )
     covered = jnp.asarray(first_size, first.mean_logit.dtype)
     running, _ = self._over_blocks(
-      config, weight, step, (running, covered), skip_first=True
+      config, x.weight, step, (running, covered), skip_first=True
     )
-    return config.columns.combine(running, labels)
+    return config.columns.combine(running, x.labels)
 
   def _chunk_gradients(
-    self, config, grads, chunk: Chunk, hidden, weight, bias, y, rows
-  ):
+    self, config: SweepConfig, grads: Grads, chunk: Chunk, x: ChunkInputs, rows
+  ) -> Grads:
     """Adds one row chunk's contribution to ``(dhidden, dweight, dbias)``."""
     dhidden, dweight, dbias = grads
-    h = chunk.hidden(hidden)
     layout, axis = config.layout, _matmul.vocab_axis(config.layout)
-    acc = stat_dtype(hidden)
-    local = relative_labels(y, config.columns.offset())
+    acc = stat_dtype(x.hidden)
+    x = x._replace(labels=relative_labels(x.labels, config.columns.offset()))
 
     def add_block(total, part, start, axis):
       old = lax.dynamic_slice_in_dim(total, start, part.shape[axis], axis=axis)
@@ -157,101 +155,82 @@ class VocabBlocks:
 
     def step(carry, start, size):
       dh, dw, db = carry
-      w, b = _block(config, weight, bias, start, size)
+      block = _block(config, x, start, size)
       dlogits = config.backend.chunk_backward(
-        h, w, b, local, rows, config.head, hidden.dtype, offset=start
+        block, rows, config.head, x.hidden.dtype, offset=start
       )
       if dh is not None:
-        dh = dh + _matmul.dhidden_matmul(dlogits, w, layout, acc)
+        dh = dh + _matmul.dhidden_matmul(dlogits, block.weight, layout, acc)
       if dw is not None:
-        dweight_block = _matmul.dweight_matmul(dlogits, h, layout, dw.dtype)
+        dweight_block = _matmul.dweight_matmul(dlogits, x.hidden, layout, dw.dtype)
         dw = add_block(dw, dweight_block, start, axis)
       if db is not None:
         db = add_block(db, jnp.sum(dlogits, axis=0, dtype=db.dtype), start, 0)
       return dh, dw, db
 
-    dh = None if dhidden is None else jnp.zeros(h.shape, acc)
-    dh, dweight, dbias = self._over_blocks(config, weight, step, (dh, dweight, dbias))
+    dh = None if dhidden is None else jnp.zeros(x.hidden.shape, acc)
+    dh, dweight, dbias = self._over_blocks(config, x.weight, step, (dh, dweight, dbias))
     if dhidden is not None:
       dhidden = chunk.put(dhidden, dh.astype(dhidden.dtype))
     return dhidden, dweight, dbias
 
-  def forward(self, config: SweepConfig, hidden, weight, bias, labels, valid):
+  def forward(self, config, x):
     """Per-row ``(loss, lse, correct)``."""
 
     def update(outputs, chunk):
       config.announce("forward", chunk.start)
-      y = chunk.take(labels)
-      stats = self._row_stats(config, chunk.hidden(hidden), weight, bias, y)
-      return tuple(map(chunk.put, outputs, config.row_outputs(stats, y, chunk.valid)))
+      rows = x.chunk(chunk)
+      stats = self._row_stats(config, rows)
+      return tuple(
+        map(chunk.put, outputs, config.row_outputs(stats, rows.labels, chunk.valid))
+      )
 
-    init = output_init(hidden.shape[0], stat_dtype(hidden))
-    return sweep_chunks(self.rows_per_chunk, valid, update, init)
+    init = output_init(x.hidden.shape[0], stat_dtype(x.hidden))
+    return sweep_chunks(self.rows_per_chunk, x.valid, update, init)
 
-  def backward(
-    self,
-    config: SweepConfig,
-    hidden,
-    weight,
-    bias,
-    labels,
-    valid,
-    lse,
-    g_loss,
-    g_lse,
-    diff: Differentiated,
-  ):
+  def backward(self, config, x, cot, diff):
     """``(dhidden, dweight, dbias)`` from saved lse and the row cotangents."""
 
     def update(grads, chunk):
       config.announce("backward", chunk.start)
-      y = chunk.take(labels)
-      rows = config.backward_rows(
-        *map(chunk.take, (g_loss, g_lse, lse)), y, chunk.valid
+      rows = x.chunk(chunk)
+      coefficients = config.backward_rows(
+        *map(chunk.take, (cot.g_loss, cot.g_lse, cot.lse)), rows.labels, chunk.valid
       )
-      return self._chunk_gradients(config, grads, chunk, hidden, weight, bias, y, rows)
+      return self._chunk_gradients(config, grads, chunk, rows, coefficients)
 
-    grads = gradient_init(config, hidden, weight, bias, diff)
-    grads = sweep_chunks(self.rows_per_chunk, valid, update, grads)
-    return gradient_finish(grads, weight, bias)
+    grads = gradient_init(config, x, diff)
+    grads = sweep_chunks(self.rows_per_chunk, x.valid, update, grads)
+    return gradient_finish(grads, x)
 
-  def fused(
-    self,
-    config: SweepConfig,
-    hidden,
-    weight,
-    bias,
-    labels,
-    valid,
-    row_scale,
-    diff: Differentiated,
-  ):
+  def fused(self, config, x, row_scale, diff):
     """``((sum(loss * row_scale), lse, correct), grads)``, chunk by chunk."""
 
     def update(carry, chunk):
       outputs, grads = carry
       config.announce("fused", chunk.start)
-      y = chunk.take(labels)
-      stats = self._row_stats(config, chunk.hidden(hidden), weight, bias, y)
-      out = config.row_outputs(stats, y, chunk.valid)
+      rows = x.chunk(chunk)
+      stats = self._row_stats(config, rows)
+      out = config.row_outputs(stats, rows.labels, chunk.valid)
       g_loss = jnp.where(chunk.valid, chunk.take(row_scale), 0.0)
-      rows = config.backward_rows(
-        g_loss, jnp.zeros_like(g_loss), stats.lse, y, chunk.valid
+      coefficients = config.backward_rows(
+        g_loss, jnp.zeros_like(g_loss), stats.lse, rows.labels, chunk.valid
       )
-      grads = self._chunk_gradients(config, grads, chunk, hidden, weight, bias, y, rows)
+      grads = self._chunk_gradients(config, grads, chunk, rows, coefficients)
       return tuple(map(chunk.put, outputs, out)), grads
 
     init = (
-      output_init(hidden.shape[0], stat_dtype(hidden)),
-      gradient_init(config, hidden, weight, bias, diff),
+      output_init(x.hidden.shape[0], stat_dtype(x.hidden)),
+      gradient_init(config, x, diff),
     )
-    (loss, lse, correct), grads = sweep_chunks(self.rows_per_chunk, valid, update, init)
-    outputs = (jnp.sum(loss * row_scale), lse, correct)
-    return outputs, gradient_finish(grads, weight, bias)
+    (loss, lse, correct), grads = sweep_chunks(
+      self.rows_per_chunk, x.valid, update, init
+    )
+    return (jnp.sum(loss * row_scale), lse, correct), gradient_finish(grads, x)
 
 
-def _block(config: SweepConfig, weight, bias, start, size):
-  """The weight's (and bias's) columns ``[start, start + size)``."""
-  w = _matmul.weight_columns(weight, start, size, config.layout)
-  b = None if bias is None else lax.dynamic_slice_in_dim(bias, start, size)
-  return w, b
+def _block(config: SweepConfig, x: ChunkInputs, start, size: int) -> ChunkInputs:
+  """The chunk against the weight's (and bias's) columns ``[start, start + size)``."""
+  w = _matmul.weight_columns(x.weight, start, size, config.layout)
+  b = None if x.bias is None else lax.dynamic_slice_in_dim(x.bias, start, size)
+  return x._replace(weight=w, bias=b)

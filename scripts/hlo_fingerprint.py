@@ -35,16 +35,13 @@ def main() -> None:
   where = jnp.arange(n_rows) < 2100
   instruction = re.compile(r"^\s*(?:ROOT )?\S+ = (\S+?)(?:\{[^}]*\})? (\w[\w-]*)\(")
   for grad_mode, logits_dtype, accum_dtype in CONFIGS:
+    options = dict(grad_mode=grad_mode, logits_dtype=logits_dtype)
+    loss = functools.partial(
+      mst_jax.linear_cross_entropy, labels=labels, where=where, impl="xla"
+    )
     fn = jax.value_and_grad(
       functools.partial(
-        mst_jax.linear_cross_entropy,
-        labels=labels,
-        where=where,
-        impl="xla",
-        memory_budget=700 * vocab * 4,
-        grad_mode=grad_mode,
-        logits_dtype=logits_dtype,
-        accum_dtype=accum_dtype,
+        loss, memory_budget=700 * vocab * 4, accum_dtype=accum_dtype, **options
       ),
       argnums=(0, 1),
     )

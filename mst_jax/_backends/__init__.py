@@ -8,12 +8,19 @@ from __future__ import annotations
 import functools
 import warnings
 
-from mst_jax._backends.base import AllColumns, ChunkBackend, Columns, HeadSpec
+from mst_jax._backends.base import (
+  AllColumns,
+  ChunkBackend,
+  ChunkInputs,
+  Columns,
+  HeadSpec,
+)
 from mst_jax._backends.xla import XlaChunkCE
 
 __all__ = [
   "AllColumns",
   "ChunkBackend",
+  "ChunkInputs",
   "Columns",
   "HeadSpec",
   "XlaChunkCE",

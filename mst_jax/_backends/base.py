@@ -17,8 +17,7 @@ before ``dlogits`` can be formed; ``Columns`` says so, and
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -81,58 +80,53 @@ def relative_labels(labels: jax.Array, offset: int | jax.Array) -> jax.Array:
   return labels - offset
 
 
+class ChunkInputs(NamedTuple):
+  """One chunk's rows and the weight columns to score them against.
+
+  Attributes:
+    hidden: ``[rows, D]``.
+    weight: ``[columns, D]`` or ``[D, columns]`` (``HeadSpec.weight_layout``):
+      the whole vocabulary, a block of it, or a shard.
+    bias: ``[columns]`` or None.
+    labels: int32 ``[rows]``, indices into the whole vocabulary.
+  """
+
+  hidden: jax.Array
+  weight: jax.Array
+  bias: jax.Array | None
+  labels: jax.Array
+
+
 class ChunkBackend(Protocol):
   """A chunk's logits matmul and its cross-entropy.
 
-  ``labels`` are global (int32 ``[rows]``); ``offset`` is the vocabulary index
-  of the weight's first column (a block of it, or a shard). Implementations
-  are frozen dataclasses (hashable: they travel as static configuration
-  through ``jax.jit`` and ``jax.custom_vjp``), compute in at least float32 and
-  return float32 statistics.
+  ``offset`` is the vocabulary index of the weight's first column (of a block
+  or a shard). Implementations are frozen dataclasses (hashable: they travel
+  as static configuration through ``jax.jit`` and ``jax.custom_vjp``), compute
+  in at least float32 and return float32 statistics.
   """
 
-  def chunk_forward(
-    self, hidden, weight, bias, labels, head: HeadSpec, *, offset=0
-  ) -> RowStats:
+  def chunk_forward(self, x: ChunkInputs, head: HeadSpec, *, offset=0) -> RowStats:
     """The ``RowStats`` of the weight's columns (relative to ``offset``)."""
     ...
 
   def chunk_backward(
-    self,
-    hidden,
-    weight,
-    bias,
-    labels,
-    rows: BackwardRows,
-    head: HeadSpec,
-    out_dtype,
-    *,
-    offset=0,
+    self, x: ChunkInputs, rows: BackwardRows, head: HeadSpec, out_dtype, *, offset=0
   ) -> jax.Array:
     """``dloss/dlogits`` of the weight's columns (``[rows, columns]``)."""
     ...
 
   def chunk_forward_backward(
-    self,
-    hidden,
-    weight,
-    bias,
-    labels,
-    valid,
-    g_loss,
-    head: HeadSpec,
-    out_dtype,
-    *,
-    columns: Columns = AllColumns(),
-    into=None,
+    self, x: ChunkInputs, g_loss, head: HeadSpec, out_dtype, *, valid, columns, into
   ) -> tuple[RowStats, jax.Array]:
     """Whole-row ``RowStats`` and ``dlogits`` in one sweep, for a known loss cotangent.
 
-    ``g_loss`` (float32 ``[rows]``) is the cotangent of each row's loss; the
-    lse cotangent is taken as zero. With ``into=(buffer, row_offset)``,
-    ``dlogits`` is written into rows ``row_offset:row_offset + rows`` of
-    ``buffer`` (in place where the backend can) and the buffer is returned
-    instead.
+    ``g_loss`` (float32 ``[rows]``) is the cotangent of each row's loss, the
+    lse's is zero; ``valid`` (bool ``[rows]``) marks the rows that count.
+    ``columns`` says which of the vocabulary's columns the weight holds. With
+    ``into=(buffer, row_offset)``, ``dlogits`` is written into rows
+    ``row_offset:row_offset + rows`` of ``buffer`` (in place where the backend
+    can) and the buffer is returned instead.
     """
     ...
 
@@ -145,13 +139,7 @@ class LogitsCE(Protocol):
     ...
 
   def backward(
-    self,
-    logits,
-    labels,
-    rows: BackwardRows,
-    options: CEOptions,
-    out_dtype,
-    vocab_size: int | None = None,
+    self, logits, labels, rows, options: CEOptions, out_dtype, vocab_size=None
   ) -> jax.Array:
     """``dloss/dlogits`` in ``out_dtype``; ``vocab_size`` default: the width."""
     ...
@@ -170,54 +158,36 @@ class MatmulThenCE:
   ``forward_backward`` it calls on the GEMM's output).
   """
 
-  def _logits(self, hidden, weight, bias, head: HeadSpec) -> jax.Array:
-    return _matmul.logits_matmul(
-      hidden, weight, bias, head.weight_layout, head.logits_dtype
-    )
+  def _logits(self, x: ChunkInputs, head: HeadSpec) -> jax.Array:
+    layout = head.weight_layout
+    return _matmul.logits_matmul(x.hidden, x.weight, x.bias, layout, head.logits_dtype)
 
-  def chunk_forward(self, hidden, weight, bias, labels, head, *, offset=0):
-    logits = self._logits(hidden, weight, bias, head)
-    return self.forward(logits, relative_labels(labels, offset), head.options)
+  def chunk_forward(self, x, head, *, offset=0):
+    labels = relative_labels(x.labels, offset)
+    return self.forward(self._logits(x, head), labels, head.options)
 
-  def chunk_backward(
-    self, hidden, weight, bias, labels, rows, head, out_dtype, *, offset=0
-  ):
-    logits = self._logits(hidden, weight, bias, head)
-    labels = relative_labels(labels, offset)
+  def chunk_backward(self, x, rows, head, out_dtype, *, offset=0):
+    logits, labels = self._logits(x, head), relative_labels(x.labels, offset)
     return self.backward(logits, labels, rows, head.options, out_dtype, head.vocab_size)
 
-  def chunk_forward_backward(
-    self,
-    hidden,
-    weight,
-    bias,
-    labels,
-    valid,
-    g_loss,
-    head,
-    out_dtype,
-    *,
-    columns=AllColumns(),
-    into=None,
-  ):
-    logits = self._logits(hidden, weight, bias, head)
+  def chunk_forward_backward(self, x, g_loss, head, out_dtype, *, valid, columns, into):
+    logits = self._logits(x, head)
     if not columns.split:
+      options = head.options
       return self.forward_backward(
-        logits, labels, valid, g_loss, head.options, out_dtype, into=into
+        logits, x.labels, valid, g_loss, options, out_dtype, into=into
       )
-    local = relative_labels(labels, columns.offset())
     return unfused_forward_backward(
       self,
       logits,
-      labels,
+      x.labels,
       valid,
       g_loss,
       head.options,
       out_dtype,
-      into,
+      into=into,
+      columns=columns,
       vocab_size=head.vocab_size,
-      stats=lambda: columns.combine(self.forward(logits, local, head.options), labels),
-      local_labels=local,
     )
 
 
@@ -229,26 +199,30 @@ def unfused_forward_backward(
   g_loss: jax.Array,
   options: CEOptions,
   out_dtype,
-  into=None,
   *,
+  into: tuple[jax.Array, jax.Array] | None,
+  columns: Columns = AllColumns(),
   vocab_size: int | None = None,
-  stats: Callable[[], RowStats] | None = None,
-  local_labels: jax.Array | None = None,
 ) -> tuple[RowStats, jax.Array]:
   """``forward_backward`` as a ``forward`` then a ``backward``.
 
-  ``stats`` (default: ``backend.forward`` of the logits) gives the whole-row
-  statistics, e.g. combined across vocabulary shards; ``local_labels`` are
-  the labels relative to the logits' first column (default: ``labels``).
+  With split ``columns`` (a vocabulary shard), the shards' statistics are
+  combined between the two, before any shard's ``dlogits``. ``vocab_size``:
+  the whole vocabulary (default: the logits' width).
   """
   vocab_size = vocab_size or logits.shape[-1]
-  local_labels = labels if local_labels is None else local_labels
-  stats = stats() if stats else backend.forward(logits, labels, options)
+  local = relative_labels(labels, columns.offset())
+  stats = columns.combine(backend.forward(logits, local, options), labels)
   rows = _ce_math.backward_rows(
     g_loss, jnp.zeros_like(stats.lse), stats.lse, labels, valid, options, vocab_size
   )
-  dlogits = backend.backward(logits, local_labels, rows, options, out_dtype, vocab_size)
-  if into is not None:  # XLA fuses the elementwise dlogits into this, in place
-    buffer, offset = into
-    dlogits = lax.dynamic_update_slice_in_dim(buffer, dlogits, offset, 0)
-  return stats, dlogits
+  dlogits = backend.backward(logits, local, rows, options, out_dtype, vocab_size)
+  return stats, write_into(into, dlogits)
+
+
+def write_into(into: tuple[jax.Array, jax.Array] | None, dlogits: jax.Array):
+  """``dlogits``, or (``into=(buffer, row)``) the buffer with them from ``row`` on."""
+  if into is None:
+    return dlogits
+  buffer, row = into  # XLA fuses an elementwise dlogits into this, in place
+  return lax.dynamic_update_slice_in_dim(buffer, dlogits, row, 0)

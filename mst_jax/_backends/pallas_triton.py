@@ -192,25 +192,18 @@ def _stats_kernel(
 
 
 def _write_dlogits(
-  logits_ref,
-  labels,
-  rows,
-  dlogits_ref,
-  row_slice,
-  row_mask,
-  col_block_index,
-  *,
-  options,
-  block_v,
-  row_offset=0,
-  vocab_total=None,
+  refs, block, col_block_index, *, options, block_v, row_offset=0, vocab_total=None
 ):
   """Writes one ``[block_rows, block_v]`` block of ``dlogits``.
 
-  Its rows land ``row_offset`` rows further down ``dlogits_ref`` (a group's
+  ``refs`` are ``(logits_ref, dlogits_ref)``; ``block`` is the program's
+  ``(row_slice, row_mask, labels, rows)`` (``rows``: its ``BackwardRows``).
+  The rows land ``row_offset`` rows further down ``dlogits_ref`` (a group's
   buffer that the chunk writes into in place). ``vocab_total`` is the whole
   vocabulary when the logits are one shard of it (label smoothing's eps / V).
   """
+  logits_ref, dlogits_ref = refs
+  row_slice, row_mask, labels, rows = block
   n_cols = logits_ref.shape[1]
   col_block_index = jnp.asarray(col_block_index, jnp.int32)  # int64 loops under x64
   z, cols, col_mask = _load_logits(
@@ -247,12 +240,8 @@ def _dlogits_kernel(
     coef_target=_load_rows(coef_target_ref, row_slice, row_mask, 0.0),
   )
   _write_dlogits(
-    logits_ref,
-    labels,
-    rows,
-    dlogits_ref,
-    row_slice,
-    row_mask,
+    (logits_ref, dlogits_ref),
+    (row_slice, row_mask, labels, rows),
     pl.program_id(1),
     options=options,
     block_v=block_v,
@@ -296,12 +285,8 @@ def _fused_kernel(
   @pl.loop(0, pl.cdiv(n_cols, block_v))
   def _(col_block_index):
     _write_dlogits(
-      logits_ref,
-      labels,
-      rows,
-      dlogits_ref,
-      row_slice,
-      row_mask,
+      (logits_ref, dlogits_ref),
+      (row_slice, row_mask, labels, rows),
       col_block_index,
       options=options,
       block_v=block_v,

@@ -65,5 +65,5 @@ class XlaChunkCE(base.MatmulThenCE):
     into: tuple[jax.Array, jax.Array] | None = None,
   ) -> tuple[ce_math.RowStats, jax.Array]:
     return base.unfused_forward_backward(
-      self, logits, labels, valid, g_loss, options, out_dtype, into
+      self, logits, labels, valid, g_loss, options, out_dtype, into=into
     )
