@@ -7,7 +7,8 @@ read into float32; all math is float32), read top to bottom:
    producing lse, the target logit, the mean logit and the argmax
    (``ce_math.RowStats``). One read of the logits.
 2. ``_dlogits_kernel``: elementwise ``dlogits`` from the saved lse and per-row
-   coefficients (``ce_math.dlogits_block``). One read, one write.
+   coefficients (``ce_math.dlogits_block``). One read, one write, in place
+   when the logits are in the dtype of ``dlogits``.
 3. ``_fused_kernel``: both in one launch, for when the gradient is formed in
    the same sweep as the loss: a first pass for the statistics, then a second
    that writes ``dlogits``. Two reads, one write. When the logits are in the
@@ -364,6 +365,9 @@ class PallasTritonChunkCE(base.MatmulThenCE):
 
   def backward(self, logits, labels, rows, options, out_dtype, vocab_size=None):
     n_rows, n_cols = logits.shape
+    # dlogits overwrite logits of their own dtype: each program reads its block
+    # before it writes it, and the recomputed logits have no other reader.
+    in_place = jnp.dtype(logits.dtype) == jnp.dtype(out_dtype)
     call = self._call(
       _dlogits_kernel,
       "mst_ce_dlogits",
@@ -372,6 +376,7 @@ class PallasTritonChunkCE(base.MatmulThenCE):
       n_cols,
       options,
       n_inputs=5,
+      aliases={0: 0} if in_place else None,
       vocab_total=vocab_size or n_cols,
     )
     return call(logits, labels, *rows)

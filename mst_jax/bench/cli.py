@@ -156,20 +156,21 @@ def _add_ratios(rows: list[dict]) -> None:
 def format_table(rows: Sequence[dict]) -> str:
   header = (
     f"{'case':<22} {'impl':<34} {'median ms':>9} {'min ms':>8} {'extra MiB':>9}"
-    f" {'TFLOP/s':>7} {'time x':>6} {'mem x':>6} {'dh err':>8} {'dw err':>8}"
+    f" {'1st MiB':>8} {'TFLOP/s':>7} {'time x':>6} {'mem x':>6} {'dh err':>8}"
+    f" {'dw err':>8}"
   )
   lines = [header, "-" * len(header)]
   fmt = lambda row, key, spec: format(row[key], spec) if key in row else "-"
+  mib = lambda row, key: row[key] / 2**20 if row.get(key) is not None else float("nan")
   for r in rows:
     impl = r["impl"][:34]
     if "median_ms" not in r:
       reason = r.get("skipped") or r.get("error", "?")
       lines.append(f"{r['case']:<22} {impl:<34} skipped: {reason[:60]}")
       continue
-    extra = r.get("extra_bytes")
     lines.append(
       f"{r['case']:<22} {impl:<34} {r['median_ms']:>9.2f} {r['min_ms']:>8.2f}"
-      f" {extra / 2**20 if extra is not None else float('nan'):>9.0f}"
+      f" {mib(r, 'extra_bytes'):>9.0f} {mib(r, 'first_call_extra_bytes'):>8.0f}"
       f" {r['tflops']:>7.1f} {fmt(r, 'time_x', '6.2f'):>6} {fmt(r, 'mem_x', '6.3f'):>6}"
       f" {fmt(r, 'dhidden_rel_err', '8.1e'):>8} {fmt(r, 'dweight_rel_err', '8.1e'):>8}"
     )

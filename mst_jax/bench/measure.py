@@ -4,7 +4,9 @@ On a GPU every measurement runs in two fresh processes (``python -m
 mst_jax.bench.measure SPEC``): the first compiles and times and leaves the
 executable in a persistent compilation cache; the second loads it from there
 and runs the step once, so the peak of ``memory_stats()`` holds the step and
-nothing of compilation (GEMM autotuning allocates scratch buffers). Extra
+nothing of compilation (GEMM autotuning allocates scratch buffers). The first
+process reports its own peak after the first step too
+(``first_call_extra_bytes``): what the step needs the first time it runs. Extra
 memory is that peak minus the inputs and the gradients as the allocator holds
 them (the bytes in use after the step, which it rounds up from their sizes;
 ``extra_bytes_by_nbytes`` subtracts their sizes instead). On a CPU, where
@@ -73,6 +75,7 @@ def time_step(spec: str, case: Case, reps: int, warmup_s: float) -> dict:
   temp_bytes = compiled.memory_analysis().temp_size_in_bytes
   loss, grads = compiled(*inputs)
   jax.block_until_ready(grads)
+  first_call = _first_call_extra_bytes(case)
   loss = float(loss)
   del grads
   end = time.perf_counter() + warmup_s
@@ -91,7 +94,22 @@ def time_step(spec: str, case: Case, reps: int, warmup_s: float) -> dict:
     "tflops": case.flops / median / 1e12,
     "compile_s": compile_s,
     "temp_bytes": temp_bytes,
+    **first_call,
   }
+
+
+def _first_call_extra_bytes(case: Case) -> dict:
+  """Peak bytes in use so far minus those in use now, after the first step.
+
+  In the process that compiles, so the peak includes compilation (GEMM
+  autotuning's scratch buffers): what a step needs the first time it runs.
+  Empty where ``memory_stats()`` has nothing (a CPU).
+  """
+  stats = [d.memory_stats() for d in jax.devices()[: case.devices]]
+  if any(s is None for s in stats):
+    return {}
+  extra = max(s["peak_bytes_in_use"] - s["bytes_in_use"] for s in stats)
+  return {"first_call_extra_bytes": extra}
 
 
 def peak_extra_bytes(spec: str, case: Case) -> dict:

@@ -138,6 +138,38 @@ def test_no_weight_all_gather_and_no_full_logits(rng):
   assert "1032]" not in text
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_vocab_parallel_halves_the_per_device_temporaries(dtype):
+  """Compile only: each of two vocab shards holds at most 0.6x of one device.
+
+  The default budget is divided over the vocabulary axis, so each device plans
+  the row groups one device would, over half the columns.
+  """
+  n_rows, dim, vocab = 4096, 256, 32768
+  mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "model"))
+
+  def temp_bytes(fn, weight_spec):
+    shape = lambda s, dt, spec: jax.ShapeDtypeStruct(
+      s, dt, sharding=NamedSharding(mesh, spec)
+    )
+    args = (
+      shape((n_rows, dim), dtype, P()),
+      shape((vocab, dim), dtype, weight_spec),
+      shape((n_rows,), jnp.int32, P()),
+    )
+    step = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))
+    return step.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+  one = temp_bytes(mst_jax.linear_cross_entropy, P())
+  sharded = temp_bytes(
+    lambda h, w, y: mst_jax.linear_cross_entropy(
+      h, w, y, mesh=mesh, vocab_axis="model"
+    ),
+    P("model"),
+  )
+  assert sharded <= 0.6 * one, (sharded, one)
+
+
 def test_plain_gspmd_sharded_inputs(rng):
   """No mesh argument: sharded inputs under jit, partitioned by XLA."""
   problem = make_problem(rng, (N,), dim=D, vocab=V, bias=True, mask="scattered")
