@@ -51,9 +51,11 @@ def run_sweep(args: argparse.Namespace) -> list[dict]:
     base = CASES[name]
     cases += [base.with_tokens(n) for n in args.tokens] if args.tokens else [base]
   work = [(case, impl) for case in cases for impl in args.impls]
-  env = measure.isolated_env(tempfile.mkdtemp(prefix="mst_jax_bench_cache_"))
   rows = []
   for case, impl in _progress(work, "bench"):
+    # A cache per run: its processes share the executable, and no run inherits
+    # another's GEMM autotuning (which would hide the first call's peak).
+    env = measure.isolated_env(tempfile.mkdtemp(prefix="mst_jax_bench_cache_"))
     if args.isolate:
       row = measure.run_isolated(impl, case, "time", args.reps, env)
       if "median_ms" in row and args.memory:

@@ -6,7 +6,8 @@ executable in a persistent compilation cache; the second loads it from there
 and runs the step once, so the peak of ``memory_stats()`` holds the step and
 nothing of compilation (GEMM autotuning allocates scratch buffers). The first
 process reports its own peak after the first step too
-(``first_call_extra_bytes``): what the step needs the first time it runs. Extra
+(``first_call_extra_bytes``): what the step needs the first time it runs
+(each run has its own cache, so no run reuses another's autotuning). Extra
 memory is that peak minus the inputs and the gradients as the allocator holds
 them (the bytes in use after the step, which it rounds up from their sizes;
 ``extra_bytes_by_nbytes`` subtracts their sizes instead). On a CPU, where
