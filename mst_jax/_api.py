@@ -103,8 +103,7 @@ def linear_cross_entropy(
       ``dlogits``, whose matmuls run once per group. Peak extra memory is about
       this plus ``dhidden``-sized buffers. It is per device; with
       ``vocab_axis`` the default is divided by that axis's size (each device
-      holds that fraction of the vocabulary), and each device's partial
-      ``dhidden`` (``[N, D]`` until the sum over the shards) is taken from it.
+      holds that fraction of the vocabulary).
     vocab_block_size: the low-memory loop order (``_vocab_blocks``):
       each row chunk walks the vocabulary in blocks of this many columns,
       once for the statistics and once for the gradients, so only
@@ -281,9 +280,6 @@ def _loop_order(rows: Rows, perf: PerfOptions, logits_dtype, layout):
     # The default budget is the whole head's: vocab shards split it, so each
     # device plans the row chunks one device would use.
     budget = budget or DEFAULT_MEMORY_BUDGET // vocab_devices
-    if vocab_devices > 1:
-      # Each shard also holds its partial dhidden until the sum over the shards.
-      budget = max(1, budget - n_rows * rows.hidden.shape[1] * dtype.itemsize)
     chunk, group = _planning.plan_chunks(
       n_rows, vocab, dtype, memory_budget=budget, logits_dtype=logits_dtype
     )

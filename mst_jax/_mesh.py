@@ -78,6 +78,9 @@ class VocabShard:
       reduce_min=reduce(lax.pmin),
     )
 
+  def sum_partial(self, x: jax.Array) -> jax.Array:
+    return lax.psum(x, self.axis)
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -120,11 +123,12 @@ class Layout:
     return x if x is None or axis is None else lax.psum(x, axis)
 
   def reduce_grads(self, grads: Grads) -> Grads:
-    """Per-device gradients to whole ones: ``dhidden`` summed over the
-    vocabulary shards, ``dweight`` and ``dbias`` over the row shards."""
+    """Per-device gradients to whole ones: ``dweight`` and ``dbias`` summed over
+    the row shards (``dhidden`` rows are summed over the vocabulary shards as
+    they are formed: ``VocabShard.sum_partial``)."""
     dhidden, dweight, dbias = grads
     return (
-      self.sum_over(dhidden, self.vocab_axis),
+      dhidden,
       self.sum_over(dweight, self.batch_axis),
       self.sum_over(dbias, self.batch_axis),
     )

@@ -71,6 +71,7 @@ def _accumulate(
   add = (lambda old, new: new) if first else jnp.add
   if dhidden is not None:
     dh = _matmul.dhidden_matmul(dlogits, weight, layout, dhidden.dtype)
+    dh = config.columns.sum_partial(dh)
     dhidden = group.put(dhidden, dh, local=local)
   if dweight is not None:
     dweight = add(dweight, _matmul.dweight_matmul(dlogits, h, layout, dweight.dtype))
@@ -175,6 +176,7 @@ def _whole_groups_in_place(sweep: _Sweep, outputs, grads):
     rows = None
     if want_rows:
       rows = _matmul.dhidden_matmul(dlogits, weight, layout, dh_dtype)
+      rows = config.columns.sum_partial(rows)
     return outputs, rows, dweight, dbias
 
   def by_chunk(outputs, dweight, dbias, group, first):

@@ -171,6 +171,7 @@ class VocabBlocks:
     dh = None if dhidden is None else jnp.zeros(x.hidden.shape, acc)
     dh, dweight, dbias = self._over_blocks(config, x.weight, step, (dh, dweight, dbias))
     if dhidden is not None:
+      dh = config.columns.sum_partial(dh)
       dhidden = chunk.put(dhidden, dh.astype(dhidden.dtype))
     return dhidden, dweight, dbias
 

@@ -58,6 +58,10 @@ class Columns(Protocol):
     """Whole-row statistics from this device's (``labels`` global)."""
     ...
 
+  def sum_partial(self, x: jax.Array) -> jax.Array:
+    """``x``, formed from this device's columns, summed over all columns."""
+    ...
+
 
 @dataclasses.dataclass(frozen=True)
 class AllColumns:
@@ -71,6 +75,9 @@ class AllColumns:
   def combine(self, stats: RowStats, labels: jax.Array) -> RowStats:
     del labels
     return stats
+
+  def sum_partial(self, x: jax.Array) -> jax.Array:
+    return x
 
 
 def relative_labels(labels: jax.Array, offset: int | jax.Array) -> jax.Array:
