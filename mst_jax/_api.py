@@ -45,6 +45,7 @@ def linear_cross_entropy(
   label_smoothing: float = 0.0,
   z_loss: float = 0.0,
   logit_softcap: float | None = None,
+  logit_scale: float | None = None,
   shift: bool = False,
   weight_layout: str = "vd",
   chunk_size: int | None = None,
@@ -64,7 +65,8 @@ def linear_cross_entropy(
   For each token with logits ``z = hidden @ weight.T + bias`` (``[V]``, float32
   accumulation, stored in ``logits_dtype``) and label ``y``::
 
-    s    = logit_softcap * tanh(z / logit_softcap)   (s = z if no softcap)
+    s    = c * tanh(a * z / c)   (c = logit_softcap, a = logit_scale; s = a * z
+                                  without a softcap, a = 1 without a scale)
     lse  = logsumexp(s)
     loss = (1 - eps) * (lse - s[y]) + eps * (lse - mean(s)) + z_loss * lse**2
 
@@ -88,6 +90,9 @@ def linear_cross_entropy(
     label_smoothing: ``eps`` in ``[0, 1]``.
     z_loss: adds ``z_loss * lse**2`` per valid token (PaLM).
     logit_softcap: ``c > 0``: logits become ``c * tanh(logits / c)`` (Gemma 2).
+    logit_scale: ``a > 0``: logits become ``a * (hidden @ weight.T + bias)``
+      before the softcap (Cohere's ``logit_scale``; Granite's is
+      ``1 / logits_scaling``; a sampling temperature ``T`` is ``1 / T``).
     shift: if True, position ``t`` predicts ``labels[..., t + 1]`` along the
       token axis (unshifted Hugging Face style labels); the last position of
       each sequence is excluded. ``hidden`` is not sliced or copied, and

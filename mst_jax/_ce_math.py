@@ -9,9 +9,10 @@ here as elementwise code on arrays of any block shape, and the kernels call
 these same functions on their blocks.
 
 For one token with logits ``z`` (``[V]``), label ``y`` and options
-``eps = label_smoothing``, ``zl = z_loss``, ``c = logit_softcap``::
+``eps = label_smoothing``, ``zl = z_loss``, ``c = logit_softcap``,
+``a = logit_scale``::
 
-  s      = c * tanh(z / c)              (s = z without a softcap)
+  s      = c * tanh(a z / c)            (s = a z without a softcap)
   lse    = log(sum_j exp(s_j))
   loss   = (1 - eps) * (lse - s_y) + eps * (lse - mean_j s_j) + zl * lse**2
 
@@ -23,7 +24,7 @@ logit. The gradient with respect to ``s`` is::
 
   dloss/ds_j = p_j * (1 + 2 * zl * lse) - (1 - eps) * [j == y] - eps / V
 
-and ``ds/dz = sech(z / c)**2`` (``softcap_grad``).
+and ``ds/dz = a sech(a z / c)**2`` (``scores_grad``).
 """
 
 from __future__ import annotations
@@ -45,14 +46,19 @@ class CEOptions:
     label_smoothing: ``eps`` in ``[0, 1]``.
     z_loss: coefficient of ``lse**2``, ``>= 0``.
     logit_softcap: ``c > 0`` or ``None`` for no softcap.
+    logit_scale: ``a > 0``: the logits are scaled before the softcap.
   """
 
   label_smoothing: float = 0.0
   z_loss: float = 0.0
   logit_softcap: float | None = None
+  logit_scale: float = 1.0
 
   def __post_init__(self) -> None:
     eps, zl, cap = self.label_smoothing, self.z_loss, self.logit_softcap
+    scale = self.logit_scale
+    if not (math.isfinite(scale) and scale > 0.0):
+      raise ValueError(f"logit_scale must be finite and > 0, got {scale!r}.")
     if not (math.isfinite(eps) and 0.0 <= eps <= 1.0):
       raise ValueError(f"label_smoothing must be in [0, 1], got {eps!r}.")
     if not (math.isfinite(zl) and zl >= 0.0):
@@ -140,6 +146,23 @@ def softcap(logits: jax.Array, cap: float | None) -> jax.Array:
   if cap is None:
     return logits
   return cap * jnp.tanh(logits / cap)
+
+
+def scores(logits: jax.Array, options: CEOptions) -> jax.Array:
+  """``s = softcap(logit_scale * logits)``: what the softmax sees."""
+  if options.logit_scale != 1.0:
+    logits = options.logit_scale * logits
+  return softcap(logits, options.logit_softcap)
+
+
+def scores_grad(logits: jax.Array, options: CEOptions) -> jax.Array | float:
+  """``ds / dlogits``: ``logit_scale`` times the softcap's derivative."""
+  scale, cap = options.logit_scale, options.logit_softcap
+  if cap is None:
+    return scale
+  if scale == 1.0:
+    return softcap_grad(logits, cap)
+  return scale * softcap_grad(scale * logits, cap)
 
 
 def label_in_range(labels: jax.Array, vocab_size: int) -> jax.Array:
@@ -262,7 +285,7 @@ def dlogits_block(
   """Gradient of the loss with respect to a block of raw logits, in float32.
 
   Args:
-    logits: float32 ``[rows, block]`` raw (not softcapped) logits of the block.
+    logits: float32 ``[rows, block]`` raw (not scaled or softcapped) logits.
     cols: int32 ``[block]`` vocabulary index of each column of the block.
     labels: int32 ``[rows]``.
     rows: the block's rows of ``backward_rows``.
@@ -272,14 +295,14 @@ def dlogits_block(
   Returns:
     float32 ``[rows, block]``.
   """
-  eps, cap = options.label_smoothing, options.logit_softcap
-  capped = softcap(logits, cap)
+  eps = options.label_smoothing
+  capped = scores(logits, options)
   probs = jnp.exp(capped - rows.lse[:, None])  # [rows, block]
   onehot = cols[None, :] == labels[:, None]  # [rows, block]
   target_weight = jnp.where(onehot, 1.0 - eps, 0.0)
   if eps:
     target_weight = target_weight + eps / vocab_size
   grad = rows.coef_softmax[:, None] * probs - rows.coef_target[:, None] * target_weight
-  if cap is not None:
-    grad = grad * softcap_grad(logits, cap)
+  if options.logit_softcap is not None or options.logit_scale != 1.0:
+    grad = grad * scores_grad(logits, options)
   return grad

@@ -47,13 +47,14 @@ def head_loss(
 
 
 def head_logits(
-  params: HeadParams, hidden: jax.Array, *, dtype, logit_softcap: float | None
+  params: HeadParams, hidden: jax.Array, *, dtype, options: HeadLossOptions
 ) -> jax.Array:
-  """Full logits ``[..., V]`` in the computation dtype, softcapped like the loss."""
+  """Full logits ``[..., V]`` in the computation dtype, scaled and softcapped
+  like the loss's."""
   weight, weight_layout, bias = params
   hidden, weight, bias = dtypes.promote_dtype((hidden, weight, bias), dtype=dtype)
   kernel = weight if weight_layout == "dv" else weight.T
   logits = jnp.dot(hidden, kernel)
   if bias is not None:
     logits = logits + bias
-  return _ce_math.softcap(logits, logit_softcap)
+  return _ce_math.scores(logits, options.ce)

@@ -63,6 +63,7 @@ def losses_from_logits(
   options: CEOptions,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Per-row ``(loss, lse, correct)`` from ``[N, V]`` logits; see ``row_losses``."""
+  logits = logits * options.logit_scale
   cap = options.logit_softcap
   if cap is not None:
     logits = cap * jnp.tanh(logits / cap)

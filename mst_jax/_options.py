@@ -83,6 +83,7 @@ class LossOptions:
   label_smoothing: float = 0.0
   z_loss: float = 0.0
   logit_softcap: float | None = None
+  logit_scale: float | None = None
   shift: bool = False
 
   def __post_init__(self) -> None:
@@ -92,15 +93,16 @@ class LossOptions:
       raise TypeError(f"shift must be a bool, got {self.shift!r}.")
     for name in ("label_smoothing", "z_loss"):
       _replace_field(self, name, check_finite_float(name, getattr(self, name)))
-    if self.logit_softcap is not None:
-      cap = check_finite_float("logit_softcap", self.logit_softcap)
-      _replace_field(self, "logit_softcap", cap)
+    for name in ("logit_softcap", "logit_scale"):
+      if getattr(self, name) is not None:
+        _replace_field(self, name, check_finite_float(name, getattr(self, name)))
     self.ce  # noqa: B018 -- CEOptions checks the ranges
 
   @property
   def ce(self) -> CEOptions:
     """The per-row options the kernels see."""
-    return CEOptions(self.label_smoothing, self.z_loss, self.logit_softcap)
+    scale = 1.0 if self.logit_scale is None else self.logit_scale
+    return CEOptions(self.label_smoothing, self.z_loss, self.logit_softcap, scale)
 
 
 @dataclasses.dataclass(frozen=True)

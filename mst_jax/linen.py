@@ -109,10 +109,10 @@ class LMHeadLoss(nn.Module):
     )
 
   def logits(self, hidden: jax.Array, *, embedding: jax.Array | None = None):
-    """Full logits ``[..., V]`` (softcapped like the loss), for inference."""
+    """Full logits ``[..., V]`` (scaled and softcapped like the loss's)."""
     return head.head_logits(
       self._weight(hidden.shape[-1], embedding),
       hidden,
       dtype=self.dtype,
-      logit_softcap=self.options.logit_softcap,
+      options=self.options,
     )

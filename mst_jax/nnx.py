@@ -123,10 +123,10 @@ class LMHeadLoss(nnx.Module):
     )
 
   def logits(self, hidden: jax.Array) -> jax.Array:
-    """Full logits ``[..., V]`` (softcapped like the loss), for inference."""
+    """Full logits ``[..., V]`` (scaled and softcapped like the loss's)."""
     return head.head_logits(
       self._weight(),
       hidden,
       dtype=self.dtype,
-      logit_softcap=self.options.logit_softcap,
+      options=self.options,
     )

@@ -23,6 +23,7 @@ from mst_jax import reference
 from mst_jax._backends.pallas_triton import KernelBlocks, PallasTritonChunkCE
 
 ALL_OPTIONS = ce_math.CEOptions(label_smoothing=0.1, z_loss=1e-3, logit_softcap=30.0)
+SCALED = ce_math.CEOptions(label_smoothing=0.1, logit_softcap=30.0, logit_scale=0.4)
 PLAIN = ce_math.CEOptions()
 
 CPU_BACKENDS = {
@@ -118,7 +119,9 @@ def check_backend(backend, logits, labels, valid, options, rng, out_dtype=jnp.fl
 @pytest.mark.parametrize(
   "case", ["normal", "label_in_tail", "very_negative", "large", "all_excluded"]
 )
-@pytest.mark.parametrize("options", [PLAIN, ALL_OPTIONS], ids=["plain", "all"])
+@pytest.mark.parametrize(
+  "options", [PLAIN, ALL_OPTIONS, SCALED], ids=["plain", "all", "scaled"]
+)
 def test_backend_matches_oracle(rng, backend, case, options):
   logits, labels, valid = _logits_case(rng, case, 9, 1031)
   check_backend(CPU_BACKENDS[backend], logits, labels, valid, options, rng)

@@ -103,15 +103,19 @@ def test_linen_and_nnx_agree_on_the_same_parameters(rng):
     assert_close(db, ref_db, GRAD_RTOL["float32"], "dbias")
 
 
-def test_logits_match_the_loss(rng):
+@pytest.mark.parametrize("scale", [None, 0.6])
+def test_logits_match_the_loss(rng, scale):
   """``logits`` are what the loss sees: optax on them gives the same loss."""
-  head = mst_jax.nnx.LMHeadLoss(D, V, rngs=nnx.Rngs(2), logit_softcap=4.0)
+  head = mst_jax.nnx.LMHeadLoss(
+    D, V, rngs=nnx.Rngs(2), logit_softcap=4.0, logit_scale=scale
+  )
   hidden, labels, _ = _data(rng)
   logits = head.logits(hidden)
   assert logits.shape == (3, 13, V)
   with jax.enable_x64(True):
     kernel = jnp.asarray(to64(head.kernel[...]))
-    ref_logits = 4.0 * jnp.tanh(jnp.asarray(to64(hidden)) @ kernel / 4.0)
+    raw = (scale or 1.0) * (jnp.asarray(to64(hidden)) @ kernel)
+    ref_logits = 4.0 * jnp.tanh(raw / 4.0)
     ref_loss = optax.softmax_cross_entropy_with_integer_labels(
       ref_logits, labels
     ).mean()

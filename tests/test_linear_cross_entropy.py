@@ -28,6 +28,8 @@ SINGLE_OPTIONS = {
   "z_loss": dict(z_loss=1e-2),
   "logit_softcap": dict(logit_softcap=2.5),
   "bias": {},
+  "logit_scale": dict(logit_scale=0.6),
+  "scale_and_softcap": dict(logit_scale=1.7, logit_softcap=3.0, label_smoothing=0.1),
   "all": ALL_OPTIONS,
 }
 

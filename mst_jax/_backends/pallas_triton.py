@@ -134,7 +134,7 @@ def _row_stats(logits_ref, labels, row_slice, row_mask, *, options, block_v):
     z, cols, col_mask = _load_logits(
       logits_ref, row_slice, row_mask, col_block_index, block_v
     )
-    capped = ce_math.softcap(z, options.logit_softcap)  # [block_rows, block_v]
+    capped = ce_math.scores(z, options)  # [block_rows, block_v]
     live = jnp.where(col_mask[None, :], capped, -jnp.inf)
     block_max = jnp.max(live, axis=1)
     new_max = jnp.maximum(row_max, block_max)

@@ -25,7 +25,7 @@ class XlaChunkCE(base.MatmulThenCE):
   ) -> ce_math.RowStats:
     vocab_size = logits.shape[-1]
     logits = _upcast(logits)
-    capped = ce_math.softcap(logits, options.logit_softcap)  # [rows, V]
+    capped = ce_math.scores(logits, options)  # [rows, V]
     row_max = jnp.max(capped, axis=-1)
     log_sum_exp = jnp.log(jnp.sum(jnp.exp(capped - row_max[:, None]), axis=-1))
     safe_labels = jnp.clip(labels, 0, vocab_size - 1)
