@@ -40,6 +40,7 @@ def linear_cross_entropy(
   bias: jax.Array | None = None,
   *,
   where: jax.Array | None = None,
+  token_weights: jax.Array | None = None,
   ignore_index: int = -100,
   reduction: str = "mean",
   label_smoothing: float = 0.0,
@@ -82,7 +83,12 @@ def linear_cross_entropy(
     labels: integer, ``hidden.shape[:-1]``.
     bias: optional ``[V]`` float.
     where: optional bool, shape of ``labels``; False excludes a token (on top
-      of ``ignore_index``).
+      of ``ignore_index``). With ``shift``, it refers to label positions.
+    token_weights: optional float, shape of ``labels``: each valid token's
+      loss (its z-loss term included) is multiplied by its weight, and
+      ``reduction="mean"`` divides by the sum of the valid tokens' weights
+      (0.0 when that is 0). Data: not differentiated. With ``shift``, it
+      refers to label positions.
     ignore_index: label value that excludes a token.
     reduction: ``"mean"`` over valid tokens (exactly 0.0 when none is valid),
       ``"sum"``, or ``"none"`` (per token, shape of ``labels``, 0 at excluded
@@ -190,7 +196,9 @@ def linear_cross_entropy(
   options, perf = _options.from_arguments(locals())
   if not isinstance(return_aux, bool):
     raise TypeError(f"return_aux must be a bool, got {return_aux!r}.")
-  rows = _inputs.prepare(hidden, weight, labels, bias, where, options, weight_layout)
+  rows = _inputs.prepare(
+    hidden, weight, labels, bias, where, options, weight_layout, token_weights
+  )
   n_rows = rows.hidden.shape[0]
   layout = _mesh.layout_for(
     mesh, batch_axis, vocab_axis, weight_layout, n_rows, rows.vocab_size

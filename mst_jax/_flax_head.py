@@ -35,6 +35,7 @@ def head_loss(
   dtype,
   options: HeadLossOptions,
   where: jax.Array | None,
+  token_weights: jax.Array | None,
   return_aux: bool,
 ):
   """``linear_cross_entropy`` with inputs promoted to ``dtype`` like Flax's Dense."""
@@ -42,7 +43,14 @@ def head_loss(
   hidden, weight, bias = dtypes.promote_dtype((hidden, weight, bias), dtype=dtype)
   options = dict(dataclasses.asdict(options), weight_layout=weight_layout)
   return linear_cross_entropy(
-    hidden, weight, labels, bias, where=where, return_aux=return_aux, **options
+    hidden,
+    weight,
+    labels,
+    bias,
+    where=where,
+    token_weights=token_weights,
+    return_aux=return_aux,
+    **options,
   )
 
 

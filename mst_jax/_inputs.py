@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from mst_jax import _matmul
 from mst_jax._options import LossOptions, check_choice
@@ -47,6 +48,8 @@ class Rows(NamedTuple):
       ``shift``) not the last position of a sequence.
     batch_shape: the shape of ``labels`` (per-token outputs take it back).
     vocab_size: ``V``.
+    token_weights: float ``[N]`` (shifted with the labels), not
+      differentiated; or None.
   """
 
   hidden: jax.Array
@@ -56,6 +59,7 @@ class Rows(NamedTuple):
   valid: jax.Array
   batch_shape: tuple[int, ...]
   vocab_size: int
+  token_weights: jax.Array | None = None
 
   @property
   def arrays(self) -> tuple:
@@ -76,6 +80,7 @@ def prepare(
   where: jax.Array | None,
   options: LossOptions,
   weight_layout: str,
+  token_weights: jax.Array | None = None,
 ) -> Rows:
   """Validates the public arguments and flattens them into rows."""
   hidden, weight, labels = map(jnp.asarray, (hidden, weight, labels))
@@ -116,6 +121,14 @@ def prepare(
       raise ValueError(
         f"where shape {where.shape} must equal labels shape {labels.shape}."
       )
+  if token_weights is not None:
+    token_weights = lax.stop_gradient(jnp.asarray(token_weights))  # data
+    _check_float("token_weights", token_weights)
+    if token_weights.shape != labels.shape:
+      raise ValueError(
+        f"token_weights shape {token_weights.shape} must equal labels shape"
+        f" {labels.shape}."
+      )
 
   dtype = jnp.result_type(hidden.dtype, weight.dtype)
   hidden, weight = hidden.astype(dtype), weight.astype(dtype)
@@ -124,13 +137,14 @@ def prepare(
   valid = labels != ignore_index
   if where is not None:
     valid = valid & where
-  if (
-    options.shift
-  ):  # Position t predicts label t + 1; the last position predicts nothing.
-    labels = jnp.concatenate(
-      [labels[..., 1:], jnp.full_like(labels[..., :1], ignore_index)], axis=-1
+  if options.shift:
+    # Position t predicts label t + 1; the last position predicts nothing.
+    # where and token_weights, like the labels, refer to label positions.
+    labels, valid = (
+      _shift(x, fill) for x, fill in ((labels, ignore_index), (valid, 0))
     )
-    valid = jnp.concatenate([valid[..., 1:], jnp.zeros_like(valid[..., :1])], axis=-1)
+    if token_weights is not None:
+      token_weights = _shift(token_weights, 0)
   batch_shape = labels.shape
   return Rows(
     hidden=hidden.reshape(-1, dim),
@@ -140,16 +154,29 @@ def prepare(
     valid=valid.reshape(-1),
     batch_shape=batch_shape,
     vocab_size=vocab_size,
+    token_weights=None if token_weights is None else token_weights.reshape(-1),
   )
 
 
-def row_weights(rows: Rows, reduction: str, dtype) -> jax.Array:
-  """Each row's weight in a scalar reduction: ``valid / n_valid`` or ``valid``.
+def _shift(x: jax.Array, fill) -> jax.Array:
+  """``x[..., t + 1]`` at position ``t``; ``fill`` at the last position."""
+  return jnp.concatenate([x[..., 1:], jnp.full_like(x[..., :1], fill)], axis=-1)
 
-  A mean over no valid row is exactly 0, not NaN.
+
+def row_weights(rows: Rows, reduction: str, dtype) -> jax.Array:
+  """Each row's weight in the loss: ``valid``, times the token weights, over
+  their sum for a mean.
+
+  A mean over no valid row (or over token weights that sum to 0) is exactly
+  0, not NaN.
   """
   weights = rows.valid.astype(dtype)
-  if reduction == "mean":
+  if rows.token_weights is not None:
+    weights = weights * rows.token_weights.astype(dtype)
+    if reduction == "mean":
+      total = jnp.sum(weights)
+      weights = jnp.where(total == 0, 0.0, weights / jnp.where(total == 0, 1, total))
+  elif reduction == "mean":
     weights = weights / jnp.maximum(jnp.sum(rows.valid), 1).astype(dtype)
   return weights
 
@@ -169,13 +196,15 @@ def finalize(
   """
   reduction = options.reduction
   out_dtype = jnp.promote_types(lse.dtype, jnp.float32)
-  weights = None if reduction == "none" else row_weights(rows, reduction, out_dtype)
+  weights = row_weights(rows, reduction, out_dtype)
 
   def reduce(per_row):
     per_row = per_row.astype(out_dtype)
-    if weights is None:
-      return per_row.reshape(rows.batch_shape)
-    return jnp.sum(per_row * weights)
+    if reduction != "none":
+      return jnp.sum(per_row * weights)
+    if rows.token_weights is not None:
+      per_row = per_row * weights
+    return per_row.reshape(rows.batch_shape)
 
   reduced = reduce(loss) if loss.ndim else loss.astype(out_dtype)
   if not return_aux:

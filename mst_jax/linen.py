@@ -90,6 +90,7 @@ class LMHeadLoss(nn.Module):
     labels: jax.Array,
     *,
     where: jax.Array | None = None,
+    token_weights: jax.Array | None = None,
     return_aux: bool = False,
     embedding: jax.Array | None = None,
   ):
@@ -105,6 +106,7 @@ class LMHeadLoss(nn.Module):
       dtype=self.dtype,
       options=self.options,
       where=where,
+      token_weights=token_weights,
       return_aux=return_aux,
     )
 

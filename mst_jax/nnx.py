@@ -105,6 +105,7 @@ class LMHeadLoss(nnx.Module):
     labels: jax.Array,
     *,
     where: jax.Array | None = None,
+    token_weights: jax.Array | None = None,
     return_aux: bool = False,
   ):
     """The loss of ``hidden`` (``[..., T, D]``) against ``labels`` (``[..., T]``).
@@ -119,6 +120,7 @@ class LMHeadLoss(nnx.Module):
       dtype=self.dtype,
       options=self.options,
       where=where,
+      token_weights=token_weights,
       return_aux=return_aux,
     )
 

@@ -192,6 +192,16 @@ def test_pallas_gpu_matches_oracle(rng, n_rows, vocab, logits_dtype, out_dtype):
 
 
 @pytest.mark.gpu
+def test_pallas_gpu_scaled_logits(rng):
+  """logit_scale with a softcap, bfloat16 logits in place, the Llama-3 vocabulary."""
+  logits, labels, valid = _logits_case(rng, "normal", 256, 128256)
+  logits = logits.astype(jnp.bfloat16)
+  check_backend(
+    PallasTritonChunkCE(), logits, labels, valid, SCALED, rng, out_dtype=jnp.bfloat16
+  )
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(
   "case", ["label_in_tail", "very_negative", "large", "all_excluded"]
 )

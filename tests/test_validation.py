@@ -51,6 +51,18 @@ def _call(overrides=(), **kwargs):
     (dict(bias=jnp.ones((V,), jnp.int32)), {}, TypeError, "bias"),
     ({}, dict(where=jnp.ones((N,), jnp.int32)), TypeError, "where.*int32"),
     ({}, dict(where=jnp.ones((N, 1), bool)), ValueError, r"where shape \(6, 1\)"),
+    (
+      {},
+      dict(token_weights=jnp.ones((N,), jnp.int32)),
+      TypeError,
+      "token_weights.*int32",
+    ),
+    (
+      {},
+      dict(token_weights=jnp.ones((N, 1))),
+      ValueError,
+      r"token_weights shape \(6, 1\)",
+    ),
     ({}, dict(reduction="avg"), ValueError, "reduction.*'avg'"),
     ({}, dict(weight_layout="VD"), ValueError, "weight_layout.*'VD'"),
     ({}, dict(impl="cuda"), ValueError, "impl.*'cuda'"),

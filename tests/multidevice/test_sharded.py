@@ -138,6 +138,17 @@ def test_no_weight_all_gather_and_no_full_logits(rng):
   assert "1032]" not in text
 
 
+def test_token_weights_on_a_mesh(rng):
+  problem = make_problem(rng, (N,), dim=D, vocab=V, bias=True, mask="scattered")
+  weights = jnp.asarray(rng.random(N) * 2.0, jnp.float32)
+  kwargs = dict(where=problem.where, token_weights=weights, impl="xla")
+  one = mst_jax.linear_cross_entropy(*problem.args, **kwargs)
+  meshed = mst_jax.linear_cross_entropy(
+    *problem.args, mesh=_mesh((2, 4)), batch_axis="data", vocab_axis="model", **kwargs
+  )
+  np.testing.assert_allclose(np.asarray(meshed), np.asarray(one), rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_vocab_parallel_halves_the_per_device_temporaries(dtype):
   """Compile only: each of two vocab shards holds at most 0.6x of one device.
