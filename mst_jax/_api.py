@@ -73,7 +73,7 @@ def linear_cross_entropy(
 
   with ``eps = label_smoothing`` (the torch / optax definition). The loss is
   computed in row chunks: at most ``chunk_size x V`` logits exist at a time,
-  never ``N x V``; the backward recomputes each chunk's logits.
+  never ``N x V`` (docs/architecture.md has the design).
 
   Args:
     hidden: ``[N, D]`` or ``[..., T, D]`` float (float32, bfloat16, float16 or
@@ -108,21 +108,21 @@ def linear_cross_entropy(
       ``dweight`` matmuls also run per chunk). None plans chunks (and, for
       float32 logits, groups of chunks) from ``memory_budget``.
     memory_budget: bytes for the chunk temporaries (default 2.25 GiB,
-      ``DEFAULT_MEMORY_BUDGET``; ``_planning.plan_chunks``): with logits in
+      ``mst_jax._api.DEFAULT_MEMORY_BUDGET``): with logits in
       the compute dtype, one chunk's logits, overwritten in place by its
       ``dlogits``; with float32 logits, one chunk's logits and one group's
       ``dlogits``, whose matmuls run once per group. Peak extra memory is about
       this plus ``dhidden``-sized buffers. It is per device; with
       ``vocab_axis`` the default is divided by that axis's size (each device
       holds that fraction of the vocabulary).
-    vocab_block_size: the low-memory loop order (``_vocab_blocks``):
+    vocab_block_size: the low-memory loop order (vocabulary blocks):
       each row chunk walks the vocabulary in blocks of this many columns,
       once for the statistics and once for the gradients, so only
       ``[rows, vocab_block_size]`` logits exist and nothing grows with V.
       Costs 8 N·D·V FLOPs (the logits are formed twice) and one in-place pass
       over ``dweight`` per row chunk; rows are not compacted. Rows per chunk
       come from ``chunk_size`` or ``memory_budget``
-      (``_planning.plan_vocab_blocked_rows``; the default budget is not divided
+      (the default budget is not divided
       over vocab shards here: a row's cost does not depend on V), and
       ``dweight`` accumulates in the weight's dtype unless ``accum_dtype``
       says otherwise. Multiples of 128 suit tensor cores; V need not be a
@@ -155,7 +155,7 @@ def linear_cross_entropy(
       FLOPs; every reduction; differentiable ``aux.lse``). None: ``"fused"``
       for ``"mean"`` / ``"sum"``, ``"recompute"`` for ``"none"``.
     return_aux: if True, also return a ``LossAux``.
-    mesh: a ``jax.sharding.Mesh`` to compute over (``_mesh``): rows
+    mesh: a ``jax.sharding.Mesh`` to compute over: rows
       split over ``batch_axis`` (data parallel; ``dweight`` summed over it) and
       the vocabulary over ``vocab_axis`` (vocab parallel: each device holds
       ``V / m`` rows of the weight, statistics are combined across the axis,
@@ -175,10 +175,12 @@ def linear_cross_entropy(
     gradients: such a label is an error and is never read as a valid class.
 
   Raises:
-    ValueError: mismatched shapes, an unknown ``reduction`` /
-      ``weight_layout`` / ``impl``, or option values out of range.
-    TypeError: non-integer labels, non-float hidden / weight / bias, a
-      non-bool ``where``, or options of the wrong type.
+    ValueError: mismatched shapes (``token_weights`` included), an unknown
+      ``reduction`` / ``weight_layout`` / ``impl`` / ``grad_mode``, or option
+      values out of range (``logit_scale <= 0``, say).
+    TypeError: non-integer labels, non-float hidden / weight / bias /
+      ``token_weights``, a non-bool ``where``, or options of the wrong type.
+    NotImplementedError: ``grad_mode="fused"`` with ``reduction="none"``.
 
   Example:
 

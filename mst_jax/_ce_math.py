@@ -76,11 +76,11 @@ class RowStats(NamedTuple):
   of magnitude 1e4 in float32 have an ulp of 1e-3).
 
   Attributes:
-    row_max: float32 max of the (softcapped) logits.
+    row_max: float32 max of the scores ``s`` (scaled, softcapped logits).
     log_sum_exp: float32 ``log(sum(exp(s - row_max)))``.
-    target: float32 (softcapped) logit at the label; any value where the label
+    target: float32 score at the label; any value where the label
       is outside ``[0, V)`` (``row_outputs`` replaces it with NaN).
-    mean_logit: float32 mean of the (softcapped) logits over the vocabulary;
+    mean_logit: float32 mean of the scores over the vocabulary;
       only read when ``label_smoothing > 0``, so a backend may return zeros
       otherwise.
     argmax: int32 index of the first maximum of the logits.
@@ -213,7 +213,7 @@ class BackwardRows(NamedTuple):
   """Per-row inputs of ``dlogits_block``, each float32 ``[rows]``.
 
   ``dlogits = coef_softmax * p - coef_target * ((1 - eps) * onehot + eps / V)``
-  (times the softcap derivative), with ``p = exp(s - lse)``.
+  (times ``scores_grad``), with ``p = exp(s - lse)``.
 
   Attributes:
     lse: the saved log-sum-exp; +inf at excluded rows, so that their

@@ -4,8 +4,9 @@ It forms the whole logits and differentiates by autodiff, so it is the test
 oracle (run on float64 inputs) and the documentation of what every fast path
 computes. It is written from the definition
 ``-(1 - eps) * log p_y - eps * mean_j log p_j + zl * lse**2`` with
-``log p = log_softmax(softcap(logits))``, independently of the blockwise math
-in ``_ce_math`` that the fast paths share (it takes only its options).
+``log p = log_softmax(softcap(logit_scale * logits))``, independently of the
+blockwise math in ``_ce_math`` that the fast paths share (it takes only its
+options).
 """
 
 from __future__ import annotations

@@ -24,9 +24,10 @@ class LossAux(NamedTuple):
 
   Attributes:
     lse: float32, shape of ``labels``: each token's log-sum-exp of the
-      (softcapped) logits; 0 at excluded tokens. Differentiable.
+      (scaled, softcapped) logits; 0 at excluded tokens. Differentiable.
     n_valid: int32 scalar, the number of tokens that count.
-    z_loss: float32, the z-loss term included in the loss, reduced like it.
+    z_loss: float32, the z-loss term included in the loss, reduced (and
+      token-weighted) like it.
     n_correct: int32 scalar, valid tokens whose argmax equals the label.
   """
 
@@ -172,7 +173,8 @@ def row_weights(rows: Rows, reduction: str, dtype) -> jax.Array:
   """
   weights = rows.valid.astype(dtype)
   if rows.token_weights is not None:
-    weights = weights * rows.token_weights.astype(dtype)
+    # Selected, not multiplied: a NaN weight at an excluded token stays out.
+    weights = jnp.where(rows.valid, rows.token_weights.astype(dtype), 0.0)
     if reduction == "mean":
       total = jnp.sum(weights)
       weights = jnp.where(total == 0, 0.0, weights / jnp.where(total == 0, 1, total))

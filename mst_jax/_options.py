@@ -165,16 +165,18 @@ def from_arguments(arguments: Mapping) -> tuple[LossOptions, PerfOptions]:
 
 
 @dataclasses.dataclass(frozen=True)
-class HeadLossOptions(LossOptions, PerfOptions):
+class HeadLossOptions(PerfOptions, LossOptions):
   """Every option of ``linear_cross_entropy``, as a Flax head fixes them.
 
-  The fields of ``LossOptions`` and ``PerfOptions``; checked on construction,
-  so a bad value (or combination) fails when the module is built rather than
-  at its first call.
+  The fields of ``LossOptions``, then those of ``PerfOptions``; checked and
+  normalised on construction, so a bad value (or combination) fails when the
+  module is built rather than at its first call.
   """
 
   def __post_init__(self) -> None:
-    from_arguments(dataclasses.asdict(self))
+    for options in from_arguments(dataclasses.asdict(self)):
+      for field in dataclasses.fields(options):
+        _replace_field(self, field.name, getattr(options, field.name))
 
 
 # linear_cross_entropy's options, in the order its signature declares them.

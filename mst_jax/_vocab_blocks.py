@@ -5,7 +5,7 @@ through the vocabulary in blocks of ``B`` columns, twice:
 
 1. **Statistics.** Each block's ``[rows, B]`` float32 logits are reduced by
    the backend and merged into the running row statistics
-   (``ce_math.combine_stats``: an online max / sum-exp, the target logit from
+   (``_ce_math.combine_stats``: an online max / sum-exp, the target logit from
    the block that holds the label, the mean, the first argmax).
 2. **Gradients.** Each block's logits are formed again; the backend turns
    them into ``dlogits`` (the lse is known now); the block's rows of

@@ -110,6 +110,8 @@ class LMHeadLoss(nnx.Module):
   ):
     """The loss of ``hidden`` (``[..., T, D]``) against ``labels`` (``[..., T]``).
 
+    ``where`` (bool) and ``token_weights`` (float, not differentiated) have
+    the shape of ``labels`` and act as in ``mst_jax.linear_cross_entropy``.
     Returns what ``mst_jax.linear_cross_entropy`` returns with this module's
     options: the float32 loss, and with ``return_aux`` a ``LossAux`` too.
     """

@@ -8,15 +8,13 @@ documentation of the semantics; ``losses_from_logits`` is its per-row math.
 
 from __future__ import annotations
 
-import jax
-
 from mst_jax._api import linear_cross_entropy as _chunked_or_reference
 from mst_jax._full_logits import losses_from_logits, row_losses
 
 __all__ = ["linear_cross_entropy", "losses_from_logits", "row_losses"]
 
 
-def linear_cross_entropy(hidden, weight, labels, bias=None, **kwargs) -> jax.Array:
+def linear_cross_entropy(hidden, weight, labels, bias=None, **kwargs):
   """``mst_jax.linear_cross_entropy`` computed from the full logits.
 
   Takes the arguments of ``mst_jax.linear_cross_entropy`` except its

@@ -37,10 +37,10 @@ def main() -> None:
   else:
     raise SystemExit(f"order must be inputs_first or compile_first, got {order!r}")
   outputs = jax.block_until_ready(compiled(*inputs))
-  stats = jax.devices()[0].memory_stats()
-  if stats is None:
+  stats = [d.memory_stats() for d in jax.devices()[: case.devices]]
+  if any(s is None for s in stats):
     raise SystemExit("needs a device that reports memory_stats() (a GPU)")
-  extra = stats["peak_bytes_in_use"] - stats["bytes_in_use"]
+  extra = max(s["peak_bytes_in_use"] - s["bytes_in_use"] for s in stats)
   print(
     json.dumps(
       {

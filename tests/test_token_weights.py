@@ -142,6 +142,31 @@ def test_weights_summing_to_zero_give_exact_zeros(rng, impl):
     np.testing.assert_array_equal(g, 0.0)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_any_weight_at_an_excluded_token_has_no_effect(rng, impl, reduction):
+  """NaN or inf weights where tokens are excluded change nothing, bit for bit."""
+  problem = make_problem(rng, (3, 13), mask="scattered", bias=True)
+  weights = np.asarray(rng.random((3, 13)), np.float32)
+  zeroed, poisoned = weights.copy(), weights.copy()
+  excluded = ~np.asarray(problem.where)
+  zeroed[excluded] = 0.0
+  poisoned[excluded] = np.where(rng.random(excluded.sum()) > 0.5, np.nan, np.inf)
+  # Eagerly too: under jit, XLA may turn a multiply by the mask into a select.
+  with jax.disable_jit():
+    outputs = [
+      _run(problem, jnp.asarray(w), reduction, impl="reference")
+      for w in (zeroed, poisoned)
+    ]
+  outputs += [
+    _run(problem, jnp.asarray(w), reduction, impl=impl, chunk_size=8)
+    for w in (zeroed, poisoned)
+  ]
+  for want, got in (outputs[:2], outputs[2:]):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+      assert np.isfinite(np.asarray(g)).all()
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 def test_aux_z_loss_is_weighted_and_lse_is_not(rng, impl):
   problem = make_problem(rng, (3, 13), mask="scattered")
   weights = jnp.asarray(rng.random((3, 13)), jnp.float32)

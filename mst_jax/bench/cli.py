@@ -55,24 +55,32 @@ def run_sweep(args: argparse.Namespace) -> list[dict]:
   for case, impl in _progress(work, "bench"):
     # A cache per run: its processes share the executable, and no run inherits
     # another's GEMM autotuning (which would hide the first call's peak).
-    env = measure.isolated_env(tempfile.mkdtemp(prefix="mst_jax_bench_cache_"))
-    if args.isolate:
-      row = measure.run_isolated(impl, case, "time", args.reps, env)
-      if "median_ms" in row and args.memory:
-        memory = measure.run_isolated(impl, case, "memory", 0, env)
-        row.update({k: v for k, v in memory.items() if k not in row or k == "error"})
-    else:
-      row = measure.run_here(impl, case, "time", args.reps)
-    if args.accuracy and "median_ms" in row:
-      run = measure.run_isolated if args.isolate else measure.run_here
-      extra = (args.reps, env) if args.isolate else ()
-      row.update(
-        {k: v for k, v in run(impl, case, "accuracy", *extra).items() if "err" in k}
-      )
+    with tempfile.TemporaryDirectory(prefix="mst_jax_bench_cache_") as cache:
+      row = _measure(args, case, impl, measure.isolated_env(cache))
     row["description"] = case.description
     rows.append(row)
   _add_ratios(rows)
   return rows
+
+
+def _measure(args: argparse.Namespace, case, impl: str, env: dict) -> dict:
+  """One (case, impl) row: time, and memory and accuracy where asked for."""
+  if not args.isolate:
+    row = measure.run_here(impl, case, "time", args.reps)
+    # One process measures every run: its lifetime peak is not this run's.
+    row.pop("first_call_extra_bytes", None)
+    if args.accuracy and "median_ms" in row:
+      accuracy = measure.run_here(impl, case, "accuracy")
+      row.update({k: v for k, v in accuracy.items() if "err" in k})
+    return row
+  row = measure.run_isolated(impl, case, "time", args.reps, env)
+  if "median_ms" in row and args.memory:
+    memory = measure.run_isolated(impl, case, "memory", 0, env)
+    row.update({k: v for k, v in memory.items() if k not in row or k == "error"})
+  if args.accuracy and "median_ms" in row:
+    accuracy = measure.run_isolated(impl, case, "accuracy", args.reps, env)
+    row.update({k: v for k, v in accuracy.items() if "err" in k})
+  return row
 
 
 def run_fit(args: argparse.Namespace) -> list[dict]:
