@@ -18,7 +18,7 @@ from mst_jax._driver import Plan, reduced_loss, row_losses
 from mst_jax._inputs import Rows
 from mst_jax._options import LossOptions, PerfOptions
 from mst_jax._row_chunks import RowChunks
-from mst_jax._rows import SweepConfig
+from mst_jax._rows import SweepConfig, stat_dtype
 from mst_jax._vocab_blocks import VocabBlocks
 
 DEFAULT_MEMORY_BUDGET = _planning.DEFAULT_MEMORY_BUDGET
@@ -205,6 +205,7 @@ def linear_cross_entropy(
   layout = _mesh.layout_for(
     mesh, batch_axis, vocab_axis, weight_layout, n_rows, rows.vocab_size
   )
+  weights = _inputs.row_weights(rows, options.reduction, stat_dtype(rows.hidden))
   if perf.impl == "reference" or n_rows == 0:
     if layout is not None and n_rows:
       raise ValueError("impl='reference' forms the full logits; it takes no mesh.")
@@ -214,13 +215,10 @@ def linear_cross_entropy(
   else:
     plan, fused = resolve(rows, options, perf, weight_layout, layout)
     args = (plan, *rows.arrays)
-    if fused:
-      stat_dtype = jnp.promote_types(rows.hidden.dtype, jnp.float32)
-      row_scale = _inputs.row_weights(rows, options.reduction, stat_dtype)
-      outputs = reduced_loss(*args, row_scale)
-    else:
-      outputs = row_losses(*args)
-  return _inputs.finalize(rows, *outputs, options=options, return_aux=return_aux)
+    outputs = reduced_loss(*args, weights) if fused else row_losses(*args)
+  return _inputs.finalize(
+    rows, *outputs, weights=weights, options=options, return_aux=return_aux
+  )
 
 
 def resolve(

@@ -189,16 +189,17 @@ def finalize(
   lse: jax.Array,
   correct: jax.Array,
   *,
+  weights: jax.Array,
   options: LossOptions,
   return_aux: bool,
 ):
   """The public outputs from per-row ones (each ``[N]``, zero at excluded rows).
 
-  ``loss`` may also be the scalar loss already reduced with ``row_weights``.
+  ``weights`` are ``row_weights(rows, options.reduction, lse.dtype)``;
+  ``loss`` may also be the scalar loss already reduced with them.
   """
   reduction = options.reduction
   out_dtype = jnp.promote_types(lse.dtype, jnp.float32)
-  weights = row_weights(rows, reduction, out_dtype)
 
   def reduce(per_row):
     per_row = per_row.astype(out_dtype)

@@ -277,8 +277,15 @@ def reference_dlogits(problem, **kwargs):
       loss, lse, correct = reference.losses_from_logits(
         logits, rows.labels, rows.valid, options=options
       )
+      weights = inputs.row_weights(rows, loss_options.reduction, lse.dtype)
       out = inputs.finalize(
-        rows, loss, lse, correct, options=loss_options, return_aux=False
+        rows,
+        loss,
+        lse,
+        correct,
+        weights=weights,
+        options=loss_options,
+        return_aux=False,
       )
       return jnp.sum(out)
 
