@@ -270,7 +270,38 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   )
   parser.add_argument("--out", default="bench_out", help="directory for JSON and plot")
   parser.add_argument(
-    "--kernels", action="store_true", help="time the CE kernels alone"
+    "--kernels",
+    action="store_true",
+    help="time the kernels alone: the CE kernels and the head GEMMs",
+  )
+  parser.add_argument(
+    "--kernel-groups",
+    nargs="+",
+    choices=["ce", "gemm"],
+    default=["ce", "gemm"],
+    help="with --kernels: the CE kernels, the head GEMMs (XLA vs Mosaic GPU)",
+  )
+  parser.add_argument(
+    "--gemm-heads",
+    nargs="+",
+    choices=sorted(kernels.GEMM_HEADS),
+    default=["llama", "gemma"],
+    help="with --kernels: head shapes for the GEMMs (N, D, V)",
+  )
+  parser.add_argument(
+    "--gemm-layouts", nargs="+", choices=["vd", "dv"], default=["vd", "dv"]
+  )
+  parser.add_argument(
+    "--gemm-products",
+    nargs="+",
+    choices=["logits", "dhidden", "dweight"],
+    default=["logits", "dhidden", "dweight"],
+  )
+  parser.add_argument(
+    "--gemm-configs",
+    nargs="*",
+    default=[],
+    help="with --kernels: extra Mosaic GemmConfigs to time, e.g. tile_n=192,stages=3",
   )
   parser.add_argument(
     "--chunk-shapes",
@@ -330,7 +361,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     f"jax {jax.__version__} on {device.platform} ({device.device_kind})", flush=True
   )
   if args.kernels:
-    kernels.run_kernels(args)
+    if "ce" in args.kernel_groups:
+      kernels.run_kernels(args)
+    if "gemm" in args.kernel_groups:
+      rows = kernels.run_gemms(args)
+      os.makedirs(args.out, exist_ok=True)
+      with open(os.path.join(args.out, "gemms.json"), "w") as f:
+        json.dump(
+          {"device": device.device_kind, "jax": jax.__version__, "rows": rows}, f
+        )
     return
   if args.fit:
     rows = run_fit(args)

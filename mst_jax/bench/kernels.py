@@ -1,22 +1,31 @@
-"""The per-chunk CE kernels alone: XLA against Pallas block configurations.
+"""The kernels alone: the per-chunk CE kernels, and the head's three GEMMs.
 
-For each chunk shape, times ``forward`` (statistics), ``backward`` (bf16
-dlogits) and ``forward_backward`` (fused) on float32 logits, and reports the
-bandwidth achieved against the floor: one read of the logits (forward), plus
-one write of dlogits (backward and fused), and against the device-to-device
-copy bandwidth measured in the same run.
+``run_kernels``: for each chunk shape, times ``forward`` (statistics),
+``backward`` (bf16 dlogits) and ``forward_backward`` (fused) on float32 logits,
+XLA against Pallas block configurations, and reports the bandwidth achieved
+against the floor: one read of the logits (forward), plus one write of
+dlogits (backward and fused), and against the device-to-device copy
+bandwidth measured in the same run.
+
+``run_gemms``: for each head shape and weight layout, times the logits,
+``dhidden`` and ``dweight`` GEMMs (bfloat16 operands, float32 accumulation)
+through XLA (``lax.dot_general`` with ``preferred_element_type``) and through
+the Mosaic GPU kernel (``_backends.mosaic_gemm``), side by side in TFLOP/s.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from mst_jax import _backends as backends
 from mst_jax import _ce_math as ce_math
+from mst_jax._backends import mosaic_gemm
 from mst_jax._backends.pallas_triton import KernelBlocks, PallasTritonChunkCE
 
 
@@ -133,4 +142,126 @@ def run_kernels(args: argparse.Namespace) -> list[dict]:
           f" {floor_bytes / seconds / bandwidth:6.1%} of copy",
           flush=True,
         )
+  return rows
+
+
+# (N, D, V) of the heads the GEMM report times.
+GEMM_HEADS = {"llama": (8192, 4096, 128256), "gemma": (8192, 2304, 256000)}
+
+
+def _dims(lhs_dim: int, rhs_dim: int):
+  return (((lhs_dim,), (rhs_dim,)), ((), ()))
+
+
+# Per (product, layout): lhs, rhs (of hidden [N, D], dlogits [N, V] and the
+# weight), contracted dimensions, output dtype, whether it adds into a float32
+# accumulator. The products of mst_jax._matmul.
+GEMM_PRODUCTS = {
+  ("logits", "vd"): ("hidden", "weight", _dims(1, 1), jnp.bfloat16, False),
+  ("logits", "dv"): ("hidden", "weight", _dims(1, 0), jnp.bfloat16, False),
+  ("dhidden", "vd"): ("dlogits", "weight", _dims(1, 0), jnp.bfloat16, False),
+  ("dhidden", "dv"): ("dlogits", "weight", _dims(1, 1), jnp.bfloat16, False),
+  ("dweight", "vd"): ("dlogits", "hidden", _dims(0, 0), jnp.bfloat16, False),
+  ("dweight", "dv"): ("hidden", "dlogits", _dims(0, 0), jnp.bfloat16, False),
+  ("dweight+=f32", "vd"): ("dlogits", "hidden", _dims(0, 0), jnp.float32, True),
+  ("dweight+=f32", "dv"): ("hidden", "dlogits", _dims(0, 0), jnp.float32, True),
+}
+
+
+def parse_gemm_config(text: str) -> mosaic_gemm.GemmConfig:
+  """``"tile_n=192,stages=3,split=n"`` -> ``GemmConfig`` (other fields default)."""
+  fields = {f.name: f.type for f in dataclasses.fields(mosaic_gemm.GemmConfig)}
+  kwargs = {}
+  for item in text.split(","):
+    name, value = item.split("=")
+    kwargs[name] = value if fields[name] == "str" else int(value)
+  return mosaic_gemm.GemmConfig(**kwargs)
+
+
+def _gemm_fns(dims, out_dtype, accumulate: bool, configs) -> dict:
+  """``impl name -> jitted fn(lhs, rhs[, acc])``: XLA, then each Mosaic config."""
+  if accumulate:
+    xla = lambda a, b, c: (
+      c + lax.dot_general(a, b, dims, preferred_element_type=c.dtype)
+    )
+    mosaic = lambda a, b, c, config: mosaic_gemm.matmul(
+      a, b, dims, c.dtype, accumulate=c, config=config
+    )
+  else:
+    xla = lambda a, b: lax.dot_general(a, b, dims, preferred_element_type=out_dtype)
+    mosaic = lambda a, b, config: mosaic_gemm.matmul(
+      a, b, dims, out_dtype, config=config
+    )
+  donate = (2,) if accumulate else ()
+  fns = {"xla": jax.jit(xla, donate_argnums=donate)}
+  for name, config in configs.items():
+    fn = lambda *args, config=config: mosaic(*args, config=config)
+    fns[name] = jax.jit(fn, donate_argnums=donate)
+  return fns
+
+
+def _time_gemm(fn, lhs, rhs, acc, reps: int) -> float:
+  """Mean seconds of ``reps`` dispatches; an accumulator is carried (donated)."""
+  if acc is None:
+    return _mean_seconds_async(fn, (lhs, rhs), reps)
+  acc = jax.block_until_ready(fn(lhs, rhs, acc))
+  start = time.perf_counter()
+  for _ in range(reps):
+    acc = fn(lhs, rhs, acc)
+  jax.block_until_ready(acc)
+  return (time.perf_counter() - start) / reps
+
+
+@jax.jit
+def _relative_difference(x, y):
+  return jnp.linalg.norm(x - y) / jnp.linalg.norm(y)
+
+
+def run_gemms(args: argparse.Namespace) -> list[dict]:
+  """Times every head GEMM through XLA and Mosaic; prints as it goes."""
+  warm_up()
+  configs = {"mosaic": None}
+  configs.update({f"mosaic {t}": parse_gemm_config(t) for t in args.gemm_configs})
+  rows = []
+  for head in args.gemm_heads:
+    n, d, v = GEMM_HEADS[head]
+    keys = jax.random.split(jax.random.key(args.seed), 3)
+    arrays = {
+      "hidden": jax.random.normal(keys[0], (n, d), jnp.bfloat16),
+      "dlogits": jax.random.normal(keys[1], (n, v), jnp.bfloat16),
+    }
+    for layout in args.gemm_layouts:
+      shape = (v, d) if layout == "vd" else (d, v)
+      arrays["weight"] = jax.random.normal(keys[2], shape, jnp.bfloat16)
+      for (product, product_layout), spec in GEMM_PRODUCTS.items():
+        if product_layout != layout or product.split("+")[0] not in args.gemm_products:
+          continue
+        lhs_name, rhs_name, dims, out_dtype, accumulate = spec
+        lhs, rhs = arrays[lhs_name], arrays[rhs_name]
+        reference = None
+        for impl, fn in _gemm_fns(dims, out_dtype, accumulate, configs).items():
+          row = {"head": head, "layout": layout, "product": product, "impl": impl}
+          acc = None
+          if accumulate:
+            out_shape = (d, v) if lhs_name == "hidden" else (v, d)
+            acc = jnp.zeros(out_shape, jnp.float32)
+          try:
+            seconds = _time_gemm(fn, lhs, rhs, acc, args.reps)
+          except Exception as e:  # noqa: BLE001 -- report the failure, time the rest
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            print(f"{head:>6} {layout} {product:<13} {impl:<30} {row['error']}")
+            rows.append(row)
+            continue
+          row.update(ms=seconds * 1e3, tflops=2 * n * d * v / seconds / 1e12)
+          if not accumulate:  # against XLA's output (the first impl)
+            out = fn(lhs, rhs).astype(jnp.float32)
+            reference = out if reference is None else reference
+            row["vs_xla"] = float(_relative_difference(out, reference))
+          rows.append(row)
+          print(
+            f"{head:>6} {layout} {product:<13} {impl:<30} {row['ms']:8.3f} ms"
+            f" {row['tflops']:6.1f} TFLOP/s  vs xla {row.get('vs_xla', 0):.1e}",
+            flush=True,
+          )
+    del arrays
   return rows

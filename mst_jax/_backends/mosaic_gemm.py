@@ -1,0 +1,450 @@
+"""The LM head's GEMMs as one Mosaic GPU kernel for Hopper (sm_90a).
+
+``matmul`` computes ``lax.dot_general(lhs, rhs, dimension_numbers,
+preferred_element_type=out_dtype)`` for 2-D operands contracted over one
+dimension each, which covers the head's three products in both weight layouts
+(``mst_jax._matmul``): an operand contracted over its rows is read as
+transposed shared-memory tiles (wgmma's transpose bits), so the weight is
+never transposed or copied in device memory.
+
+The kernel, read top to bottom:
+
+1. A persistent grid, one block per SM, walks the output tiles in a planar
+   snake (neighbouring blocks share operand tiles in L2).
+2. Per output tile, a warp-specialized pipeline: one warpgroup issues TMA
+   copies of the operands' ``[tile, tile_k]`` tiles into a ring of
+   ``stages`` shared-memory slots; two compute warpgroups each own half the
+   output tile and issue ``wgmma`` into a float32 accumulator.
+3. The epilogue (in the compute warpgroups) rounds the accumulator to the
+   output dtype, or first adds it to the ``accumulate`` array's tile, and
+   stores through shared memory with TMA.
+
+Sizes need not be multiples of the tiles: TMA fills reads past an array's end
+with zeros (adding nothing to a dot product) and drops writes past it. Mosaic
+GPU does describe each array to TMA as whole shared-memory tiles of 8 rows x
+128 bytes, so every operand and the output must have a multiple of 8 rows
+and of 64 (16-bit) or 32 (float32) columns as stored: V = 32000, 128256 or
+256000 qualify, GPT-2's 50257 does not. ``matmul`` raises
+``NotImplementedError`` for other shapes.
+
+The module imports on any jax (a missing Mosaic GPU is reported when
+``matmul`` is called); without a Hopper GPU ``matmul`` raises
+``NotImplementedError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+try:  # Mosaic GPU's Pallas front end; its lowering runs only on a Hopper GPU.
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError as e:  # pragma: no cover -- a jax without Mosaic GPU
+  pl = plgpu = None
+  _IMPORT_ERROR: ImportError | None = e
+else:
+  _IMPORT_ERROR = None
+
+_INPUT_DTYPES = ("bfloat16", "float16")
+_OUTPUT_DTYPES = ("bfloat16", "float16", "float32")
+_SMEM_BYTES = 227 * 1024  # an sm_90 block's dynamic shared memory limit
+_SWIZZLE_BYTES = 128  # shared-memory tiles are 8 rows of 128 swizzled bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+  """Tiles and pipelining of the Mosaic GPU GEMM.
+
+  A block computes a ``[2 tile_m, tile_n]`` (``split="m"``) or
+  ``[tile_m, 2 tile_n]`` (``split="n"``) output tile, each of its two compute
+  warpgroups a ``[tile_m, tile_n]`` float32 accumulator in registers
+  (``tile_m * tile_n / 128`` per thread).
+
+  Attributes:
+    tile_m: output rows per compute warpgroup, a multiple of 64.
+    tile_n: output columns per compute warpgroup, a multiple of 64.
+    tile_k: contraction step, a multiple of 64 (one 128-byte swizzle row).
+    stages: shared-memory slots of the operand ring (TMA runs ahead by this).
+    split: ``"m"`` or ``"n"``: which output dimension the warpgroups split.
+    grid_minor: ``"m"`` or ``"n"``: the fast dimension of the tile walk.
+    grid_tile_width: output tiles per band of the snake along ``grid_minor``.
+    epilogue_m: rows of each epilogue store, divides ``tile_m``.
+    epilogue_n: columns of each epilogue store, divides ``tile_n``.
+  """
+
+  tile_m: int = 128
+  tile_n: int = 128
+  tile_k: int = 64
+  stages: int = 4
+  split: str = "m"
+  grid_minor: str = "n"
+  grid_tile_width: int = 8
+  epilogue_m: int = 64
+  epilogue_n: int = 64
+
+  def __post_init__(self) -> None:
+    def check(ok: bool, name: str, what: str) -> None:
+      if not ok:
+        raise ValueError(
+          f"GemmConfig.{name} must be {what}, got {getattr(self, name)!r}."
+        )
+
+    for name in ("tile_m", "tile_n", "tile_k"):
+      value = getattr(self, name)
+      check(isinstance(value, int) and value > 0 and value % 64 == 0, name, "64 i")
+    # 2 compute warpgroups x tile_m * tile_n / 128 float32 registers per thread.
+    check(self.tile_m * self.tile_n <= 128 * 192, "tile_n", "<= 24576 / tile_m")
+    for name, tile in (("epilogue_m", self.tile_m), ("epilogue_n", self.tile_n)):
+      value = getattr(self, name)
+      check(value % 8 == 0 and tile % value == 0, name, f"8 i dividing {tile}")
+    check(self.split in ("m", "n"), "split", "'m' or 'n'")
+    check(self.grid_minor in ("m", "n"), "grid_minor", "'m' or 'n'")
+    check(self.stages >= 1, "stages", ">= 1")
+    check(self.grid_tile_width >= 1, "grid_tile_width", ">= 1")
+
+  @property
+  def block_m(self) -> int:
+    return self.tile_m * (2 if self.split == "m" else 1)
+
+  @property
+  def block_n(self) -> int:
+    return self.tile_n * (2 if self.split == "n" else 1)
+
+  def smem_bytes(self, in_dtype, out_dtype, accumulate: bool) -> int:
+    """Shared memory the kernel allocates (operand ring + epilogue slots)."""
+    ring = self.stages * self.tile_k * (self.block_m + self.block_n)
+    slots = 2 * _epilogue_slots(self) * self.epilogue_m * self.epilogue_n
+    barriers = 8 * (2 * self.stages + 4 * accumulate)
+    in_bytes, out_bytes = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
+    return ring * in_bytes + slots * out_bytes + barriers
+
+
+def _epilogue_slots(config: GemmConfig) -> int:
+  """Epilogue staging slots per warpgroup: 2 (double buffered), or 1 if one store."""
+  stores = (config.tile_m // config.epilogue_m) * (config.tile_n // config.epilogue_n)
+  return min(2, stores)
+
+
+# Tuned configs, first match wins: ((min m, min n, min k), config). Shapes
+# below every entry take GemmConfig().
+_TUNED: tuple[tuple[tuple[int, int, int], GemmConfig], ...] = ()
+
+
+def default_config(m: int, n: int, k: int, out_dtype, accumulate: bool) -> GemmConfig:
+  """The config for an ``[m, k] x [k, n]`` product, fitted to shared memory.
+
+  A float32 output's epilogue slots are narrowed to 32 columns, then stages
+  dropped (to no fewer than 2), until they fit beside the operand ring.
+  """
+  config = next(
+    (c for (mm, nn, kk), c in _TUNED if m >= mm and n >= nn and k >= kk), GemmConfig()
+  )
+  fits = lambda c: c.smem_bytes(jnp.bfloat16, out_dtype, accumulate) <= _SMEM_BYTES
+  if not fits(config) and config.epilogue_n > 32:
+    config = dataclasses.replace(config, epilogue_n=32)
+  while not fits(config) and config.stages > 2:
+    config = dataclasses.replace(config, stages=config.stages - 1)
+  return config
+
+
+@dataclasses.dataclass(frozen=True)
+class _Problem:
+  """The static shape of one call: ``out[m, n] = A[m, k] @ B[k, n]``."""
+
+  m: int
+  n: int
+  k: int
+  lhs_transposed: bool  # lhs is stored [k, m]
+  rhs_transposed: bool  # rhs is stored [n, k]
+  in_dtype: jnp.dtype
+  out_dtype: jnp.dtype
+  accumulate: bool
+
+
+def _check(lhs, rhs, dimension_numbers, out_dtype, accumulate) -> _Problem:
+  """Validates the arguments at trace time; returns the problem they pose."""
+  (lhs_contract, rhs_contract), batch = dimension_numbers
+  if lhs.ndim != 2 or rhs.ndim != 2 or any(batch):
+    raise NotImplementedError(
+      f"mosaic_gemm.matmul takes 2-D operands without batch dimensions, got"
+      f" {lhs.shape} x {rhs.shape} with {dimension_numbers}; use lax.dot_general."
+    )
+  if len(lhs_contract) != 1 or len(rhs_contract) != 1:
+    raise ValueError(f"contract one dimension of each operand, got {dimension_numbers}")
+  (lc,), (rc,) = lhs_contract, rhs_contract
+  if lhs.shape[lc] != rhs.shape[rc]:
+    raise ValueError(
+      f"contracted dimensions differ: {lhs.shape}[{lc}] vs {rhs.shape}[{rc}]"
+    )
+  if jnp.dtype(lhs.dtype).name not in _INPUT_DTYPES or rhs.dtype != lhs.dtype:
+    raise TypeError(
+      f"operands must be bfloat16 or float16, got {lhs.dtype}, {rhs.dtype}"
+    )
+  out_dtype = jnp.dtype(out_dtype)
+  if out_dtype.name not in _OUTPUT_DTYPES:
+    raise TypeError(f"out_dtype must be one of {_OUTPUT_DTYPES}, got {out_dtype}")
+  m, n, k = lhs.shape[1 - lc], rhs.shape[1 - rc], lhs.shape[lc]
+  if accumulate is not None:
+    if accumulate.shape != (m, n):
+      raise ValueError(
+        f"accumulate has shape {accumulate.shape}, the product ({m}, {n})"
+      )
+    if accumulate.dtype != out_dtype:
+      raise TypeError(f"accumulate is {accumulate.dtype}, out_dtype {out_dtype}")
+  for name, shape, dtype in (
+    ("lhs", lhs.shape, lhs.dtype),
+    ("rhs", rhs.shape, rhs.dtype),
+    ("output", (m, n), out_dtype),
+  ):
+    row_elements = _SWIZZLE_BYTES // jnp.dtype(dtype).itemsize
+    if shape[0] % 8 or shape[1] % row_elements:
+      raise NotImplementedError(
+        f"mosaic_gemm.matmul: the {name} {shape} ({jnp.dtype(dtype).name}) is not"
+        f" [8 i, {row_elements} j]: TMA copies it as whole 8 x {_SWIZZLE_BYTES}-byte"
+        " tiles; use lax.dot_general."
+      )
+  in_dtype, has_accumulate = jnp.dtype(lhs.dtype), accumulate is not None
+  return _Problem(m, n, k, lc == 0, rc == 1, in_dtype, out_dtype, has_accumulate)
+
+
+def _smem_transforms(minor_elements: int, dtype) -> tuple:
+  """Tiling and swizzle of a shared-memory tile ``minor_elements`` wide."""
+  bits = jnp.dtype(dtype).itemsize * 8
+  swizzle = plgpu.find_swizzle(minor_elements * bits)
+  tiling = plgpu.TilingTransform((8, swizzle * 8 // bits))
+  return tiling, plgpu.SwizzleTransform(swizzle)
+
+
+def _operand_specs(problem: _Problem, config: GemmConfig) -> list:
+  """Block specs of the operand tiles one pipeline step copies.
+
+  Each tile is copied as its operand is stored (``[tile_k, block]`` when the
+  contraction runs along the rows); ``_gemm_kernel`` hands wgmma a transposed
+  view where the stored tile is not the ``[m, k]`` / ``[k, n]`` it expects.
+  """
+  tile_k, dtype = config.tile_k, problem.in_dtype
+
+  def spec(block: int, k_major: bool):
+    if k_major:  # stored [k, block]
+      shape, index = (tile_k, block), lambda k: (k, 0)
+    else:  # stored [block, k]
+      shape, index = (block, tile_k), lambda k: (0, k)
+    transforms = _smem_transforms(shape[1], dtype)
+    return plgpu.BlockSpec(shape, index, transforms=transforms, memory_space=plgpu.SMEM)
+
+  return [
+    spec(config.block_m, k_major=problem.lhs_transposed),
+    spec(config.block_n, k_major=not problem.rhs_transposed),
+  ]
+
+
+def _gemm_kernel(a_gmem, b_gmem, out_gmem, *, problem: _Problem, config: GemmConfig):
+  """One block: a persistent walk over ``[block_m, block_n]`` output tiles."""
+  p, c = problem, config
+  m_iters, n_iters = pl.cdiv(p.m, c.block_m), pl.cdiv(p.n, c.block_n)
+
+  def pipeline(body, compute_context):
+    return plgpu.emit_pipeline_warp_specialized(
+      body,
+      grid=(pl.cdiv(p.k, c.tile_k),),
+      memory_registers=40,
+      in_specs=_operand_specs(p, c),
+      wg_axis="wg",
+      num_compute_wgs=2,
+      max_concurrent_steps=c.stages,
+      compute_context=compute_context,
+    )
+
+  slots = _epilogue_slots(c)
+  ignore = lambda *_, **__: None  # the allocations do not depend on the bodies
+
+  @functools.partial(
+    pl.run_scoped,
+    allocations=pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
+    out_smem=plgpu.SMEM(
+      (2, slots, c.epilogue_m, c.epilogue_n),
+      p.out_dtype,
+      transforms=_smem_transforms(c.epilogue_n, p.out_dtype),
+    ),
+    load_barrier=plgpu.Barrier(num_barriers=2 * slots) if p.accumulate else None,
+    collective_axes="wg",
+  )
+  def _scope(allocations, out_smem, load_barrier):
+    wg = lax.axis_index("wg")
+    wg_m = pl.ds(wg * c.tile_m, c.tile_m) if c.split == "m" else slice(None)
+    wg_n = pl.ds(wg * c.tile_n, c.tile_n) if c.split == "n" else slice(None)
+
+    @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+    def _tile(loop_info):
+      (tile_index,) = loop_info.index
+      minor = 0 if c.grid_minor == "m" else 1
+      grid = (m_iters, n_iters)
+      m_index, n_index = plgpu.planar_snake(tile_index, grid, minor, c.grid_tile_width)
+      rows = pl.ds(m_index * c.block_m, c.block_m)
+      cols = pl.ds(n_index * c.block_n, c.block_n)
+
+      def mma(_, a_smem, b_smem, acc_ref):
+        if p.lhs_transposed:  # [tile_k, block_m] as stored
+          a = plgpu.transpose_ref(a_smem.at[:, wg_m], (1, 0))
+        else:
+          a = a_smem.at[wg_m, :]
+        if p.rhs_transposed:  # [block_n, tile_k] as stored
+          b = plgpu.transpose_ref(b_smem.at[wg_n, :], (1, 0))
+        else:
+          b = b_smem.at[:, wg_n]
+        plgpu.wgmma(acc_ref, a, b)
+        plgpu.wgmma_wait(0)
+        return acc_ref
+
+      def compute_context(run_pipeline):
+        @functools.partial(
+          pl.run_scoped, acc_ref=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32)
+        )
+        def _accumulator(acc_ref):
+          run_pipeline(acc_ref)
+          out_tile = out_gmem.at[rows, cols].at[wg_m, wg_n]
+          _epilogue(acc_ref[...], out_tile, out_smem.at[wg], load_barrier, wg, p, c)
+
+      pipeline(mma, compute_context)(
+        a_gmem.at[:, rows] if p.lhs_transposed else a_gmem.at[rows, :],
+        b_gmem.at[cols, :] if p.rhs_transposed else b_gmem.at[:, cols],
+        allocations=allocations,
+      )
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last stores' reads
+
+
+def _epilogue(acc, out_tile, out_smem, load_barrier, wg, p: _Problem, c: GemmConfig):
+  """Stores a warpgroup's ``[tile_m, tile_n]`` accumulator (plus ``out_tile``).
+
+  ``epilogue_m x epilogue_n`` pieces go through shared-memory slots by TMA;
+  a slot is refilled once the store that last read it has read it. Rows and
+  columns past the array's end are dropped by TMA (and read as zeros).
+  """
+  slots = _epilogue_slots(c)
+  pieces_n = c.tile_n // c.epilogue_n
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores
+  for i in range(c.tile_m // c.epilogue_m):
+    for j in range(pieces_n):
+      piece_rows = slice(i * c.epilogue_m, (i + 1) * c.epilogue_m)
+      piece_cols = slice(j * c.epilogue_n, (j + 1) * c.epilogue_n)
+      slot = (i * pieces_n + j) % slots
+      dst = out_tile.at[piece_rows, piece_cols]
+      piece = acc[piece_rows, piece_cols]  # [epilogue_m, epilogue_n] float32
+      plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+      if p.accumulate:
+        barrier = load_barrier.at[wg * slots + slot]
+        plgpu.copy_gmem_to_smem(dst, out_smem.at[slot], barrier)
+        plgpu.barrier_wait(barrier)
+        piece = piece + out_smem[slot].astype(jnp.float32)
+      out_smem[slot] = piece.astype(p.out_dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(out_smem.at[slot], dst)
+
+
+def _num_sms() -> int:
+  return getattr(jax.devices()[0], "core_count", None) or 132
+
+
+def _gemm(lhs, rhs, accumulate, problem: _Problem, config: GemmConfig):
+  """Launches the kernel; ``accumulate`` (or None) is updated through a Ref."""
+  mesh = plgpu.Mesh(
+    grid=(_num_sms(),), grid_names=("sm",), num_threads=3, thread_name="wg"
+  )
+  kernel = functools.partial(
+    pl.kernel,
+    functools.partial(_gemm_kernel, problem=problem, config=config),
+    mesh=mesh,
+    compiler_params=plgpu.CompilerParams(
+      lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+    ),
+    name="mst_jax_mosaic_gemm",
+  )
+  if accumulate is None:
+    out_type = jax.ShapeDtypeStruct((problem.m, problem.n), problem.out_dtype)
+    return kernel(out_type=out_type)(lhs, rhs)
+  out_ref = jax.new_ref(accumulate)
+  kernel(out_type=())(lhs, rhs, out_ref)
+  return jax.freeze(out_ref)
+
+
+_STATIC_ARGS = ("dimension_numbers", "out_dtype", "config")
+
+
+def unavailable_reason() -> str | None:
+  """Why the kernel cannot run on the default device, or None."""
+  if _IMPORT_ERROR is not None:
+    return f"jax.experimental.pallas.mosaic_gpu is not importable ({_IMPORT_ERROR})"
+  device = jax.devices()[0]
+  if device.platform != "gpu":
+    return f"it needs a Hopper GPU, the default device is a {device.platform}"
+  capability = getattr(device, "compute_capability", None)
+  if capability != "9.0":
+    return f"it needs a Hopper GPU (compute capability 9.0), got {capability}"
+  return None
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC_ARGS)
+def matmul(
+  lhs: jax.Array,
+  rhs: jax.Array,
+  dimension_numbers,
+  out_dtype=None,
+  *,
+  accumulate: jax.Array | None = None,
+  config: GemmConfig | None = None,
+) -> jax.Array:
+  """``lax.dot_general(lhs, rhs, dimension_numbers)`` (2-D) on Hopper's wgmma.
+
+  Accumulates in float32 and rounds once to ``out_dtype``. Either operand may
+  be contracted over its rows or its columns; neither is transposed in
+  memory. The LM head's products, for ``hidden [N, D]``, ``dlogits [N, V]``
+  and a weight ``[V, D]`` (``"vd"``) or ``[D, V]`` (``"dv"``), are those of
+  ``mst_jax._matmul``::
+
+    logits  = matmul(hidden, w, (((1,), (1,)), ((), ())), bf16)    # vd
+    logits  = matmul(hidden, w, (((1,), (0,)), ((), ())), bf16)    # dv
+    dhidden = matmul(dlogits, w, (((1,), (0,)), ((), ())), bf16)   # vd
+    dhidden = matmul(dlogits, w, (((1,), (1,)), ((), ())), bf16)   # dv
+    dweight = matmul(dlogits, hidden, (((0,), (0,)), ((), ())), f32,
+                     accumulate=dweight)                          # vd
+    dweight = matmul(hidden, dlogits, (((0,), (0,)), ((), ())), f32,
+                     accumulate=dweight)                          # dv
+
+  Args:
+    lhs: ``[M, K]``, or ``[K, M]`` when contracted over dimension 0;
+      bfloat16 or float16.
+    rhs: ``[K, N]``, or ``[N, K]`` when contracted over dimension 1; the
+      dtype of ``lhs``.
+    dimension_numbers: ``(((lhs_dim,), (rhs_dim,)), ((), ()))`` as for
+      ``lax.dot_general``.
+    out_dtype: bfloat16, float16 or float32 (default: ``accumulate``'s dtype,
+      else the inputs').
+    accumulate: ``[M, N]`` in ``out_dtype`` or None; the result is
+      ``accumulate + lhs @ rhs``, each tile read and rewritten by the kernel
+      (in place when the caller no longer needs ``accumulate``: XLA aliases
+      it with the result).
+    config: tiles and pipelining (default: ``default_config``).
+
+  Returns:
+    ``[M, N]`` in ``out_dtype``.
+
+  Raises:
+    ValueError: shapes that do not contract, or ``accumulate`` of another shape.
+    TypeError: dtypes other than those above.
+    NotImplementedError: no Hopper GPU, batch dimensions, or arrays that are
+      not whole ``8 x 128``-byte tiles (see the module docstring).
+  """
+  if out_dtype is None:
+    out_dtype = lhs.dtype if accumulate is None else accumulate.dtype
+  problem = _check(lhs, rhs, dimension_numbers, out_dtype, accumulate)
+  if (reason := unavailable_reason()) is not None:
+    raise NotImplementedError(f"mosaic_gemm.matmul: {reason}; use lax.dot_general.")
+  p = problem
+  config = config or default_config(p.m, p.n, p.k, p.out_dtype, p.accumulate)
+  return _gemm(lhs, rhs, accumulate, problem, config)

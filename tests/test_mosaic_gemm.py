@@ -1,0 +1,172 @@
+"""The Mosaic GPU GEMM against a float64 product, for the LM head's products.
+
+Each case draws fresh random operands, multiplies them in float64 with numpy
+and compares ``||out - ref|| / ||ref||`` with a tolerance keyed by the output
+dtype (the kernel accumulates exact products in float32 and rounds once).
+Sizes are deliberately not multiples of the kernel's tiles (1000 or 8000
+rows, V = 32000 or 4160 columns, a contraction of 1000 rows), so every
+partial tile is read with TMA's zero fill and stored clipped. The GPU cases
+need a Hopper GPU; the argument checks and the lowering run everywhere.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import has_gpu
+
+from mst_jax._backends import mosaic_gemm
+from mst_jax._backends.mosaic_gemm import GemmConfig
+
+# ||out - ref|| / ||ref|| by output dtype: one rounding of the output (half an
+# ulp: 2^-9 bfloat16, 2^-11 float16) with room for summation order, or float32
+# accumulation over at most ~10^5 terms.
+RTOL = {"bfloat16": 4e-3, "float16": 1e-3, "float32": 2e-5}
+
+
+def _dims(lhs_dim: int, rhs_dim: int):
+  return (((lhs_dim,), (rhs_dim,)), ((), ()))
+
+
+# The head's products as (lhs, rhs, contracted dims) of hidden [N, D],
+# dlogits [N, V] and the weight ("vd": [V, D], "dv": [D, V]), as in _matmul.
+PRODUCTS = {
+  ("logits", "vd"): ("hidden", "weight", _dims(1, 1)),
+  ("logits", "dv"): ("hidden", "weight", _dims(1, 0)),
+  ("dhidden", "vd"): ("dlogits", "weight", _dims(1, 0)),
+  ("dhidden", "dv"): ("dlogits", "weight", _dims(1, 1)),
+  ("dweight", "vd"): ("dlogits", "hidden", _dims(0, 0)),
+  ("dweight", "dv"): ("hidden", "dlogits", _dims(0, 0)),
+}
+# (N, D, V): unaligned rows, and a 65 x 64-column vocabulary.
+SHAPES = [(1000, 512, 4160), (8000, 256, 32000)]
+
+
+def _operands(rng, n, d, v, layout, dtype):
+  weight_shape = (v, d) if layout == "vd" else (d, v)
+  return {
+    "hidden": rng.standard_normal((n, d)),
+    "dlogits": rng.standard_normal((n, v)),
+    "weight": rng.standard_normal(weight_shape),
+  }
+
+
+def _run(rng, product, layout, shape, in_dtype, out_dtype, accumulate=False, **kw):
+  lhs_name, rhs_name, dims = PRODUCTS[product, layout]
+  arrays = {
+    name: jnp.asarray(x, in_dtype)
+    for name, x in _operands(rng, *shape, layout, in_dtype).items()
+  }
+  lhs, rhs = arrays[lhs_name], arrays[rhs_name]
+  ref = jax.lax.dot_general(
+    np.asarray(lhs, np.float64), np.asarray(rhs, np.float64), dims
+  )
+  ref = np.asarray(ref)
+  init = None
+  if accumulate:
+    init = jnp.asarray(rng.standard_normal(ref.shape), out_dtype)
+    ref = ref + np.asarray(init, np.float64)
+  out = mosaic_gemm.matmul(lhs, rhs, dims, out_dtype, accumulate=init, **kw)
+  assert out.shape == ref.shape and out.dtype == jnp.dtype(out_dtype)
+  out = np.asarray(out, np.float64)
+  assert np.isfinite(out).all()
+  error = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+  assert error <= RTOL[jnp.dtype(out_dtype).name], (product, layout, shape, error)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("in_dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("product,layout", list(PRODUCTS))
+def test_head_products(rng, product, layout, shape, in_dtype):
+  out_dtype = "float32" if product == "dweight" else in_dtype
+  _run(rng, product, layout, shape, in_dtype, out_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("layout", ["vd", "dv"])
+def test_dweight_accumulates(rng, layout, out_dtype):
+  _run(rng, "dweight", layout, (1000, 512, 4160), "bfloat16", out_dtype, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+  "config",
+  [
+    GemmConfig(split="n"),
+    GemmConfig(tile_n=192, stages=3, grid_minor="m", grid_tile_width=4),
+    GemmConfig(tile_m=64, tile_n=256),
+    GemmConfig(tile_k=128, stages=2),
+  ],
+  ids=str,
+)
+@pytest.mark.parametrize("product,layout", [("logits", "vd"), ("dweight", "vd")])
+def test_configs(rng, product, layout, config):
+  _run(rng, product, layout, (1000, 512, 4160), "bfloat16", "bfloat16", config=config)
+
+
+@pytest.mark.gpu
+def test_logits_in_float32(rng):
+  _run(rng, "logits", "dv", (1000, 512, 4160), "bfloat16", "float32")
+
+
+def test_rejects_bad_arguments():
+  x = jnp.zeros((64, 128), jnp.bfloat16)
+  with pytest.raises(ValueError, match="contracted dimensions differ"):
+    mosaic_gemm.matmul(x, x, _dims(1, 0))
+  with pytest.raises(TypeError, match="bfloat16 or float16"):
+    mosaic_gemm.matmul(x.astype(jnp.float32), x, _dims(1, 1))
+  with pytest.raises(TypeError, match="out_dtype"):
+    mosaic_gemm.matmul(x, x, _dims(1, 1), jnp.int32)
+  with pytest.raises(ValueError, match="accumulate has shape"):
+    mosaic_gemm.matmul(x, x, _dims(1, 1), accumulate=x)
+  # GPT-2's vocabulary: rows of 50257 bf16 are not whole 128-byte tiles.
+  odd = jnp.zeros((64, 50257), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="lax.dot_general"):
+    mosaic_gemm.matmul(odd, jnp.zeros((50257, 64), jnp.bfloat16), _dims(1, 0))
+
+
+@pytest.mark.skipif(has_gpu(), reason="checks the CPU's refusal")
+def test_needs_a_hopper_gpu():
+  x = jnp.zeros((64, 128), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="Hopper"):
+    mosaic_gemm.matmul(x, x, _dims(1, 1))
+
+
+@pytest.mark.parametrize(
+  "kwargs",
+  [dict(tile_m=96), dict(tile_m=256, tile_n=128), dict(split="k"), dict(stages=0)],
+  ids=str,
+)
+def test_config_validation(kwargs):
+  with pytest.raises(ValueError, match="GemmConfig"):
+    GemmConfig(**kwargs)
+
+
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_default_config_fits_shared_memory(out_dtype, accumulate):
+  for m, n, k in [(8192, 128256, 4096), (128256, 4096, 8192), (8192, 4096, 256000)]:
+    config = mosaic_gemm.default_config(m, n, k, jnp.dtype(out_dtype), accumulate)
+    smem = config.smem_bytes(jnp.bfloat16, jnp.dtype(out_dtype), accumulate)
+    assert smem <= 227 * 1024
+
+
+@pytest.mark.parametrize("product,layout", list(PRODUCTS))
+def test_lowers_for_hopper(product, layout):
+  """Each product lowers to a Mosaic GPU kernel (Python passes only; no GPU)."""
+  n, d, v = 1000, 256, 4160
+  shapes = {"hidden": (n, d), "dlogits": (n, v)}
+  shapes["weight"] = (v, d) if layout == "vd" else (d, v)
+  lhs_name, rhs_name, dims = PRODUCTS[product, layout]
+  lhs = jax.ShapeDtypeStruct(shapes[lhs_name], jnp.bfloat16)
+  rhs = jax.ShapeDtypeStruct(shapes[rhs_name], jnp.bfloat16)
+  out_dtype = jnp.dtype(jnp.float32 if product == "dweight" else jnp.bfloat16)
+  problem = mosaic_gemm._check(lhs, rhs, dims, out_dtype, None)
+  config = mosaic_gemm.default_config(problem.m, problem.n, problem.k, out_dtype, False)
+  fn = jax.jit(lambda a, b: mosaic_gemm._gemm(a, b, None, problem, config))
+  text = fn.trace(lhs, rhs).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
