@@ -230,11 +230,15 @@ def resolve(
 ) -> tuple[Plan, bool]:
   """Every default decided: ``(plan, fused)`` for the chunked paths."""
   logits_dtype = _logits_dtype(perf.logits_dtype, rows.hidden.dtype)
-  order, accum = _loop_order(rows, perf, logits_dtype, layout)
   bias_dtype = rows.weight.dtype if rows.bias is None else rows.bias.dtype
+  platform = _platform(layout)
+  tile = _planning.MATMUL_TILE if platform == "cpu" else None
+  order, accum = _loop_order(rows, perf, logits_dtype, layout, cpu=platform == "cpu")
   config = SweepConfig(
-    backend=_backend(perf.impl, layout),
-    head=_backends.HeadSpec(weight_layout, logits_dtype, options.ce, rows.vocab_size),
+    backend=_backends.select(perf.impl, platform),
+    head=_backends.HeadSpec(
+      weight_layout, logits_dtype, options.ce, rows.vocab_size, matmul_tile=tile
+    ),
     dweight_dtype=accum or rows.weight.dtype,
     dbias_dtype=accum or jnp.promote_types(bias_dtype, jnp.float32),
   )
@@ -265,7 +269,7 @@ def _logits_dtype(requested: np.dtype | None, dtype: np.dtype) -> np.dtype:
   return logits_dtype
 
 
-def _loop_order(rows: Rows, perf: PerfOptions, logits_dtype, layout):
+def _loop_order(rows: Rows, perf: PerfOptions, logits_dtype, layout, *, cpu: bool):
   """``(order, accum_dtype)``: the loop order planned for the rows and the
   vocabulary one device holds, and the accumulators' dtype (None: in place)."""
   row_devices = vocab_devices = 1
@@ -288,22 +292,28 @@ def _loop_order(rows: Rows, perf: PerfOptions, logits_dtype, layout):
     )
     # dweight stays in place: a float32 [V, D] buffer would be this order's largest.
     return VocabBlocks(chunk, block), perf.accum_dtype
-  group = chunk
-  if chunk is None:
-    # The default budget is the whole head's: vocab shards split it, so each
-    # device plans the row chunks one device would use.
-    budget = budget or DEFAULT_MEMORY_BUDGET // vocab_devices
-    chunk, group = _planning.plan_chunks(
-      n_rows, vocab, dtype, memory_budget=budget, logits_dtype=logits_dtype
+  if chunk is not None:
+    accum = perf.accum_dtype or _planning.default_accum_dtype(
+      n_rows, chunk, rows.weight.dtype
     )
-  accum = perf.accum_dtype or _planning.default_accum_dtype(
-    n_rows, group, rows.weight.dtype
+    return RowChunks(chunk, chunk), accum
+  # The default budget is the whole head's: vocab shards split it, so each
+  # device plans the row chunks one device would use.
+  chunk, group, accum = _planning.plan_with_accumulator(
+    n_rows,
+    vocab,
+    rows.hidden.shape[1],
+    dtype,
+    rows.weight.dtype,
+    memory_budget=budget or DEFAULT_MEMORY_BUDGET // vocab_devices,
+    logits_dtype=logits_dtype,
+    cpu=cpu,
   )
-  return RowChunks(chunk, group), accum
+  return RowChunks(chunk, group), perf.accum_dtype or accum
 
 
-def _backend(impl: str | None, layout: _mesh.Layout | None) -> _backends.ChunkBackend:
-  platform = jax.default_backend()
+def _platform(layout: _mesh.Layout | None) -> str:
+  """The platform the loss runs on: the mesh's, else JAX's default."""
   if layout is not None:
-    platform = layout.mesh.devices.flat[0].platform
-  return _backends.select(impl, platform)
+    return layout.mesh.devices.flat[0].platform
+  return jax.default_backend()

@@ -4,9 +4,18 @@ The weight is ``[V, D]`` (``"vd"``: an embedding table, a torch
 ``lm_head.weight``) or ``[D, V]`` (``"dv"``: a Flax Dense kernel). Everything
 that depends on the layout is here, so the rest of the package never
 transposes (or copies) the weight.
+
+With ``tile`` set, each matmul runs over the vocabulary in tiles of that many
+columns. XLA:CPU computes 16-bit matmuls in float32 and converts their
+operands whole: untiled, a ``[V, D]`` bfloat16 weight gets a float32 copy
+(hoisted out of the chunk loop), ``dlogits`` another, and the ``dweight``
+product is a fresh float32 ``[V, D]`` before it is added. Tiled, those exist
+one tile at a time.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -43,12 +52,63 @@ def weight_columns(
   return lax.dynamic_slice_in_dim(weight, start, size, axis=vocab_axis(layout))
 
 
+def over_columns(
+  step: Callable,
+  carry,
+  tiled: tuple,
+  width: int,
+  tile: int,
+  *,
+  skip_first: bool = False,
+  tie: bool = True,
+):
+  """``carry = step(carry, start, size, *tiled)`` for each tile of ``width`` columns.
+
+  Full tiles run in a ``lax.scan``, a remainder of ``width mod tile`` columns
+  once more at its own (static) width; ``skip_first`` leaves out tile 0.
+  With ``tie``, ``tiled`` (the operands ``step`` slices) pass through an
+  ``optimization_barrier`` with each tile's start: they then depend on the
+  loop index, so XLA cannot hoist a whole-operand convert out of the loop.
+  """
+  barrier = lax.optimization_barrier if tie else lambda operands: operands
+
+  def body(carry, start):
+    operands, start = barrier((tiled, start))
+    return step(carry, start, min(tile, width), *operands), None
+
+  n_full, tail = divmod(width, tile) if width > tile else (1, 0)
+  starts = jnp.arange(int(skip_first), n_full, dtype=jnp.int32) * tile
+  carry, _ = lax.scan(body, carry, starts)
+  if tail:
+    operands, start = barrier((tiled, jnp.int32(width - tail)))
+    carry = step(carry, start, tail, *operands)
+  return carry
+
+
+def _write_columns(total: jax.Array, part: jax.Array, start, axis: int) -> jax.Array:
+  """``total`` with ``part`` written at ``start`` along ``axis``, in place.
+
+  The barrier keeps XLA from moving converts (XLA:CPU computes 16-bit
+  elementwise ops in float32) across the update, which makes it a new
+  whole-size buffer instead of an in-place write.
+  """
+  part, start = lax.optimization_barrier((part, start))
+  return lax.dynamic_update_slice_in_dim(total, part, start, axis)
+
+
+def _columns(x: jax.Array, start: jax.Array, size: int) -> jax.Array:
+  """Columns ``[start, start + size)`` of a ``[rows, V]`` array."""
+  return lax.dynamic_slice_in_dim(x, start, size, axis=x.ndim - 1)
+
+
 def logits_matmul(
   hidden: jax.Array,
   weight: jax.Array,
   bias: jax.Array | None,
   layout: str,
   dtype: jnp.dtype | None = None,
+  *,
+  tile: int | None = None,
 ) -> jax.Array:
   """``hidden @ weight (+ bias)`` in ``dtype`` (default: at least float32).
 
@@ -56,6 +116,23 @@ def logits_matmul(
   one rounding). For a narrower ``dtype`` the accumulation precision is the
   backend's: cuBLAS and XLA:CPU accumulate bfloat16 products in float32.
   """
+  if tile is not None:
+    width = vocab_size(weight, layout)
+
+    def step(logits, start, size, weight, bias, hidden):
+      w = weight_columns(weight, start, size, layout)
+      b = None if bias is None else lax.dynamic_slice_in_dim(bias, start, size)
+      part = logits_matmul(hidden, w, b, layout, dtype)
+      return _write_columns(logits, part, start, 1)
+
+    acc = jnp.promote_types(hidden.dtype, jnp.float32)
+    logits = jnp.zeros((hidden.shape[0], width), dtype or acc)
+    # hidden too: else its convert moves before the chunk's gather of rows
+    # and is hoisted out of the chunk loop, a float32 copy of all of hidden.
+    logits = over_columns(step, logits, (weight, bias, hidden), width, tile)
+    # Else XLA moves a consumer's float32 convert into the tiles' writes and
+    # holds the whole logits in float32.
+    return lax.optimization_barrier(logits)
   acc = jnp.promote_types(hidden.dtype, jnp.float32)
   dtype = dtype or acc
   if bias is None:
@@ -69,24 +146,74 @@ def logits_matmul(
 
 
 def dhidden_matmul(
-  dlogits: jax.Array, weight: jax.Array, layout: str, dtype: jnp.dtype
+  dlogits: jax.Array,
+  weight: jax.Array,
+  layout: str,
+  dtype: jnp.dtype,
+  *,
+  tile: int | None = None,
 ) -> jax.Array:
   """``dlogits @ weight`` written in ``dtype``.
 
   The matmul accumulates in float32 and rounds once to ``dtype``, as the naive
   head's backward pass does; asking for a float32 result and converting would
   hold a float32 ``[rows, D]`` temporary (and, where XLA splits the long
-  vocabulary contraction, several).
+  vocabulary contraction, several). Tiled, the tiles' products add up in a
+  float32 ``[rows, D]`` accumulator.
   """
+  if tile is not None:
+    acc = jnp.promote_types(dtype, jnp.float32)
+
+    def step(total, start, size, dlogits, weight):
+      w = weight_columns(weight, start, size, layout)
+      return total + dhidden_matmul(_columns(dlogits, start, size), w, layout, acc)
+
+    total = jnp.zeros((dlogits.shape[0], weight.shape[1 - vocab_axis(layout)]), acc)
+    width = dlogits.shape[1]
+    return over_columns(step, total, (dlogits, weight), width, tile).astype(dtype)
   return lax.dot_general(
     dlogits, weight, _DHIDDEN_DIMS[layout], preferred_element_type=dtype
   )
 
 
 def dweight_matmul(
-  dlogits: jax.Array, hidden: jax.Array, layout: str, dtype: jnp.dtype
+  dlogits: jax.Array,
+  hidden: jax.Array,
+  layout: str,
+  dtype: jnp.dtype,
+  *,
+  into: jax.Array | None = None,
+  add: bool = True,
+  tile: int | None = None,
 ) -> jax.Array:
-  """The weight gradient of a block of rows, in the weight's layout, in ``dtype``."""
+  """The weight gradient of a block of rows, in the weight's layout, in ``dtype``.
+
+  With ``into`` (a weight-shaped ``dweight``), returns ``into`` plus the
+  product (``add``) or the product in its place (``add=False``: ``into`` is
+  a buffer whose values are never read). Tiling needs ``into``: each tile's
+  columns are written into it.
+  """
+  if tile is not None and into is not None:
+    axis = vocab_axis(layout)
+
+    def step(total, start, size, dlogits, hidden):
+      part = dweight_matmul(_columns(dlogits, start, size), hidden, layout, dtype)
+      if not add:
+        return _write_columns(total, part, start, axis)
+      if total.dtype.itemsize < 4:
+        # XLA:CPU computes a 16-bit read-modify-write of a slice in float32
+        # and copies the whole buffer for it; adding the zero-padded part
+        # stays in place, for one pass over dweight per tile.
+        zeros = jnp.zeros_like(total)
+        return total + lax.dynamic_update_slice_in_dim(zeros, part, start, axis)
+      part = lax.dynamic_slice_in_dim(total, start, size, axis) + part
+      return _write_columns(total, part, start, axis)
+
+    width = dlogits.shape[1]
+    return over_columns(step, into, (dlogits, hidden), width, tile)
   # "vd": dlogits^T @ hidden -> [V, D]; "dv": hidden^T @ dlogits -> [D, V].
   operands = (dlogits, hidden) if layout == "vd" else (hidden, dlogits)
-  return lax.dot_general(*operands, _CONTRACT_ROWS, preferred_element_type=dtype)
+  product = lax.dot_general(*operands, _CONTRACT_ROWS, preferred_element_type=dtype)
+  if into is None or not add:
+    return product
+  return into + product

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 # The chunk temporaries (a group's logits, overwritten by its dlogits, and a
@@ -11,6 +13,12 @@ DEFAULT_MEMORY_BUDGET = 9 << 28  # 2.25 GiB
 
 # A partially valid group (logits in the compute dtype) goes in this many chunks.
 CHUNKS_PER_GROUP = 8
+
+# On XLA:CPU (compiled from shapes, jax 0.10): the matmuls go in tiles of this
+# many vocabulary columns (``HeadSpec.matmul_tile``), and the cross-entropy's
+# reductions read a float32 copy of a chunk's logits, this many bytes a logit.
+MATMUL_TILE = 4096
+CPU_COPY_BYTES = 4
 
 # Tensor cores want row counts in multiples of this.
 _ROW_ALIGN = 128
@@ -36,6 +44,7 @@ def plan_chunks(
   *,
   memory_budget: int = DEFAULT_MEMORY_BUDGET,
   logits_dtype: np.dtype | None = None,
+  copy_bytes: int = 0,
 ) -> tuple[int, int]:
   """``(rows_per_chunk, rows_per_group)`` whose temporaries fit the budget.
 
@@ -66,6 +75,8 @@ def plan_chunks(
     dtype: the compute dtype of the matmuls (that of ``dlogits``).
     memory_budget: bytes for the chunk temporaries.
     logits_dtype: the dtype of a chunk's logits; None: float32.
+    copy_bytes: bytes per logit that the backend holds beside the logits
+      (``CPU_COPY_BYTES`` on XLA:CPU, which reduces them from a float32 copy).
 
   Returns:
     ``(rows_per_chunk, rows_per_group)``, ``1 <= chunk <= group <= n_rows``.
@@ -74,7 +85,7 @@ def plan_chunks(
   # No more than the whole logits in the compute dtype (what a full-logits head
   # holds): at small N, chunking must not cost more memory than it saves.
   if dlogits_in_place(logits_dtype, dtype):
-    per_row = itemsize * vocab_size * (1 + 1 / CHUNKS_PER_GROUP)
+    per_row = (itemsize * (1 + 1 / CHUNKS_PER_GROUP) + copy_bytes) * vocab_size
     most = int(memory_budget // per_row)
     if most >= n_rows:
       group = n_rows
@@ -85,10 +96,11 @@ def plan_chunks(
     chunk = -(-group // CHUNKS_PER_GROUP)
     return (_round_up(chunk, 8) if chunk >= 8 else group), group
   memory_budget = min(memory_budget, max(n_rows * vocab_size * itemsize, 1))
-  chunk = _aligned_rows(memory_budget // 4 // (4 * vocab_size))
+  chunk = _aligned_rows(memory_budget // 4 // ((4 + copy_bytes) * vocab_size))
   if chunk >= n_rows:
     return n_rows, n_rows
-  group_most = (memory_budget - chunk * 4 * vocab_size) // (itemsize * vocab_size)
+  chunk_bytes = chunk * (4 + copy_bytes) * vocab_size
+  group_most = (memory_budget - chunk_bytes) // (itemsize * vocab_size)
   return chunk, _fewest_rewrites_group(n_rows, chunk, max(chunk, group_most))
 
 
@@ -140,8 +152,10 @@ def plan_vocab_blocked_rows(
   return int(min(n_rows, _aligned_rows(memory_budget // per_row)))
 
 
-# Up to this many groups, dweight accumulates in the weight's dtype in place.
+# Up to this many groups, dweight accumulates in the weight's dtype in place;
+# up to the second, also when a float32 accumulator would not fit the budget.
 MAX_GROUPS_IN_PLACE = 8
+MAX_GROUPS_IN_PLACE_TO_FIT = 32
 
 
 def default_accum_dtype(
@@ -159,3 +173,58 @@ def default_accum_dtype(
   if n_groups <= MAX_GROUPS_IN_PLACE:
     return None
   return np.promote_types(weight_dtype, np.float32)
+
+
+def plan_with_accumulator(
+  n_rows: int,
+  vocab_size: int,
+  dim: int,
+  dtype: np.dtype,
+  weight_dtype: np.dtype,
+  *,
+  memory_budget: int,
+  logits_dtype: np.dtype | None,
+  cpu: bool = False,
+) -> tuple[int, int, np.dtype | None]:
+  """``(rows_per_chunk, rows_per_group, accum_dtype)`` within the budget.
+
+  ``plan_chunks``, then ``default_accum_dtype``. A float32 ``[V, D]``
+  accumulator comes out of the budget: when it takes at most half, the rows
+  are planned again in the rest. When it would take more, ``dweight``
+  accumulates in place (a rounding per group, no buffer beyond the budget)
+  up to ``MAX_GROUPS_IN_PLACE_TO_FIT`` groups; past that, the accumulator is
+  kept beyond the budget: so many roundings would cost more accuracy than a
+  budget is worth.
+
+  ``cpu``: plan for what XLA:CPU holds besides (``cpu_fixed_bytes``, and
+  ``CPU_COPY_BYTES`` per logit).
+  """
+  if cpu:
+    fixed = cpu_fixed_bytes(n_rows, dim, dtype)
+    memory_budget = max(memory_budget - fixed, memory_budget // 4)
+  plan = functools.partial(
+    plan_chunks,
+    n_rows,
+    vocab_size,
+    dtype,
+    logits_dtype=logits_dtype,
+    copy_bytes=CPU_COPY_BYTES if cpu else 0,
+  )
+  chunk, group = plan(memory_budget=memory_budget)
+  accum = default_accum_dtype(n_rows, group, weight_dtype)
+  if accum is None:
+    return chunk, group, None
+  accumulator = vocab_size * dim * np.dtype(accum).itemsize
+  if accumulator <= memory_budget // 2:
+    return *plan(memory_budget=memory_budget - accumulator), accum
+  if -(-n_rows // group) <= MAX_GROUPS_IN_PLACE_TO_FIT:
+    return chunk, group, None
+  return chunk, group, accum
+
+
+def cpu_fixed_bytes(n_rows: int, dim: int, dtype: np.dtype) -> int:
+  """Bytes XLA:CPU holds whatever the chunks: a tile's float32 weight columns
+  and ``dweight`` product, and, for 16-bit inputs, a float32 copy of
+  ``dhidden`` (it computes 16-bit updates of a buffer's rows in float32)."""
+  tiles = 2 * 4 * MATMUL_TILE * dim
+  return tiles + (4 * n_rows * dim if np.dtype(dtype).itemsize < 4 else 0)

@@ -67,14 +67,16 @@ def _accumulate(
   enclosing group's rows, not all rows.
   """
   dhidden, dweight, dbias = grads
-  layout = config.layout
+  layout, tile = config.layout, config.head.matmul_tile
   add = (lambda old, new: new) if first else jnp.add
   if dhidden is not None:
-    dh = _matmul.dhidden_matmul(dlogits, weight, layout, dhidden.dtype)
+    dh = _matmul.dhidden_matmul(dlogits, weight, layout, dhidden.dtype, tile=tile)
     dh = config.columns.sum_partial(dh)
     dhidden = group.put(dhidden, dh, local=local)
   if dweight is not None:
-    dweight = add(dweight, _matmul.dweight_matmul(dlogits, h, layout, dweight.dtype))
+    dweight = _matmul.dweight_matmul(
+      dlogits, h, layout, dweight.dtype, into=dweight, add=not first, tile=tile
+    )
   if dbias is not None:
     dbias = add(dbias, jnp.sum(dlogits, axis=0, dtype=dbias.dtype))
   return dhidden, dweight, dbias
@@ -175,7 +177,8 @@ def _whole_groups_in_place(sweep: _Sweep, outputs, grads):
     )
     rows = None
     if want_rows:
-      rows = _matmul.dhidden_matmul(dlogits, weight, layout, dh_dtype)
+      tile = config.head.matmul_tile
+      rows = _matmul.dhidden_matmul(dlogits, weight, layout, dh_dtype, tile=tile)
       rows = config.columns.sum_partial(rows)
     return outputs, rows, dweight, dbias
 

@@ -72,24 +72,36 @@ class VocabBlocks:
   def _over_blocks(
     self,
     config: SweepConfig,
-    weight: jax.Array,
+    x: ChunkInputs,
     step: Callable,
     carry,
     *,
     skip_first: bool = False,
   ):
-    """``carry = step(carry, start, size)`` for each vocabulary block in order.
+    """``carry = step(carry, block, start, size)`` for each vocabulary block.
 
-    Full blocks run in a ``lax.scan``; a remainder of ``V mod B`` columns runs
-    once more at its own (static) width. ``skip_first`` leaves out block 0.
+    ``block`` is the chunk against the block's columns (``_block``). Full
+    blocks run in a ``lax.scan``, a remainder of ``V mod B`` columns once
+    more at its own width (``_matmul.over_columns``); ``skip_first`` leaves
+    out block 0.
     """
-    vocab, block = self._widths(config, weight)
-    n_full, tail = divmod(vocab, block)
-    starts = jnp.arange(int(skip_first), n_full, dtype=jnp.int32) * block
-    carry, _ = lax.scan(lambda c, start: (step(c, start, block), None), carry, starts)
-    if tail:
-      carry = step(carry, jnp.int32(vocab - tail), tail)
-    return carry
+    vocab, block = self._widths(config, x.weight)
+
+    def each(carry, start, size, weight, bias):
+      columns = _block(config, x._replace(weight=weight, bias=bias), start, size)
+      return step(carry, columns, start, size)
+
+    return _matmul.over_columns(
+      each,
+      carry,
+      (x.weight, x.bias),
+      vocab,
+      block,
+      skip_first=skip_first,
+      # Where the matmuls convert their operands (XLA:CPU), else XLA hoists
+      # a float32 copy of the whole weight out of the loop.
+      tie=config.head.matmul_tile is not None,
+    )
 
   def _row_stats(self, config: SweepConfig, x: ChunkInputs) -> _ce_math.RowStats:
     """Whole-row statistics of a chunk's logits, merged block by block.
@@ -98,7 +110,8 @@ class VocabBlocks:
     the shards combined once, so the collectives run once per row chunk, not
     once per block.
     """
-    local = relative_labels(x.labels, config.columns.offset())
+    labels = x.labels
+    local = relative_labels(labels, config.columns.offset())
     stacked = lambda reduce: functools.partial(reduce, axis=0)
     merge = functools.partial(
       _ce_math.combine_stats,
@@ -108,14 +121,15 @@ class VocabBlocks:
       reduce_min=stacked(jnp.min),
     )
 
-    def block_stats(start, size):
-      block = _block(config, x._replace(labels=local), start, size)
+    x = x._replace(labels=local)
+
+    def block_stats(block, start, size):
       stats = config.backend.chunk_forward(block, config.head, offset=start)
       return stats, (local >= start) & (local < start + size)
 
-    def step(carry, start, size):
+    def step(carry, block, start, size):
       running, covered = carry
-      stats, here = block_stats(start, size)
+      stats, here = block_stats(block, start, size)
       parts = jax.tree.map(lambda a, b: jnp.stack([a, b]), running, stats)
       merged = merge(
         parts,
@@ -126,7 +140,8 @@ class VocabBlocks:
       return merged, covered + size
 
     _, first_size = self._widths(config, x.weight)
-    first, here = block_stats(jnp.int32(0), first_size)
+    zero = jnp.int32(0)
+    first, here = block_stats(_block(config, x, zero, first_size), zero, first_size)
     one = lambda x: x[None]
     running = merge(
       jax.tree.map(one, first),
@@ -135,10 +150,8 @@ class VocabBlocks:
       jnp.ones((1, 1), first.mean_logit.dtype),
     )
     covered = jnp.asarray(first_size, first.mean_logit.dtype)
-    running, _ = self._over_blocks(
-      config, x.weight, step, (running, covered), skip_first=True
-    )
-    return config.columns.combine(running, x.labels)
+    running, _ = self._over_blocks(config, x, step, (running, covered), skip_first=True)
+    return config.columns.combine(running, labels)
 
   def _chunk_gradients(
     self, config: SweepConfig, grads: Grads, chunk: Chunk, x: ChunkInputs, rows
@@ -153,9 +166,8 @@ class VocabBlocks:
       old = lax.dynamic_slice_in_dim(total, start, part.shape[axis], axis=axis)
       return lax.dynamic_update_slice_in_dim(total, old + part, start, axis)
 
-    def step(carry, start, size):
+    def step(carry, block, start, size):
       dh, dw, db = carry
-      block = _block(config, x, start, size)
       dlogits = config.backend.chunk_backward(
         block, rows, config.head, x.hidden.dtype, offset=start
       )
@@ -169,7 +181,7 @@ class VocabBlocks:
       return dh, dw, db
 
     dh = None if dhidden is None else jnp.zeros(x.hidden.shape, acc)
-    dh, dweight, dbias = self._over_blocks(config, x.weight, step, (dh, dweight, dbias))
+    dh, dweight, dbias = self._over_blocks(config, x, step, (dh, dweight, dbias))
     if dhidden is not None:
       dh = config.columns.sum_partial(dh)
       dhidden = chunk.put(dhidden, dh.astype(dhidden.dtype))

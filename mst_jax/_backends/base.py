@@ -37,12 +37,15 @@ class HeadSpec:
     options: the per-row loss options.
     vocab_size: the whole vocabulary ``V`` (label smoothing spreads ``eps / V``
       over all of it, also when a weight holds only some columns).
+    matmul_tile: None, or the vocabulary columns each matmul takes at a time
+      (``_matmul``: for XLA:CPU, which converts 16-bit operands whole).
   """
 
   weight_layout: str
   logits_dtype: jnp.dtype
   options: CEOptions
   vocab_size: int
+  matmul_tile: int | None = None
 
 
 class Columns(Protocol):
@@ -166,8 +169,14 @@ class MatmulThenCE:
   """
 
   def _logits(self, x: ChunkInputs, head: HeadSpec) -> jax.Array:
-    layout = head.weight_layout
-    return _matmul.logits_matmul(x.hidden, x.weight, x.bias, layout, head.logits_dtype)
+    return _matmul.logits_matmul(
+      x.hidden,
+      x.weight,
+      x.bias,
+      head.weight_layout,
+      head.logits_dtype,
+      tile=head.matmul_tile,
+    )
 
   def chunk_forward(self, x, head, *, offset=0):
     labels = relative_labels(x.labels, offset)
