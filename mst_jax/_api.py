@@ -139,7 +139,10 @@ def linear_cross_entropy(
       (with 2 groups at the Llama-3 head, within 1.1x the error of
       full-logits autodiff); with more, in float32, whose ``V x D``
       buffer and traffic cost less than the error of many roundings would.
-      With ``vocab_block_size``, always in the weight's dtype.
+      That buffer comes out of ``memory_budget``; when it would take more
+      than half, ``dweight`` stays in place up to 32 groups
+      (``_planning.plan_with_accumulator``). With ``vocab_block_size``,
+      always in the weight's dtype.
     logits_dtype: the dtype the logits matmul writes (it accumulates in
       float32 either way; the cross-entropy math is float32). None (default):
       bfloat16 for bfloat16 inputs, as a bfloat16 ``Dense`` head feeding a
