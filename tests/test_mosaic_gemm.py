@@ -155,10 +155,11 @@ def test_default_config_fits_shared_memory(out_dtype, accumulate):
     assert smem <= 227 * 1024
 
 
+@pytest.mark.parametrize("n,d,v", [(1000, 256, 4160), (8192, 4096, 128256)])
 @pytest.mark.parametrize("product,layout", list(PRODUCTS))
-def test_lowers_for_hopper(product, layout):
-  """Each product lowers to a Mosaic GPU kernel (Python passes only; no GPU)."""
-  n, d, v = 1000, 256, 4160
+def test_lowers_for_hopper(product, layout, n, d, v):
+  """Each product lowers to a Mosaic GPU kernel (Python passes only; no GPU),
+  with the default config of a small and of the Llama-3 head's shape."""
   shapes = {"hidden": (n, d), "dlogits": (n, v)}
   shapes["weight"] = (v, d) if layout == "vd" else (d, v)
   lhs_name, rhs_name, dims = PRODUCTS[product, layout]

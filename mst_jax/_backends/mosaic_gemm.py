@@ -16,8 +16,8 @@ The kernel, read top to bottom:
    ``stages`` shared-memory slots; two compute warpgroups each own half the
    output tile and issue ``wgmma`` into a float32 accumulator.
 3. The epilogue (in the compute warpgroups) rounds the accumulator to the
-   output dtype, or first adds it to the ``accumulate`` array's tile, and
-   stores through shared memory with TMA.
+   output dtype, or first adds the ``accumulate`` array's tile (loaded ahead,
+   during the main loop), and stores through shared memory with TMA.
 
 Sizes need not be multiples of the tiles: TMA fills reads past an array's end
 with zeros (adding nothing to a dot product) and drops writes past it. Mosaic
@@ -41,6 +41,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from mst_jax._backends.mosaic_gemm_config import (
+  GemmConfig,
+  default_config,
+  epilogue_slots,
+)
+
 try:  # Mosaic GPU's Pallas front end; its lowering runs only on a Hopper GPU.
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -52,104 +58,7 @@ else:
 
 _INPUT_DTYPES = ("bfloat16", "float16")
 _OUTPUT_DTYPES = ("bfloat16", "float16", "float32")
-_SMEM_BYTES = 227 * 1024  # an sm_90 block's dynamic shared memory limit
 _SWIZZLE_BYTES = 128  # shared-memory tiles are 8 rows of 128 swizzled bytes
-
-
-@dataclasses.dataclass(frozen=True)
-class GemmConfig:
-  """Tiles and pipelining of the Mosaic GPU GEMM.
-
-  A block computes a ``[2 tile_m, tile_n]`` (``split="m"``) or
-  ``[tile_m, 2 tile_n]`` (``split="n"``) output tile, each of its two compute
-  warpgroups a ``[tile_m, tile_n]`` float32 accumulator in registers
-  (``tile_m * tile_n / 128`` per thread).
-
-  Attributes:
-    tile_m: output rows per compute warpgroup, a multiple of 64.
-    tile_n: output columns per compute warpgroup, a multiple of 64.
-    tile_k: contraction step, a multiple of 64 (one 128-byte swizzle row).
-    stages: shared-memory slots of the operand ring (TMA runs ahead by this).
-    split: ``"m"`` or ``"n"``: which output dimension the warpgroups split.
-    grid_minor: ``"m"`` or ``"n"``: the fast dimension of the tile walk.
-    grid_tile_width: output tiles per band of the snake along ``grid_minor``.
-    epilogue_m: rows of each epilogue store, divides ``tile_m``.
-    epilogue_n: columns of each epilogue store, divides ``tile_n``.
-  """
-
-  tile_m: int = 128
-  tile_n: int = 128
-  tile_k: int = 64
-  stages: int = 4
-  split: str = "m"
-  grid_minor: str = "n"
-  grid_tile_width: int = 8
-  epilogue_m: int = 64
-  epilogue_n: int = 64
-
-  def __post_init__(self) -> None:
-    def check(ok: bool, name: str, what: str) -> None:
-      if not ok:
-        raise ValueError(
-          f"GemmConfig.{name} must be {what}, got {getattr(self, name)!r}."
-        )
-
-    for name in ("tile_m", "tile_n", "tile_k"):
-      value = getattr(self, name)
-      check(isinstance(value, int) and value > 0 and value % 64 == 0, name, "64 i")
-    # 2 compute warpgroups x tile_m * tile_n / 128 float32 registers per thread.
-    check(self.tile_m * self.tile_n <= 128 * 192, "tile_n", "<= 24576 / tile_m")
-    for name, tile in (("epilogue_m", self.tile_m), ("epilogue_n", self.tile_n)):
-      value = getattr(self, name)
-      check(value % 8 == 0 and tile % value == 0, name, f"8 i dividing {tile}")
-    check(self.split in ("m", "n"), "split", "'m' or 'n'")
-    check(self.grid_minor in ("m", "n"), "grid_minor", "'m' or 'n'")
-    check(self.stages >= 1, "stages", ">= 1")
-    check(self.grid_tile_width >= 1, "grid_tile_width", ">= 1")
-
-  @property
-  def block_m(self) -> int:
-    return self.tile_m * (2 if self.split == "m" else 1)
-
-  @property
-  def block_n(self) -> int:
-    return self.tile_n * (2 if self.split == "n" else 1)
-
-  def smem_bytes(self, in_dtype, out_dtype, accumulate: bool) -> int:
-    """Shared memory the kernel allocates (operand ring + epilogue slots)."""
-    ring = self.stages * self.tile_k * (self.block_m + self.block_n)
-    slots = 2 * _epilogue_slots(self) * self.epilogue_m * self.epilogue_n
-    barriers = 8 * (2 * self.stages + 4 * accumulate)
-    in_bytes, out_bytes = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
-    return ring * in_bytes + slots * out_bytes + barriers
-
-
-def _epilogue_slots(config: GemmConfig) -> int:
-  """Epilogue staging slots per warpgroup: 2 (double buffered), or 1 if one store."""
-  stores = (config.tile_m // config.epilogue_m) * (config.tile_n // config.epilogue_n)
-  return min(2, stores)
-
-
-# Tuned configs, first match wins: ((min m, min n, min k), config). Shapes
-# below every entry take GemmConfig().
-_TUNED: tuple[tuple[tuple[int, int, int], GemmConfig], ...] = ()
-
-
-def default_config(m: int, n: int, k: int, out_dtype, accumulate: bool) -> GemmConfig:
-  """The config for an ``[m, k] x [k, n]`` product, fitted to shared memory.
-
-  A float32 output's epilogue slots are narrowed to 32 columns, then stages
-  dropped (to no fewer than 2), until they fit beside the operand ring.
-  """
-  config = next(
-    (c for (mm, nn, kk), c in _TUNED if m >= mm and n >= nn and k >= kk), GemmConfig()
-  )
-  fits = lambda c: c.smem_bytes(jnp.bfloat16, out_dtype, accumulate) <= _SMEM_BYTES
-  if not fits(config) and config.epilogue_n > 32:
-    config = dataclasses.replace(config, epilogue_n=32)
-  while not fits(config) and config.stages > 2:
-    config = dataclasses.replace(config, stages=config.stages - 1)
-  return config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,7 +169,7 @@ def _gemm_kernel(a_gmem, b_gmem, out_gmem, *, problem: _Problem, config: GemmCon
       compute_context=compute_context,
     )
 
-  slots = _epilogue_slots(c)
+  slots = epilogue_slots(c)
   ignore = lambda *_, **__: None  # the allocations do not depend on the bodies
 
   @functools.partial(
@@ -290,11 +199,11 @@ def _gemm_kernel(a_gmem, b_gmem, out_gmem, *, problem: _Problem, config: GemmCon
 
       def mma(_, a_smem, b_smem, acc_ref):
         if p.lhs_transposed:  # [tile_k, block_m] as stored
-          a = plgpu.transpose_ref(a_smem.at[:, wg_m], (1, 0))
+          a = a_smem.at[:, wg_m].transpose((1, 0))
         else:
           a = a_smem.at[wg_m, :]
         if p.rhs_transposed:  # [block_n, tile_k] as stored
-          b = plgpu.transpose_ref(b_smem.at[wg_n, :], (1, 0))
+          b = b_smem.at[wg_n, :].transpose((1, 0))
         else:
           b = b_smem.at[:, wg_n]
         plgpu.wgmma(acc_ref, a, b)
@@ -302,13 +211,19 @@ def _gemm_kernel(a_gmem, b_gmem, out_gmem, *, problem: _Problem, config: GemmCon
         return acc_ref
 
       def compute_context(run_pipeline):
+        out_tile = out_gmem.at[rows, cols].at[wg_m, wg_n]
+        store = _TileStore(out_tile, out_smem.at[wg], load_barrier, wg, p, c)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores
+        if p.accumulate:  # the first pieces of the addend arrive during the loop
+          for index in range(min(slots, len(_pieces(c)))):
+            store.load_addend(index)
+
         @functools.partial(
           pl.run_scoped, acc_ref=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32)
         )
         def _accumulator(acc_ref):
           run_pipeline(acc_ref)
-          out_tile = out_gmem.at[rows, cols].at[wg_m, wg_n]
-          _epilogue(acc_ref[...], out_tile, out_smem.at[wg], load_barrier, wg, p, c)
+          store.store(acc_ref[...])
 
       pipeline(mma, compute_context)(
         a_gmem.at[:, rows] if p.lhs_transposed else a_gmem.at[rows, :],
@@ -319,32 +234,61 @@ def _gemm_kernel(a_gmem, b_gmem, out_gmem, *, problem: _Problem, config: GemmCon
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last stores' reads
 
 
-def _epilogue(acc, out_tile, out_smem, load_barrier, wg, p: _Problem, c: GemmConfig):
-  """Stores a warpgroup's ``[tile_m, tile_n]`` accumulator (plus ``out_tile``).
+def _pieces(c: GemmConfig) -> list[tuple[slice, slice]]:
+  """A warpgroup tile's ``[epilogue_m, epilogue_n]`` pieces, in store order."""
+  em, en = c.epilogue_m, c.epilogue_n
+  return [
+    (slice(i * em, (i + 1) * em), slice(j * en, (j + 1) * en))
+    for i in range(c.tile_m // em)
+    for j in range(c.tile_n // en)
+  ]
 
-  ``epilogue_m x epilogue_n`` pieces go through shared-memory slots by TMA;
-  a slot is refilled once the store that last read it has read it. Rows and
-  columns past the array's end are dropped by TMA (and read as zeros).
+
+@dataclasses.dataclass(frozen=True)
+class _TileStore:
+  """The epilogue of one warpgroup's ``[tile_m, tile_n]`` output tile.
+
+  Pieces go through the warpgroup's shared-memory slots by TMA (rows and
+  columns past the array's end are read as zeros and not written). With
+  ``accumulate``, each piece's addend is loaded into its slot ahead of time:
+  the first ``slots`` during the main loop, each later one as soon as the
+  store before it in its slot has read the slot.
   """
-  slots = _epilogue_slots(c)
-  pieces_n = c.tile_n // c.epilogue_n
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores
-  for i in range(c.tile_m // c.epilogue_m):
-    for j in range(pieces_n):
-      piece_rows = slice(i * c.epilogue_m, (i + 1) * c.epilogue_m)
-      piece_cols = slice(j * c.epilogue_n, (j + 1) * c.epilogue_n)
-      slot = (i * pieces_n + j) % slots
-      dst = out_tile.at[piece_rows, piece_cols]
-      piece = acc[piece_rows, piece_cols]  # [epilogue_m, epilogue_n] float32
-      plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
-      if p.accumulate:
-        barrier = load_barrier.at[wg * slots + slot]
-        plgpu.copy_gmem_to_smem(dst, out_smem.at[slot], barrier)
-        plgpu.barrier_wait(barrier)
-        piece = piece + out_smem[slot].astype(jnp.float32)
-      out_smem[slot] = piece.astype(p.out_dtype)
+
+  out_tile: object  # GMEM [tile_m, tile_n] view
+  out_smem: object  # SMEM [slots, epilogue_m, epilogue_n]
+  load_barrier: object  # [2 * slots] barriers, or None
+  wg: jax.Array
+  p: _Problem
+  c: GemmConfig
+
+  def _slot(self, index: int) -> tuple[int, object]:
+    slot = index % epilogue_slots(self.c)
+    return slot, self.load_barrier.at[self.wg * epilogue_slots(self.c) + slot]
+
+  def load_addend(self, index: int) -> None:
+    rows, cols = _pieces(self.c)[index]
+    slot, barrier = self._slot(index)
+    plgpu.copy_gmem_to_smem(
+      self.out_tile.at[rows, cols], self.out_smem.at[slot], barrier
+    )
+
+  def store(self, acc: jax.Array) -> None:
+    pieces, slots = _pieces(self.c), epilogue_slots(self.c)
+    for index, (rows, cols) in enumerate(pieces):
+      slot = index % slots
+      piece = acc[rows, cols]  # [epilogue_m, epilogue_n] float32
+      if self.p.accumulate:
+        plgpu.barrier_wait(self._slot(index)[1])
+        piece = piece + self.out_smem[slot].astype(jnp.float32)
+      else:
+        plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+      self.out_smem[slot] = piece.astype(self.p.out_dtype)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(out_smem.at[slot], dst)
+      plgpu.copy_smem_to_gmem(self.out_smem.at[slot], self.out_tile.at[rows, cols])
+      if self.p.accumulate and index + slots < len(pieces):
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this store read the slot
+        self.load_addend(index + slots)
 
 
 def _num_sms() -> int:

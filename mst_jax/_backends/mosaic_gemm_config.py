@@ -1,0 +1,122 @@
+"""Tiles and pipelining of the Mosaic GPU GEMM (``mosaic_gemm``), per shape.
+
+``GemmConfig`` is the kernel's tuning; ``default_config`` picks one for a
+product's shape from ``_TUNED`` (measured on an H200) and fits it to shared
+memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+SMEM_BYTES = 227 * 1024  # an sm_90 block's dynamic shared memory limit
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+  """Tiles and pipelining of the Mosaic GPU GEMM.
+
+  A block computes a ``[2 tile_m, tile_n]`` (``split="m"``) or
+  ``[tile_m, 2 tile_n]`` (``split="n"``) output tile, each of its two compute
+  warpgroups a ``[tile_m, tile_n]`` float32 accumulator in registers
+  (``tile_m * tile_n / 128`` per thread).
+
+  Attributes:
+    tile_m: output rows per compute warpgroup, a multiple of 64.
+    tile_n: output columns per compute warpgroup, a multiple of 64.
+    tile_k: contraction step, a multiple of 64 (one 128-byte swizzle row).
+    stages: shared-memory slots of the operand ring (TMA runs ahead by this).
+    split: ``"m"`` or ``"n"``: which output dimension the warpgroups split.
+    grid_minor: ``"m"`` or ``"n"``: the fast dimension of the tile walk.
+    grid_tile_width: output tiles per band of the snake along ``grid_minor``.
+    epilogue_m: rows of each epilogue store, divides ``tile_m``.
+    epilogue_n: columns of each epilogue store, divides ``tile_n``.
+  """
+
+  tile_m: int = 128
+  tile_n: int = 128
+  tile_k: int = 64
+  stages: int = 4
+  split: str = "m"
+  grid_minor: str = "n"
+  grid_tile_width: int = 8
+  epilogue_m: int = 64
+  epilogue_n: int = 64
+
+  def __post_init__(self) -> None:
+    def check(ok: bool, name: str, what: str) -> None:
+      if not ok:
+        raise ValueError(
+          f"GemmConfig.{name} must be {what}, got {getattr(self, name)!r}."
+        )
+
+    for name in ("tile_m", "tile_n", "tile_k"):
+      value = getattr(self, name)
+      check(isinstance(value, int) and value > 0 and value % 64 == 0, name, "64 i")
+    # 2 compute warpgroups x tile_m * tile_n / 128 float32 registers per thread.
+    check(self.tile_m * self.tile_n <= 128 * 192, "tile_n", "<= 24576 / tile_m")
+    for name, tile in (("epilogue_m", self.tile_m), ("epilogue_n", self.tile_n)):
+      value = getattr(self, name)
+      check(value % 8 == 0 and tile % value == 0, name, f"8 i dividing {tile}")
+    check(self.split in ("m", "n"), "split", "'m' or 'n'")
+    check(self.grid_minor in ("m", "n"), "grid_minor", "'m' or 'n'")
+    check(self.stages >= 1, "stages", ">= 1")
+    check(self.grid_tile_width >= 1, "grid_tile_width", ">= 1")
+
+  @property
+  def block_m(self) -> int:
+    return self.tile_m * (2 if self.split == "m" else 1)
+
+  @property
+  def block_n(self) -> int:
+    return self.tile_n * (2 if self.split == "n" else 1)
+
+  def smem_bytes(self, in_dtype, out_dtype, accumulate: bool) -> int:
+    """Shared memory the kernel allocates (operand ring + epilogue slots)."""
+    ring = self.stages * self.tile_k * (self.block_m + self.block_n)
+    slots = 2 * epilogue_slots(self) * self.epilogue_m * self.epilogue_n
+    barriers = 8 * (2 * self.stages + 4 * accumulate)
+    in_bytes, out_bytes = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
+    return ring * in_bytes + slots * out_bytes + barriers
+
+
+def epilogue_slots(config: GemmConfig) -> int:
+  """Epilogue staging slots per warpgroup: 2 (double buffered), or 1 if one store."""
+  stores = (config.tile_m // config.epilogue_m) * (config.tile_n // config.epilogue_n)
+  return min(2, stores)
+
+
+# Three stages and 128 x 32 epilogue pieces (fewer round trips for an addend
+# loaded ahead): adding into an accumulator, and long contractions (dhidden).
+_FEW_PIECES = GemmConfig(stages=3, epilogue_m=128, epilogue_n=32)
+# Tuned on an H200 at the Llama-3 head, first match wins:
+# (accumulate, min m, min n, min k) -> config; other shapes take GemmConfig().
+_TUNED: tuple[tuple[tuple[bool, int, int, int], GemmConfig], ...] = (
+  ((True, 0, 0, 0), _FEW_PIECES),
+  ((False, 0, 0, 16384), _FEW_PIECES),  # dhidden: K = V
+  ((False, 0, 16384, 0), GemmConfig(tile_n=192, stages=3)),  # logits, "dv" dweight
+)
+
+
+def default_config(m: int, n: int, k: int, out_dtype, accumulate: bool) -> GemmConfig:
+  """The config for an ``[m, k] x [k, n]`` product, fitted to shared memory.
+
+  A float32 output's epilogue slots are narrowed to 32 columns, then stages
+  dropped (to no fewer than 2), until they fit beside the operand ring.
+  """
+  config = next(
+    (
+      c
+      for (acc, mm, nn, kk), c in _TUNED
+      if acc == accumulate and m >= mm and n >= nn and k >= kk
+    ),
+    GemmConfig(),
+  )
+  fits = lambda c: c.smem_bytes(jnp.bfloat16, out_dtype, accumulate) <= SMEM_BYTES
+  if not fits(config) and config.epilogue_n > 32:
+    config = dataclasses.replace(config, epilogue_n=32)
+  while not fits(config) and config.stages > 2:
+    config = dataclasses.replace(config, stages=config.stages - 1)
+  return config
