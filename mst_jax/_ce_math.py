@@ -25,6 +25,12 @@ logit. The gradient with respect to ``s`` is::
   dloss/ds_j = p_j * (1 + 2 * zl * lse) - (1 - eps) * [j == y] - eps / V
 
 and ``ds/dz = a sech(a z / c)**2`` (``scores_grad``).
+
+With ``entropy`` (``linear_log_probs``), each row also has its softmax's
+entropy ``H = lse - E`` with ``E = sum_j p_j s_j`` (the scores' mean under
+the softmax, ``RowStats.expected_score``), whose gradient is::
+
+  dH/ds_j = -p_j * (s_j - E)
 """
 
 from __future__ import annotations
@@ -47,12 +53,14 @@ class CEOptions:
     z_loss: coefficient of ``lse**2``, ``>= 0``.
     logit_softcap: ``c > 0`` or ``None`` for no softcap.
     logit_scale: ``a > 0``: the logits are scaled before the softcap.
+    entropy: also compute each row's entropy (``RowStats.expected_score``).
   """
 
   label_smoothing: float = 0.0
   z_loss: float = 0.0
   logit_softcap: float | None = None
   logit_scale: float = 1.0
+  entropy: bool = False
 
   def __post_init__(self) -> None:
     eps, zl, cap = self.label_smoothing, self.z_loss, self.logit_softcap
@@ -84,6 +92,8 @@ class RowStats(NamedTuple):
       only read when ``label_smoothing > 0``, so a backend may return zeros
       otherwise.
     argmax: int32 index of the first maximum of the logits.
+    expected_score: float32 ``sum_j p_j s_j`` with ``p = softmax(s)``; None
+      unless ``CEOptions.entropy``.
   """
 
   row_max: jax.Array
@@ -91,6 +101,7 @@ class RowStats(NamedTuple):
   target: jax.Array
   mean_logit: jax.Array
   argmax: jax.Array
+  expected_score: jax.Array | None = None
 
   @property
   def lse(self) -> jax.Array:
@@ -126,18 +137,29 @@ def combine_stats(
 
   Returns:
     The combined ``RowStats``: one max/sum-exp merge, the target logit from
-    the part that holds the label, the width-weighted mean, the first argmax.
+    the part that holds the label, the width-weighted mean, the first argmax,
+    and the expected score weighted by each part's share of the softmax.
   """
   row_max = reduce_max(parts.row_max)
-  # Each part's sum-exp, rescaled from its own max to the combined one.
-  sum_exp = reduce_sum(jnp.exp(parts.row_max - row_max + parts.log_sum_exp))
+  # Each part's sum-exp, rescaled from its own max to the combined one (from
+  # 0 while every part is -inf, banned tokens: no mass, not -inf - -inf).
+  shift = jnp.where(row_max > -jnp.inf, row_max, 0.0)
+  part_sum_exp = jnp.exp(parts.row_max - shift + parts.log_sum_exp)
+  sum_exp = reduce_sum(part_sum_exp)
   first = jnp.where(parts.row_max == row_max, parts.argmax + offset, vocab_size)
+  expected = None
+  if parts.expected_score is not None:
+    # A part without probability mass (all its scores -inf) adds nothing,
+    # though its own expected score is NaN.
+    share = part_sum_exp / sum_exp
+    expected = reduce_sum(jnp.where(share > 0, share * parts.expected_score, 0.0))
   return RowStats(
     row_max=row_max,
     log_sum_exp=jnp.log(sum_exp),
     target=reduce_sum(jnp.where(here, parts.target, 0.0)),
     mean_logit=reduce_sum(parts.mean_logit * width) / reduce_sum(width),
     argmax=reduce_min(first),
+    expected_score=expected,
   )
 
 
@@ -186,10 +208,11 @@ def row_outputs(
     vocab_size: ``V``.
 
   Returns:
-    ``(loss, lse, correct)``, each ``[rows]``: the float32 loss of each row
-    (NaN where a valid row's label is outside ``[0, V)``: such a label is an
-    error, and it must not be read as some valid class), its lse, and whether
-    the argmax equals the label.
+    ``(loss, lse, correct, entropy)``, each ``[rows]``: the float32 loss of
+    each row (NaN where a valid row's label is outside ``[0, V)``: such a
+    label is an error, and it must not be read as some valid class), its lse,
+    whether the argmax equals the label, and the entropy of its softmax
+    (zeros unless ``options.entropy``).
   """
   eps, zl = options.label_smoothing, options.z_loss
   lse = stats.lse
@@ -202,10 +225,15 @@ def row_outputs(
   if zl:
     loss = loss + zl * lse * lse
   zero = jnp.zeros_like(lse)
+  entropy = zero
+  if options.entropy:
+    # lse - E with the max taken out of both: scores of a row's own magnitude.
+    entropy = stats.log_sum_exp - (stats.expected_score - stats.row_max)
   return (
     jnp.where(valid, loss, zero),
     jnp.where(valid, lse, zero),
     valid & (stats.argmax == labels),
+    jnp.where(valid, entropy, zero),
   )
 
 
@@ -223,11 +251,16 @@ class BackwardRows(NamedTuple):
       The lse output is differentiable, so its cotangent ``g_lse`` adds here.
     coef_target: ``g_loss``; 0 at excluded rows and NaN where a valid row's
       label is outside ``[0, V)``, so that row's gradient is NaN like its loss.
+    coef_entropy: the entropy's cotangent ``g_H`` (0 at excluded rows), or
+      None without ``CEOptions.entropy``.
+    expected_score: ``E = lse - H`` (0 at excluded rows), or None likewise.
   """
 
   lse: jax.Array
   coef_softmax: jax.Array
   coef_target: jax.Array
+  coef_entropy: jax.Array | None = None
+  expected_score: jax.Array | None = None
 
 
 def backward_rows(
@@ -238,6 +271,8 @@ def backward_rows(
   valid: jax.Array,
   options: CEOptions,
   vocab_size: int,
+  g_entropy: jax.Array | None = None,
+  entropy: jax.Array | None = None,
 ) -> BackwardRows:
   """Per-row coefficients of ``dlogits`` from the upstream cotangents.
 
@@ -249,6 +284,9 @@ def backward_rows(
     valid: bool ``[rows]``.
     options: the loss options.
     vocab_size: ``V``.
+    g_entropy: float32 ``[rows]`` cotangent of the per-row entropy (with
+      ``options.entropy``).
+    entropy: float32 ``[rows]`` saved entropy (likewise).
 
   Returns:
     A ``BackwardRows``.
@@ -256,10 +294,16 @@ def backward_rows(
   coef_softmax = g_loss * (1.0 + 2.0 * options.z_loss * lse) + g_lse
   coef_target = jnp.where(label_in_range(labels, vocab_size), g_loss, jnp.nan)
   zero = jnp.zeros_like(lse)
+  coef_entropy = expected = None
+  if options.entropy:
+    coef_entropy = jnp.where(valid, g_entropy, zero)
+    expected = jnp.where(valid, lse - entropy, zero)
   return BackwardRows(
     lse=jnp.where(valid, lse, jnp.inf),
     coef_softmax=jnp.where(valid, coef_softmax, zero),
     coef_target=jnp.where(valid, coef_target, zero),
+    coef_entropy=coef_entropy,
+    expected_score=expected,
   )
 
 
@@ -303,6 +347,11 @@ def dlogits_block(
   if eps:
     target_weight = target_weight + eps / vocab_size
   grad = rows.coef_softmax[:, None] * probs - rows.coef_target[:, None] * target_weight
+  if options.entropy:
+    spread = capped - rows.expected_score[:, None]
+    # Where p is 0 (a score of -inf) the term is 0, not 0 * -inf.
+    spread = jnp.where(probs > 0, probs * spread, 0.0)
+    grad = grad - rows.coef_entropy[:, None] * spread
   if options.logit_softcap is not None or options.logit_scale != 1.0:
     grad = grad * scores_grad(logits, options)
   return grad

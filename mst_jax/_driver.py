@@ -37,19 +37,21 @@ class LoopOrder(Protocol):
   or either of them mapped over a mesh (``mst_jax._mesh.Sharded``)."""
 
   def forward(self, config: SweepConfig, x: RowInputs) -> Outputs:
-    """Per-row ``(loss, lse, correct)``."""
+    """Per-row ``(loss, lse, correct, entropy)``."""
     ...
 
   def backward(
     self, config: SweepConfig, x: RowInputs, cot: RowCotangents, diff: Differentiated
   ) -> Grads:
-    """``(dhidden, dweight, dbias)`` of ``sum(loss * g_loss + lse * g_lse)``."""
+    """``(dhidden, dweight, dbias)`` of ``sum(loss * g_loss + lse * g_lse +
+    entropy * g_entropy)``."""
     ...
 
   def fused(
     self, config: SweepConfig, x: RowInputs, row_scale: jax.Array, diff: Differentiated
   ) -> tuple[Outputs, Grads]:
-    """``((sum(loss * row_scale), lse, correct), (dhidden, dweight, dbias))``."""
+    """``((sum(loss * row_scale), lse, correct, entropy), (dhidden, dweight,
+    dbias))``."""
     ...
 
 
@@ -84,7 +86,8 @@ def _instantiate(cotangent, like: jax.Array) -> jax.Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def row_losses(plan: Plan, hidden, weight, bias, labels, valid):
-  """Per-row loss, lse and argmax-correctness; the backward recomputes logits.
+  """Per-row loss, lse, argmax-correctness and entropy; the backward recomputes
+  logits.
 
   Args:
     plan: a ``Plan``.
@@ -95,8 +98,10 @@ def row_losses(plan: Plan, hidden, weight, bias, labels, valid):
     valid: bool ``[N]``; False rows give 0 loss, 0 lse and zero gradients.
 
   Returns:
-    ``(loss, lse, correct)``: ``[N]`` float32 (float64 for float64 inputs),
-    ``[N]`` float32 and ``[N]`` bool. ``loss`` and ``lse`` are differentiable.
+    ``(loss, lse, correct, entropy)``: ``[N]`` float32 (float64 for float64
+    inputs), ``[N]`` float32, ``[N]`` bool and ``[N]`` float32 (zeros unless
+    the options ask for the entropy). ``loss``, ``lse`` and ``entropy`` are
+    differentiable.
   """
   return plan.order.forward(plan.config, RowInputs(hidden, weight, bias, labels, valid))
 
@@ -105,14 +110,14 @@ def _row_losses_fwd(plan: Plan, hidden, weight, bias, labels, valid):
   diff = _differentiated(hidden, weight, bias)
   x = RowInputs(*_unwrap(hidden, weight, bias, labels, valid))
   outputs = plan.order.forward(plan.config, x)
-  return outputs, (x, outputs[1], diff)
+  return outputs, (x, outputs[1], outputs[3], diff)
 
 
 def _row_losses_bwd(plan: Plan, residuals: tuple, cotangents: tuple) -> tuple:
-  x, lse, diff = residuals
-  g_loss = _instantiate(cotangents[0], lse)
-  g_lse = _instantiate(cotangents[1], lse)
-  cot = RowCotangents(lse, g_loss, g_lse)
+  x, lse, entropy, diff = residuals
+  g_loss, g_lse, _, g_entropy = cotangents
+  g_loss, g_lse, g_entropy = (_instantiate(g, lse) for g in (g_loss, g_lse, g_entropy))
+  cot = RowCotangents(lse, g_loss, g_lse, entropy, g_entropy)
   return (*plan.order.backward(plan.config, x, cot, diff), None, None)
 
 
@@ -132,13 +137,13 @@ def reduced_loss(plan: Plan, hidden, weight, bias, labels, valid, row_scale):
       mean, ``valid / n_valid``); not differentiated.
 
   Returns:
-    ``(loss, lse, correct)``: the scalar loss, ``[N]`` lse and ``[N]`` bool.
-    Only ``loss`` is differentiable: differentiating through ``lse`` raises
-    (use ``row_losses``).
+    ``(loss, lse, correct, entropy)``: the scalar loss, ``[N]`` lse, ``[N]``
+    bool and ``[N]`` entropy. Only ``loss`` is differentiable:
+    differentiating through ``lse`` raises (use ``row_losses``).
   """
   x = RowInputs(hidden, weight, bias, labels, valid)
-  loss, lse, correct = plan.order.forward(plan.config, x)
-  return jnp.sum(loss * row_scale), lse, correct
+  loss, *per_row = plan.order.forward(plan.config, x)
+  return jnp.sum(loss * row_scale), *per_row
 
 
 def _reduced_loss_fwd(plan: Plan, hidden, weight, bias, labels, valid, row_scale):
@@ -149,8 +154,9 @@ def _reduced_loss_fwd(plan: Plan, hidden, weight, bias, labels, valid, row_scale
 
 def _reduced_loss_bwd(plan: Plan, residuals: Grads, cotangents: tuple) -> tuple:
   del plan
-  g_loss, g_lse, _ = cotangents
-  if not isinstance(g_lse, jax.custom_derivatives.SymbolicZero):
+  g_loss, g_lse, _, g_entropy = cotangents
+  zero = jax.custom_derivatives.SymbolicZero
+  if not (isinstance(g_lse, zero) and isinstance(g_entropy, zero)):
     raise NotImplementedError(
       "The per-token lse (aux.lse, aux.z_loss) is not differentiable with"
       " grad_mode='fused', which forms the gradient during the forward pass;"

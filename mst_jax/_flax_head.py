@@ -2,7 +2,7 @@
 
 ``mst_jax.nnx.LMHeadLoss`` and ``mst_jax.linen.LMHeadLoss`` differ only in how
 they hold parameters; both hold a ``HeadLossOptions`` and compute through
-``head_loss`` and ``head_logits``.
+``head_loss``, ``head_log_probs`` and ``head_logits``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax.nnx.nn import dtypes
 
 from mst_jax import _ce_math
-from mst_jax._api import linear_cross_entropy
+from mst_jax._api import LOG_PROBS_FIXED, linear_cross_entropy, linear_log_probs
 from mst_jax._options import HeadLossOptions
 
 
@@ -50,6 +50,40 @@ def head_loss(
     where=where,
     token_weights=token_weights,
     return_aux=return_aux,
+    **options,
+  )
+
+
+def head_log_probs(
+  params: HeadParams,
+  hidden: jax.Array,
+  labels: jax.Array,
+  *,
+  dtype,
+  options: HeadLossOptions,
+  where: jax.Array | None,
+  return_entropy: bool,
+):
+  """``linear_log_probs`` with the head's options that apply to it (not the
+  loss's reduction, smoothing or z-loss; a ``"fused"`` gradient mode, which
+  needs a scalar loss, becomes the default)."""
+  weight, weight_layout, bias = params
+  hidden, weight, bias = dtypes.promote_dtype((hidden, weight, bias), dtype=dtype)
+  options = {
+    name: value
+    for name, value in dataclasses.asdict(options).items()
+    if name not in LOG_PROBS_FIXED
+  }
+  if options["grad_mode"] == "fused":
+    options["grad_mode"] = None
+  return linear_log_probs(
+    hidden,
+    weight,
+    labels,
+    bias,
+    where=where,
+    weight_layout=weight_layout,
+    return_entropy=return_entropy,
     **options,
   )
 

@@ -3,7 +3,8 @@
 It forms the whole logits and differentiates by autodiff, so it is the test
 oracle (run on float64 inputs) and the documentation of what every fast path
 computes. It is written from the definition
-``-(1 - eps) * log p_y - eps * mean_j log p_j + zl * lse**2`` with
+``-(1 - eps) * log p_y - eps * mean_j log p_j + zl * lse**2`` (and the
+entropy ``-sum_j p_j log p_j``) with
 ``log p = log_softmax(softcap(logit_scale * logits))``, independently of the
 blockwise math in ``_ce_math`` that the fast paths share (it takes only its
 options).
@@ -27,8 +28,8 @@ def row_losses(
   *,
   options: CEOptions,
   weight_layout: str,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Per-row ``(loss, lse, correct)`` from the full logits.
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """Per-row ``(loss, lse, correct, entropy)`` from the full logits.
 
   Args:
     hidden: ``[N, D]``.
@@ -42,7 +43,9 @@ def row_losses(
   Returns:
     ``[N]`` loss (float32, or float64 for float64 inputs; NaN for a valid row
     whose label is outside ``[0, V)``; 0 at invalid rows), ``[N]`` lse (0 at
-    invalid rows) and ``[N]`` bool, whether the argmax is the label.
+    invalid rows), ``[N]`` bool, whether the argmax is the label, and ``[N]``
+    entropy of the softmax (with ``options.entropy``, else zeros; 0 at
+    invalid rows).
   """
   acc = jnp.promote_types(hidden.dtype, jnp.float32)
   # A plain transpose rather than the fast paths' layout-aware dot: the
@@ -62,8 +65,9 @@ def losses_from_logits(
   valid: jax.Array,
   *,
   options: CEOptions,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Per-row ``(loss, lse, correct)`` from ``[N, V]`` logits; see ``row_losses``."""
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """Per-row ``(loss, lse, correct, entropy)`` from ``[N, V]`` logits; see
+  ``row_losses``."""
   logits = logits * options.logit_scale
   cap = options.logit_softcap
   if cap is not None:
@@ -80,4 +84,14 @@ def losses_from_logits(
   loss = loss + options.z_loss * jnp.square(lse)
   correct = valid & (jnp.argmax(logits, axis=-1) == labels)
   zero = jnp.zeros_like(lse)
-  return jnp.where(valid, loss, zero), jnp.where(valid, lse, zero), correct
+  entropy = zero
+  if options.entropy:
+    # -sum p log p; a class of probability 0 adds 0, not 0 * -inf.
+    probs = jnp.exp(log_probs)
+    entropy = -jnp.sum(jnp.where(probs > 0, probs * log_probs, 0.0), axis=-1)
+  return (
+    jnp.where(valid, loss, zero),
+    jnp.where(valid, lse, zero),
+    correct,
+    jnp.where(valid, entropy, zero),
+  )

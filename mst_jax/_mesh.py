@@ -179,7 +179,7 @@ class Sharded:
 
   def forward(self, config, x):
     forward = functools.partial(self.inner.forward, config)
-    return self.layout.per_device(forward, x, (), (self.layout.rows,) * 3)
+    return self.layout.per_device(forward, x, (), (self.layout.rows,) * 4)
 
   def backward(self, config, x, cot, diff):
     def body(x, *cot):
@@ -192,11 +192,11 @@ class Sharded:
     layout = self.layout
 
     def body(x, row_scale):
-      (loss, lse, correct), grads = self.inner.fused(config, x, row_scale, diff)
+      (loss, *per_row), grads = self.inner.fused(config, x, row_scale, diff)
       loss = layout.sum_over(loss, layout.batch_axis)
-      return (loss, lse, correct), layout.reduce_grads(grads)
+      return (loss, *per_row), layout.reduce_grads(grads)
 
-    out_specs = ((P(), layout.rows, layout.rows), layout.grad_specs(diff))
+    out_specs = ((P(), *(layout.rows,) * 3), layout.grad_specs(diff))
     return layout.per_device(body, x, (row_scale,), out_specs)
 
 

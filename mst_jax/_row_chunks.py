@@ -4,8 +4,8 @@ Rows are walked in chunks (``_rows.sweep_chunks``, valid rows compacted to
 the front). Each chunk's ``[rows, V]`` logits are formed by the backend (in
 ``HeadSpec.logits_dtype``), reduced, and dropped:
 
-* ``forward``: per-row ``(loss, lse, correct)``; the recompute backward keeps
-  only the lse.
+* ``forward``: per-row ``(loss, lse, correct, entropy)``; the recompute
+  backward keeps only the lse and the entropy.
 * ``backward``: recomputes each chunk's logits, forms ``dlogits`` from the
   saved lse, writes the chunk's ``dhidden`` rows and accumulates ``dweight``
   and ``dbias``: 8 N·D·V FLOPs with the forward.
@@ -318,7 +318,7 @@ class RowChunks:
   compact: bool = True
 
   def forward(self, config, x):
-    """Per-row ``(loss, lse, correct)``."""
+    """Per-row ``(loss, lse, correct, entropy)``."""
     x, _, scatter = x.compacted(self.compact)
 
     def update(outputs, chunk):
@@ -342,9 +342,7 @@ class RowChunks:
     def chunk_dlogits(outputs, chunk, into):
       config.announce("backward", chunk.start)
       rows = x.chunk(chunk)
-      coefficients = config.backward_rows(
-        *map(chunk.take, (cot.g_loss, cot.g_lse, cot.lse)), rows.labels, chunk.valid
-      )
+      coefficients = config.backward_rows(cot.take(chunk), rows.labels, chunk.valid)
       dlogits = config.backend.chunk_backward(
         rows, coefficients, config.head, x.hidden.dtype, offset=offset
       )
@@ -356,7 +354,7 @@ class RowChunks:
     return grads
 
   def fused(self, config, x, row_scale, diff):
-    """``((sum(loss * row_scale), lse, correct), grads)`` in one sweep."""
+    """``((sum(loss * row_scale), lse, correct, entropy), grads)`` in one sweep."""
     x, gather, scatter = x.compacted(self.compact)
     scale = gather(row_scale)
 
@@ -380,5 +378,5 @@ class RowChunks:
 
     sweep = _Sweep(self, config, x, chunk_dlogits)
     init = output_init(x.hidden.shape[0], stat_dtype(x.hidden))
-    (loss, lse, correct), grads = _gradient_sweep(sweep, diff, init)
-    return (jnp.sum(loss * scale), scatter(lse), scatter(correct)), grads
+    (loss, *per_row), grads = _gradient_sweep(sweep, diff, init)
+    return (jnp.sum(loss * scale), *map(scatter, per_row)), grads

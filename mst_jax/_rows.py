@@ -70,11 +70,21 @@ class SweepConfig:
     head = self.head
     return _ce_math.row_outputs(stats, labels, valid, head.options, head.vocab_size)
 
-  def backward_rows(self, g_loss, g_lse, lse, labels, valid) -> _ce_math.BackwardRows:
-    """Per-row ``dlogits`` coefficients from the cotangents and the lse."""
+  def backward_rows(
+    self, cot: RowCotangents, labels: jax.Array, valid: jax.Array
+  ) -> _ce_math.BackwardRows:
+    """Per-row ``dlogits`` coefficients from a chunk's cotangents."""
     head = self.head
     return _ce_math.backward_rows(
-      g_loss, g_lse, lse, labels, valid, head.options, head.vocab_size
+      cot.g_loss,
+      cot.g_lse,
+      cot.lse,
+      labels,
+      valid,
+      head.options,
+      head.vocab_size,
+      g_entropy=cot.g_entropy,
+      entropy=cot.entropy,
     )
 
   def whole_row_stats(self, x: ChunkInputs) -> _ce_math.RowStats:
@@ -122,11 +132,26 @@ class RowCotangents(NamedTuple):
     lse: the forward's saved lse.
     g_loss: the cotangent of each row's loss.
     g_lse: the cotangent of each row's lse.
+    entropy: the forward's saved entropy (zeros without
+      ``CEOptions.entropy``).
+    g_entropy: the cotangent of each row's entropy.
   """
 
   lse: jax.Array
   g_loss: jax.Array
   g_lse: jax.Array
+  entropy: jax.Array
+  g_entropy: jax.Array
+
+  @classmethod
+  def of_loss(cls, lse: jax.Array, g_loss: jax.Array) -> RowCotangents:
+    """Those of a loss alone (no cotangent on the lse or the entropy)."""
+    zero = jnp.zeros_like(lse)
+    return cls(lse, g_loss, zero, zero, zero)
+
+  def take(self, chunk: Chunk) -> RowCotangents:
+    """A chunk's rows of each."""
+    return RowCotangents(*map(chunk.take, self))
 
 
 @jax.tree_util.register_static
@@ -256,8 +281,8 @@ def chunk_of(
 
 
 Update = Callable[[Any, Chunk], Any]
-# Per-row (loss, lse, correct), each [N].
-Outputs = tuple[jax.Array, jax.Array, jax.Array]
+# Per-row (loss, lse, correct, entropy), each [N].
+Outputs = tuple[jax.Array, jax.Array, jax.Array, jax.Array]
 # (dhidden, dweight, dbias); None where an input is not differentiated.
 Grads = tuple[Any, jax.Array | None, jax.Array | None]
 
@@ -301,11 +326,12 @@ def sweep_chunks(
 
 
 def output_init(n_rows: int, dtype: jnp.dtype):
-  """Per-row ``(loss, lse, correct)`` buffers; excluded rows stay zero."""
+  """Per-row ``(loss, lse, correct, entropy)`` buffers; excluded rows stay zero."""
   return (
     jnp.zeros((n_rows,), dtype),
     jnp.zeros((n_rows,), dtype),
     jnp.zeros((n_rows,), bool),
+    jnp.zeros((n_rows,), dtype),
   )
 
 

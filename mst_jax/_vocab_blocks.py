@@ -42,6 +42,7 @@ from mst_jax._backends.base import ChunkInputs, relative_labels
 from mst_jax._rows import (
   Chunk,
   Grads,
+  RowCotangents,
   SweepConfig,
   gradient_finish,
   gradient_init,
@@ -188,7 +189,7 @@ class VocabBlocks:
     return dhidden, dweight, dbias
 
   def forward(self, config, x):
-    """Per-row ``(loss, lse, correct)``."""
+    """Per-row ``(loss, lse, correct, entropy)``."""
 
     def update(outputs, chunk):
       config.announce("forward", chunk.start)
@@ -207,9 +208,7 @@ class VocabBlocks:
     def update(grads, chunk):
       config.announce("backward", chunk.start)
       rows = x.chunk(chunk)
-      coefficients = config.backward_rows(
-        *map(chunk.take, (cot.g_loss, cot.g_lse, cot.lse)), rows.labels, chunk.valid
-      )
+      coefficients = config.backward_rows(cot.take(chunk), rows.labels, chunk.valid)
       return self._chunk_gradients(config, grads, chunk, rows, coefficients)
 
     grads = gradient_init(config, x, diff)
@@ -217,7 +216,7 @@ class VocabBlocks:
     return gradient_finish(grads, x)
 
   def fused(self, config, x, row_scale, diff):
-    """``((sum(loss * row_scale), lse, correct), grads)``, chunk by chunk."""
+    """``((sum(loss * row_scale), lse, correct, entropy), grads)``, chunk by chunk."""
 
     def update(carry, chunk):
       outputs, grads = carry
@@ -226,9 +225,8 @@ class VocabBlocks:
       stats = self._row_stats(config, rows)
       out = config.row_outputs(stats, rows.labels, chunk.valid)
       g_loss = jnp.where(chunk.valid, chunk.take(row_scale), 0.0)
-      coefficients = config.backward_rows(
-        g_loss, jnp.zeros_like(g_loss), stats.lse, rows.labels, chunk.valid
-      )
+      cot = RowCotangents.of_loss(stats.lse, g_loss)
+      coefficients = config.backward_rows(cot, rows.labels, chunk.valid)
       grads = self._chunk_gradients(config, grads, chunk, rows, coefficients)
       return tuple(map(chunk.put, outputs, out)), grads
 
@@ -236,10 +234,8 @@ class VocabBlocks:
       output_init(x.hidden.shape[0], stat_dtype(x.hidden)),
       gradient_init(config, x, diff),
     )
-    (loss, lse, correct), grads = sweep_chunks(
-      self.rows_per_chunk, x.valid, update, init
-    )
-    return (jnp.sum(loss * row_scale), lse, correct), gradient_finish(grads, x)
+    (loss, *per_row), grads = sweep_chunks(self.rows_per_chunk, x.valid, update, init)
+    return (jnp.sum(loss * row_scale), *per_row), gradient_finish(grads, x)
 
 
 def _block(config: SweepConfig, x: ChunkInputs, start, size: int) -> ChunkInputs:

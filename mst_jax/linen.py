@@ -112,6 +112,27 @@ class LMHeadLoss(nn.Module):
       return_aux=return_aux,
     )
 
+  def log_probs(
+    self,
+    hidden: jax.Array,
+    labels: jax.Array,
+    *,
+    where: jax.Array | None = None,
+    return_entropy: bool = False,
+    embedding: jax.Array | None = None,
+  ):
+    """Each token's log-probability of its label (and, with ``return_entropy``,
+    the entropy), as ``mst_jax.linear_log_probs`` with this module's options."""
+    return head.head_log_probs(
+      self._weight(hidden.shape[-1], embedding),
+      hidden,
+      labels,
+      dtype=self.dtype,
+      options=self.options,
+      where=where,
+      return_entropy=return_entropy,
+    )
+
   def logits(self, hidden: jax.Array, *, embedding: jax.Array | None = None):
     """Full logits ``[..., V]`` (scaled and softcapped like the loss's)."""
     return head.head_logits(

@@ -16,7 +16,9 @@ class LMHeadLoss(nnx.Module):
 
   ``__call__`` computes the cross-entropy of the head's logits with
   ``mst_jax.linear_cross_entropy``, never forming the ``[tokens, V]`` logits;
-  ``logits`` forms them, for evaluation and generation. The kernel is
+  ``log_probs`` gives per-token log-probabilities and entropies
+  (``mst_jax.linear_log_probs``, for RL) the same way; ``logits`` forms the
+  logits, for evaluation and generation. The kernel is
   ``[in_features, vocab_size]`` like ``nnx.Linear``'s, so a checkpoint whose
   head is a Linear loads into it unchanged.
 
@@ -124,6 +126,26 @@ class LMHeadLoss(nnx.Module):
       where=where,
       token_weights=token_weights,
       return_aux=return_aux,
+    )
+
+  def log_probs(
+    self,
+    hidden: jax.Array,
+    labels: jax.Array,
+    *,
+    where: jax.Array | None = None,
+    return_entropy: bool = False,
+  ):
+    """Each token's log-probability of its label (and, with ``return_entropy``,
+    the entropy), as ``mst_jax.linear_log_probs`` with this module's options."""
+    return head.head_log_probs(
+      self._weight(),
+      hidden,
+      labels,
+      dtype=self.dtype,
+      options=self.options,
+      where=where,
+      return_entropy=return_entropy,
     )
 
   def logits(self, hidden: jax.Array) -> jax.Array:

@@ -1,17 +1,23 @@
 """The full-logits reference: what every fast path computes, plainly.
 
-``linear_cross_entropy`` here is ``mst_jax.linear_cross_entropy`` with
-``impl="reference"``: it forms the whole ``[N, V]`` logits and differentiates
-by autodiff. It is the test oracle (run on float64 inputs) and the
-documentation of the semantics; ``losses_from_logits`` is its per-row math.
+``linear_cross_entropy`` and ``linear_log_probs`` here are the ``mst_jax``
+functions with ``impl="reference"``: they form the whole ``[N, V]`` logits
+and differentiate by autodiff. They are the test oracle (run on float64
+inputs) and the documentation of the semantics; ``losses_from_logits`` is
+their per-row math.
 """
 
 from __future__ import annotations
 
-from mst_jax._api import linear_cross_entropy as _chunked_or_reference
+from mst_jax import _api
 from mst_jax._full_logits import losses_from_logits, row_losses
 
-__all__ = ["linear_cross_entropy", "losses_from_logits", "row_losses"]
+__all__ = [
+  "linear_cross_entropy",
+  "linear_log_probs",
+  "losses_from_logits",
+  "row_losses",
+]
 
 
 def linear_cross_entropy(hidden, weight, labels, bias=None, **kwargs):
@@ -22,4 +28,11 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, **kwargs):
   gradient mode) and the mesh, which do not apply, and returns the same
   values. Memory is ``O(N x V)``: for tests and small problems.
   """
-  return _chunked_or_reference(hidden, weight, labels, bias, impl="reference", **kwargs)
+  return _api.linear_cross_entropy(
+    hidden, weight, labels, bias, impl="reference", **kwargs
+  )
+
+
+def linear_log_probs(hidden, weight, labels, bias=None, **kwargs):
+  """``mst_jax.linear_log_probs`` computed from the full logits (likewise)."""
+  return _api.linear_log_probs(hidden, weight, labels, bias, impl="reference", **kwargs)

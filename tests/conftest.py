@@ -274,7 +274,7 @@ def reference_dlogits(problem, **kwargs):
     logits = rows.hidden @ weight + (0.0 if rows.bias is None else rows.bias)
 
     def total(logits):
-      loss, lse, correct = reference.losses_from_logits(
+      loss, lse, correct, _ = reference.losses_from_logits(
         logits, rows.labels, rows.valid, options=options
       )
       weights = inputs.row_weights(rows, loss_options.reduction, lse.dtype)

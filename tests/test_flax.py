@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import doctest
+import functools
 
 import flax.linen as nn
 import jax
@@ -101,6 +102,70 @@ def test_linen_and_nnx_agree_on_the_same_parameters(rng):
   ):
     assert_close(dk, ref_dk, GRAD_RTOL["float32"], "dkernel")
     assert_close(db, ref_db, GRAD_RTOL["float32"], "dbias")
+
+
+@pytest.mark.parametrize("api", ["nnx", "linen"])
+def test_log_probs_match_the_oracle(rng, api):
+  """The modules' log_probs (and entropy) and their kernel gradient, with the
+  module's loss options (smoothing, z-loss, fused mode) left out."""
+  options = dict(logit_softcap=4.0, label_smoothing=0.1, z_loss=1e-3)
+  options.update(logit_scale=0.8, grad_mode="fused", chunk_size=16)
+  hidden, labels, where = _data(rng)
+  g_lp, g_h = (jnp.asarray(rng.standard_normal(labels.shape)) for _ in range(2))
+
+  def total(log_probs_fn, *args):
+    lp, h = log_probs_fn(*args)
+    return jnp.sum(lp * g_lp + h * g_h), (lp, h)
+
+  if api == "nnx":
+    head = mst_jax.nnx.LMHeadLoss(D, V, rngs=nnx.Rngs(1), **options)
+    kernel = head.kernel[...]
+    (_, (lp, h)), grads = nnx.value_and_grad(
+      lambda head: total(
+        functools.partial(head.log_probs, where=where, return_entropy=True),
+        hidden,
+        labels,
+      ),
+      has_aux=True,
+    )(head)
+    dkernel = grads["kernel"][...]
+  else:
+    head = mst_jax.linen.LMHeadLoss.create(V, **options)
+    params = head.init(jax.random.key(1), hidden, labels)
+    kernel = params["params"]["kernel"]
+
+    def module(kernel):
+      return head.apply(
+        {"params": {"kernel": kernel}},
+        hidden,
+        labels,
+        where=where,
+        return_entropy=True,
+        method="log_probs",
+      )
+
+    (_, (lp, h)), dkernel = jax.value_and_grad(
+      functools.partial(total, module), has_aux=True
+    )(kernel)
+
+  def reference(kernel):
+    return mst_jax.reference.linear_log_probs(
+      jnp.asarray(to64(hidden)),
+      kernel,
+      labels,
+      where=where,
+      weight_layout="dv",
+      return_entropy=True,
+      logit_softcap=4.0,
+      logit_scale=0.8,
+    )
+
+  with jax.enable_x64(True):
+    (_, (ref_lp, ref_h)), ref_dk = jax.value_and_grad(
+      functools.partial(total, reference), has_aux=True
+    )(jnp.asarray(to64(kernel)))
+  for out, ref in ((lp, ref_lp), (h, ref_h), (dkernel, ref_dk)):
+    assert_close(out, np.asarray(ref), 1e-4)
 
 
 @pytest.mark.parametrize("scale", [None, 0.6])

@@ -172,7 +172,8 @@ def _row_stats(logits_ref, labels, row_slice, row_mask, *, options, block_v):
 
 
 def _store_stats(stats, refs, row_slice, row_mask):
-  for value, ref in zip(stats, refs, strict=True):
+  values = [value for value in stats if value is not None]  # no entropy here
+  for value, ref in zip(values, refs, strict=True):
     plgpu.store(ref.at[row_slice], value.astype(ref.dtype), mask=row_mask)
 
 
@@ -379,7 +380,7 @@ class PallasTritonChunkCE(base.MatmulThenCE):
       aliases={0: 0} if in_place else None,
       vocab_total=vocab_size or n_cols,
     )
-    return call(logits, labels, *rows)
+    return call(logits, labels, rows.lse, rows.coef_softmax, rows.coef_target)
 
   def forward_backward(
     self, logits, labels, valid, g_loss, options, out_dtype, *, into=None

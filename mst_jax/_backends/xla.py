@@ -27,7 +27,12 @@ class XlaChunkCE(base.MatmulThenCE):
     logits = _upcast(logits)
     capped = ce_math.scores(logits, options)  # [rows, V]
     row_max = jnp.max(capped, axis=-1)
-    log_sum_exp = jnp.log(jnp.sum(jnp.exp(capped - row_max[:, None]), axis=-1))
+    # A block whose scores are all -inf (banned tokens) has no mass: sum-exp
+    # 0 and log-sum-exp -inf, not exp(-inf - -inf) = NaN.
+    shift = jnp.where(row_max > -jnp.inf, row_max, 0.0)
+    unnormalized = jnp.exp(capped - shift[:, None])
+    sum_exp = jnp.sum(unnormalized, axis=-1)
+    log_sum_exp = jnp.log(sum_exp)
     safe_labels = jnp.clip(labels, 0, vocab_size - 1)
     target = jnp.take_along_axis(capped, safe_labels[:, None], axis=-1)[:, 0]
     if options.label_smoothing:
@@ -35,7 +40,14 @@ class XlaChunkCE(base.MatmulThenCE):
     else:
       mean_logit = jnp.zeros_like(row_max)
     argmax = jnp.argmax(capped, axis=-1).astype(jnp.int32)
-    return ce_math.RowStats(row_max, log_sum_exp, target, mean_logit, argmax)
+    expected = None
+    if options.entropy:
+      # A score of -inf (a banned token) has no mass and adds 0, not 0 * -inf.
+      weighted = jnp.where(unnormalized > 0, unnormalized * capped, 0.0)
+      expected = jnp.sum(weighted, axis=-1) / sum_exp
+    return ce_math.RowStats(
+      row_max, log_sum_exp, target, mean_logit, argmax, expected_score=expected
+    )
 
   def backward(
     self,

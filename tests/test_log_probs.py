@@ -1,0 +1,226 @@
+"""``linear_log_probs`` against a float64 oracle written from the definitions.
+
+The oracle forms the full logits in float64, takes ``log_softmax`` at the
+label and ``-sum p log p``, and differentiates ``sum(g_lp * log_probs +
+g_h * entropy)`` for random cotangents on both outputs by autodiff: it shares
+no code with the chunked paths (which compute the entropy as ``lse - E``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import LOOP_ORDERS, make_problem, to64
+
+import mst_jax
+
+# Outputs: float32 math on float32 logits; bf16 inputs get float32 logits
+# here (the default bfloat16 logits are checked with their rounding below).
+_OUT_TOL = {"float32": 2e-5, "bfloat16": 2e-5}
+_GRAD_TOL = {"float32": 2e-4, "bfloat16": 2e-2}
+
+
+def _label_positions(x, shift, fill):
+  x = np.asarray(x)
+  if not shift:
+    return x
+  return np.concatenate([x[..., 1:], np.full_like(x[..., :1], fill)], axis=-1)
+
+
+def _oracle(problem, g_lp, g_h, *, weight_layout, shift, scale, softcap):
+  """float64 ``(log_probs, entropy)`` and the gradients of the cotangents' sum."""
+  where = (
+    np.ones(problem.labels.shape, bool) if problem.where is None else problem.where
+  )
+  valid = np.asarray(where) & (np.asarray(problem.labels) != -100)
+  labels = _label_positions(problem.labels, shift, -100)
+  valid = _label_positions(valid, shift, False) & (labels != -100)
+  safe = np.where(valid, labels, 0)
+  argnums = (0, 1, 2) if problem.bias is not None else (0, 1)
+  with jax.enable_x64(True):
+
+    def outputs(hidden, weight, bias=None):
+      w = weight if weight_layout == "dv" else weight.T
+      logits = hidden @ w
+      if bias is not None:
+        logits = logits + bias
+      s = logits * (scale or 1.0)
+      if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
+      log_p = jax.nn.log_softmax(s, axis=-1)
+      at_label = jnp.take_along_axis(log_p, jnp.asarray(safe)[..., None], -1)[..., 0]
+      entropy = -jnp.sum(jnp.exp(log_p) * log_p, axis=-1)
+      mask = jnp.asarray(valid)
+      return jnp.where(mask, at_label, 0.0), jnp.where(mask, entropy, 0.0)
+
+    inputs = (problem.hidden, problem.weight, problem.bias)[: len(argnums)]
+    args = [jnp.asarray(to64(x)) for x in inputs]
+    lp, h = outputs(*args)
+
+    def total(*a):
+      lp, h = outputs(*a)
+      return jnp.sum(lp * g_lp) + jnp.sum(h * g_h)
+
+    grads = jax.grad(total, argnums=argnums)(*args)
+    return np.asarray(lp), np.asarray(h), [np.asarray(g) for g in grads]
+
+
+def _run(problem, g_lp, g_h, return_entropy, **kwargs):
+  argnums = (0, 1, 3) if problem.bias is not None else (0, 1)
+
+  def outputs(hidden, weight, labels, bias):
+    return mst_jax.linear_log_probs(
+      hidden,
+      weight,
+      labels,
+      bias,
+      where=problem.where,
+      return_entropy=return_entropy,
+      **kwargs,
+    )
+
+  def total(*args):
+    out = outputs(*args)
+    lp, h = out if return_entropy else (out, jnp.zeros_like(out))
+    return jnp.sum(lp * g_lp) + jnp.sum(h * g_h)
+
+  out = jax.jit(outputs)(*problem.args)
+  grads = jax.jit(jax.grad(total, argnums=argnums))(*problem.args)
+  return out, grads
+
+
+def _rel(out, ref):
+  out, ref = np.asarray(jnp.asarray(out, jnp.float32), np.float64), np.asarray(ref)
+  return np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
+
+
+@pytest.mark.parametrize("loop_order", list(LOOP_ORDERS))
+@pytest.mark.parametrize("weight_layout", ["vd", "dv"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+  "mask, shift, bias, scale, softcap",
+  [
+    ("scattered", False, False, None, None),
+    ("prefix", True, True, 0.7, None),
+    ("none", False, True, None, 4.0),
+    ("scattered", True, False, 1.5, 6.0),
+  ],
+)
+def test_log_probs_and_entropy_match_the_oracle(
+  rng, loop_order, weight_layout, dtype, mask, shift, bias, scale, softcap
+):
+  problem = make_problem(
+    rng, (3, 29), dtype=dtype, mask=mask, bias=bias, weight_layout=weight_layout
+  )
+  g_lp = rng.standard_normal(problem.labels.shape)
+  g_h = rng.standard_normal(problem.labels.shape)
+  options = dict(
+    weight_layout=weight_layout,
+    shift=shift,
+    logit_scale=scale,
+    logit_softcap=softcap,
+    chunk_size=32,
+    logits_dtype=jnp.float32,
+    **LOOP_ORDERS[loop_order],
+  )
+  (lp, h), grads = _run(problem, g_lp, g_h, True, impl="xla", **options)
+  ref_lp, ref_h, ref_grads = _oracle(
+    problem,
+    g_lp,
+    g_h,
+    weight_layout=weight_layout,
+    shift=shift,
+    scale=scale,
+    softcap=softcap,
+  )
+  assert lp.shape == h.shape == problem.labels.shape
+  assert lp.dtype == h.dtype == jnp.float32
+  assert _rel(lp, ref_lp) < _OUT_TOL[dtype], _rel(lp, ref_lp)
+  assert _rel(h, ref_h) < _OUT_TOL[dtype], _rel(h, ref_h)
+  excluded = ref_lp == 0.0
+  assert np.all(np.asarray(lp)[excluded] == 0.0)
+  assert np.all(np.asarray(h)[excluded] == 0.0)
+  names = ("dhidden", "dweight", "dbias")[: len(grads)]
+  for name, g, ref in zip(names, grads, ref_grads, strict=True):
+    assert g.dtype == problem.hidden.dtype
+    assert _rel(g, ref) < _GRAD_TOL[dtype], (name, _rel(g, ref))
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas", "reference"])
+def test_log_probs_alone_on_every_backend(rng, impl):
+  """Without the entropy every backend computes log-probs (Pallas included)."""
+  problem = make_problem(rng, (2, 37), dtype="float32", bias=True)
+  g_lp = rng.standard_normal(problem.labels.shape)
+  zeros = np.zeros(problem.labels.shape)
+  kwargs = {} if impl == "reference" else {"chunk_size": 16}
+  lp, grads = _run(problem, g_lp, zeros, False, impl=impl, **kwargs)
+  ref_lp, _, ref_grads = _oracle(
+    problem, g_lp, zeros, weight_layout="vd", shift=False, scale=None, softcap=None
+  )
+  assert _rel(lp, ref_lp) < 2e-5
+  for g, ref in zip(grads, ref_grads, strict=True):
+    assert _rel(g, ref) < 2e-4
+
+
+def test_default_bf16_logits_round_like_a_bf16_head(rng):
+  """Default bfloat16 logits: each output moves by at most the rounding of
+  the row's largest logit (twice: lse and the label's score)."""
+  problem = make_problem(rng, (4, 33), dtype="bfloat16", mask="none")
+  lp, h = mst_jax.linear_log_probs(*problem.args, return_entropy=True)
+  zeros = np.zeros(problem.labels.shape)
+  ref_lp, ref_h, _ = _oracle(
+    problem, zeros, zeros, weight_layout="vd", shift=False, scale=None, softcap=None
+  )
+  logits = to64(problem.hidden) @ to64(problem.weight).T
+  bound = 2 * 2.0**-8 * np.abs(logits).max(axis=-1) + 1e-5
+  assert np.all(np.abs(np.asarray(lp, np.float64) - ref_lp) <= bound)
+  assert np.all(np.abs(np.asarray(h, np.float64) - ref_h) <= 2 * bound)
+
+
+def test_log_probs_are_minus_the_unreduced_loss(rng):
+  problem = make_problem(rng, (41,), dtype="float32")
+  lp = mst_jax.linear_log_probs(*problem.args, where=problem.where)
+  loss = mst_jax.linear_cross_entropy(
+    *problem.args, where=problem.where, reduction="none"
+  )
+  np.testing.assert_array_equal(np.asarray(lp), -np.asarray(loss))
+
+
+def test_banned_tokens_give_finite_entropy(rng):
+  """A bias of -inf on a whole vocabulary block: no mass there, no NaN."""
+  problem = make_problem(rng, (2, 19), dtype="float32", mask="none", bias=True)
+  vocab = problem.weight.shape[0]
+  bias = jnp.where(jnp.arange(vocab) < 300, -jnp.inf, problem.bias)
+  labels = jnp.maximum(problem.labels, 300)
+  args = (problem.hidden, problem.weight, labels, bias)
+  for loop in LOOP_ORDERS.values():
+    lp, h = mst_jax.linear_log_probs(
+      *args, return_entropy=True, impl="xla", chunk_size=16, **loop
+    )
+    assert np.isfinite(np.asarray(lp)).all() and np.isfinite(np.asarray(h)).all()
+
+
+def test_out_of_range_label_is_nan(rng):
+  problem = make_problem(rng, (7,), dtype="float32", mask="none")
+  labels = problem.labels.at[3].set(problem.weight.shape[0])
+  lp = mst_jax.linear_log_probs(problem.hidden, problem.weight, labels)
+  assert np.isnan(np.asarray(lp)[3]) and np.isfinite(np.delete(np.asarray(lp), 3)).all()
+
+
+def test_bad_arguments_raise(rng):
+  problem = make_problem(rng, (5,), dtype="float32")
+  args = problem.args[:3]
+  with pytest.raises(TypeError, match="return_entropy"):
+    mst_jax.linear_log_probs(*args, return_entropy=1)
+  with pytest.raises(NotImplementedError, match="fused"):
+    mst_jax.linear_log_probs(*args, grad_mode="fused")
+  with pytest.raises(NotImplementedError, match="entropy"):
+    mst_jax.linear_log_probs(*args, impl="pallas", return_entropy=True)
+  with pytest.raises(ValueError, match="logit_scale"):
+    mst_jax.linear_log_probs(*args, logit_scale=0.0)
+  with pytest.raises(ValueError, match="logit_scale"):
+    mst_jax.linear_log_probs(*args, logit_scale=float("inf"))
+  with pytest.raises(TypeError, match="labels"):
+    mst_jax.linear_log_probs(problem.hidden, problem.weight, problem.hidden[:, 0])
