@@ -36,6 +36,9 @@ class Case:
       plain GSPMD programs and ``mst_jax`` specs get ``mesh=`` with the
       matching ``batch_axis`` or ``vocab_axis``.
     devices: how many local devices a parallel case spans.
+    objective: "cross_entropy" (the mean loss) or "log_probs" (per-token
+      log-probabilities and entropies, summed against fixed pseudo-random
+      cotangents: what an RL step differentiates).
     description: one line for the table.
   """
 
@@ -50,6 +53,7 @@ class Case:
   wrt: str = "hidden_weight"
   parallel: str = ""
   devices: int = 1
+  objective: str = "cross_entropy"
   description: str = ""
 
   @property
@@ -109,6 +113,13 @@ CASES = {
       description="4b: 40% masked at random",
     ),
     Case("llama_frozen", 8192, **_LLAMA, wrt="hidden", description="5: frozen head"),
+    Case(
+      "llama_logprobs",
+      8192,
+      **_LLAMA,
+      objective="log_probs",
+      description="Llama-3 head: log-probs and entropy (RL)",
+    ),
     # One GPU against two, data or vocab parallel.
     Case("llama_16k", 16384, **_LLAMA, description="Llama-3 head, 16k, one GPU"),
     Case(
@@ -213,6 +224,34 @@ def naive_loss(hidden, weight, labels, where, *, cast_logits=False):
   return jnp.sum(jnp.where(where, lse - target, 0.0)) / count
 
 
+def _cotangents(n_tokens: int):
+  """Two fixed, sign-changing ``[N]`` cotangents (cheap to form in the step)."""
+  position = jnp.arange(n_tokens, dtype=jnp.float32)
+  return jnp.sin(0.7 * position + 0.3), jnp.cos(1.3 * position)
+
+
+def naive_log_probs(hidden, weight, labels, where, *, cast_logits=False):
+  """The RL baseline: full float32 logits, ``log_softmax`` at the label and the
+  entropy, summed against ``_cotangents``."""
+  if cast_logits:
+    logits = jnp.dot(hidden, weight.T).astype(jnp.float32)
+  else:
+    logits = jnp.dot(hidden, weight.T, preferred_element_type=jnp.float32)
+  log_p = jax.nn.log_softmax(logits, axis=-1)
+  at_label = jnp.take_along_axis(log_p, labels[:, None], axis=-1)[:, 0]
+  entropy = -jnp.sum(jnp.exp(log_p) * log_p, axis=-1)
+  g_lp, g_h = _cotangents(labels.shape[0])
+  return jnp.sum(jnp.where(where, at_label * g_lp + entropy * g_h, 0.0))
+
+
+def _mst_log_probs(hidden, weight, labels, where, **kwargs):
+  log_probs, entropy = mst_jax.linear_log_probs(
+    hidden, weight, labels, where=where, return_entropy=True, **kwargs
+  )
+  g_lp, g_h = _cotangents(labels.shape[0])
+  return jnp.sum(log_probs * g_lp + entropy * g_h)
+
+
 def _parse_value(text: str):
   if text == "None":
     return None
@@ -237,15 +276,21 @@ def parse_impl(spec: str) -> tuple[str, dict]:
 def make_loss(spec: str, case: Case):
   """``loss(hidden, weight, labels, where)`` for an implementation spec."""
   name, kwargs = parse_impl(spec)
+  log_probs = case.objective == "log_probs"
   if name in ("naive", "naive_cast"):
-    return functools.partial(naive_loss, cast_logits=name == "naive_cast")
+    baseline = naive_log_probs if log_probs else naive_loss
+    return functools.partial(baseline, cast_logits=name == "naive_cast")
   if name == "mst_jax":
     kwargs.update(case.mesh_axes)
+    if log_probs:
+      return functools.partial(_mst_log_probs, **kwargs)
 
     def loss(hidden, weight, labels, where):
       return mst_jax.linear_cross_entropy(hidden, weight, labels, where=where, **kwargs)
 
     return loss
+  if log_probs:
+    raise Unsupported(f"{name} computes no per-token log-probabilities here")
   if case.parallel and name in ("jax_cce", "tokamax"):
     raise Unsupported(f"{name} is benchmarked on one device only")
   if case.mask != "none" and name in ("jax_cce", "tokamax"):
