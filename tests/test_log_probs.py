@@ -224,3 +224,23 @@ def test_bad_arguments_raise(rng):
     mst_jax.linear_log_probs(*args, logit_scale=float("inf"))
   with pytest.raises(TypeError, match="labels"):
     mst_jax.linear_log_probs(problem.hidden, problem.weight, problem.hidden[:, 0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("return_entropy", [False, True])
+def test_log_probs_on_the_gpu(rng, return_entropy):
+  """The default backend (Pallas kernels for log-probs alone, XLA with the
+  entropy), unaligned sizes; float32 inputs, the GPU's matmul precision."""
+  problem = make_problem(rng, (4, 301), dim=72, vocab=5003, dtype="float32", bias=True)
+  g_lp = rng.standard_normal(problem.labels.shape)
+  g_h = rng.standard_normal(problem.labels.shape) if return_entropy else 0 * g_lp
+  out, grads = _run(problem, g_lp, g_h, return_entropy, chunk_size=256)
+  lp, h = out if return_entropy else (out, None)
+  ref_lp, ref_h, ref_grads = _oracle(
+    problem, g_lp, g_h, weight_layout="vd", shift=False, scale=None, softcap=None
+  )
+  assert _rel(lp, ref_lp) < 3e-3
+  if return_entropy:
+    assert _rel(h, ref_h) < 3e-3
+  for g, ref in zip(grads, ref_grads, strict=True):
+    assert _rel(g, ref) < 3e-3
