@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mst_jax import _backends, _full_logits, _inputs, _mesh, _options, _planning
+from mst_jax._ce_math import at_least_float32
 from mst_jax._driver import Plan, reduced_loss, row_losses
 from mst_jax._inputs import Rows
 from mst_jax._options import LossOptions, PerfOptions
@@ -359,7 +360,7 @@ def resolve(
       matmul_tile=tile,
     ),
     dweight_dtype=accum or rows.weight.dtype,
-    dbias_dtype=accum or jnp.promote_types(bias_dtype, jnp.float32),
+    dbias_dtype=accum or at_least_float32(bias_dtype),
   )
   if layout is not None:
     if layout.vocab_axis is not None:
@@ -377,7 +378,7 @@ def resolve(
 def _logits_dtype(requested: np.dtype | None, dtype: np.dtype) -> np.dtype:
   """bfloat16 logits for bfloat16 inputs (as a bfloat16 Dense head has),
   else at least float32; never wider than the loss's float32 (float64)."""
-  widest = jnp.promote_types(dtype, jnp.float32)
+  widest = at_least_float32(dtype)
   logits_dtype = requested or (dtype if dtype == jnp.bfloat16 else widest)
   if logits_dtype.itemsize > widest.itemsize:
     raise ValueError(

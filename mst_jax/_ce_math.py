@@ -44,6 +44,16 @@ import jax
 import jax.numpy as jnp
 
 
+def at_least_float32(dtype) -> jnp.dtype:
+  """float32, or float64 for float64: the dtype the math runs in.
+
+  ``jnp.promote_types(dtype, jnp.float32)`` for floating dtypes, without
+  reading JAX's promotion mode (``jax_numpy_dtype_promotion="strict"`` has no
+  implicit path from bfloat16 to float32).
+  """
+  return jnp.dtype(jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32)
+
+
 @dataclasses.dataclass(frozen=True)
 class CEOptions:
   """Static options of the per-row loss (hashable, so usable as jit statics).

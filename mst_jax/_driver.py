@@ -164,7 +164,12 @@ def _reduced_loss_bwd(plan: Plan, residuals: Grads, cotangents: tuple) -> tuple:
     )
   if isinstance(g_loss, jax.custom_derivatives.SymbolicZero):
     return None, None, None, None, None, None
-  scale = lambda grad: None if grad is None else (grad * g_loss).astype(grad.dtype)
+
+  def scale(grad):  # in float32 (g_loss's dtype), rounded once to grad's
+    if grad is None:
+      return None
+    return (grad.astype(g_loss.dtype) * g_loss).astype(grad.dtype)
+
   dhidden, dweight, dbias = map(scale, residuals)
   return dhidden, dweight, dbias, None, None, None
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mst_jax._ce_math import CEOptions
+from mst_jax._ce_math import CEOptions, at_least_float32
 
 
 def row_losses(
@@ -47,7 +47,7 @@ def row_losses(
     entropy of the softmax (with ``options.entropy``, else zeros; 0 at
     invalid rows).
   """
-  acc = jnp.promote_types(hidden.dtype, jnp.float32)
+  acc = at_least_float32(hidden.dtype)
   # A plain transpose rather than the fast paths' layout-aware dot: the
   # reference shares nothing with them but the options.
   w = weight if weight_layout == "dv" else weight.T
@@ -55,7 +55,7 @@ def row_losses(
     hidden, w, preferred_element_type=acc, precision=lax.Precision.HIGHEST
   )
   if bias is not None:
-    logits = logits + bias.astype(acc)
+    logits = logits + bias.astype(acc)[None, :]
   return losses_from_logits(logits, labels, valid, options=options)
 
 

@@ -13,9 +13,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from mst_jax import _matmul
+from mst_jax._ce_math import at_least_float32
 from mst_jax._options import LossOptions, check_choice
 
 
@@ -104,6 +106,8 @@ def prepare(
     )
   if vocab_size == 0:
     raise ValueError(f"the vocabulary is empty: weight {weight.shape}.")
+  if dim == 0:
+    raise ValueError(f"the hidden size D is 0: hidden {hidden.shape}.")
   if labels.shape != hidden.shape[:-1]:
     raise ValueError(
       f"labels shape {labels.shape} must equal hidden's leading shape"
@@ -131,10 +135,13 @@ def prepare(
         f" {labels.shape}."
       )
 
-  dtype = jnp.result_type(hidden.dtype, weight.dtype)
+  # The wider of the two (numpy's rule: JAX's strict promotion mode has none
+  # between bfloat16 and float32): float32 hidden and a bfloat16 weight
+  # compute in float32.
+  dtype = np.promote_types(hidden.dtype, weight.dtype)
   hidden, weight = hidden.astype(dtype), weight.astype(dtype)
   ignore_index = options.ignore_index
-  labels = labels.astype(jnp.int32)
+  labels = _int32_labels(labels, vocab_size, ignore_index)
   valid = labels != ignore_index
   if where is not None:
     valid = valid & where
@@ -157,6 +164,27 @@ def prepare(
     vocab_size=vocab_size,
     token_weights=None if token_weights is None else token_weights.reshape(-1),
   )
+
+
+def _int32_labels(labels: jax.Array, vocab_size: int, ignore_index: int) -> jax.Array:
+  """``labels`` as int32, each keeping its meaning whatever its dtype.
+
+  A value outside ``[0, V)`` stays outside (it becomes ``V``; its loss is
+  NaN), and only ``ignore_index`` itself is ignored: a uint32 4294967196 does
+  not wrap to -100, nor an int64 2**32 + 3 to class 3.
+  """
+  if labels.dtype == jnp.int32:
+    return labels
+  info = jnp.iinfo(labels.dtype)
+  in_range = labels >= jnp.asarray(0, labels.dtype)
+  if vocab_size <= info.max:
+    in_range = in_range & (labels < jnp.asarray(vocab_size, labels.dtype))
+  # Values that int32 cannot hold are out of range, and replaced here.
+  out = jnp.where(in_range, labels.astype(jnp.int32), jnp.int32(vocab_size))
+  if info.min <= ignore_index <= info.max:
+    ignored = labels == jnp.asarray(ignore_index, labels.dtype)
+    out = jnp.where(ignored, ignore_index, out)
+  return out
 
 
 def _shift(x: jax.Array, fill) -> jax.Array:
@@ -199,7 +227,7 @@ def finalize(
   ``loss`` may also be the scalar loss already reduced with them.
   """
   reduction = options.reduction
-  out_dtype = jnp.promote_types(lse.dtype, jnp.float32)
+  out_dtype = at_least_float32(lse.dtype)
 
   def reduce(per_row):
     per_row = per_row.astype(out_dtype)

@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from mst_jax._ce_math import at_least_float32
+
 WEIGHT_LAYOUTS = ("vd", "dv")
 
 # lax.dot_general dimension numbers per weight layout.
@@ -125,7 +127,7 @@ def logits_matmul(
       part = logits_matmul(hidden, w, b, layout, dtype)
       return _write_columns(logits, part, start, 1)
 
-    acc = jnp.promote_types(hidden.dtype, jnp.float32)
+    acc = at_least_float32(hidden.dtype)
     logits = jnp.zeros((hidden.shape[0], width), dtype or acc)
     # hidden too: else its convert moves before the chunk's gather of rows
     # and is hoisted out of the chunk loop, a float32 copy of all of hidden.
@@ -133,7 +135,7 @@ def logits_matmul(
     # Else XLA moves a consumer's float32 convert into the tiles' writes and
     # holds the whole logits in float32.
     return lax.optimization_barrier(logits)
-  acc = jnp.promote_types(hidden.dtype, jnp.float32)
+  acc = at_least_float32(hidden.dtype)
   dtype = dtype or acc
   if bias is None:
     return lax.dot_general(
@@ -142,7 +144,7 @@ def logits_matmul(
   logits = lax.dot_general(
     hidden, weight, _LOGITS_DIMS[layout], preferred_element_type=acc
   )
-  return (logits + bias.astype(acc)).astype(dtype)
+  return (logits + bias.astype(acc)[None, :]).astype(dtype)
 
 
 def dhidden_matmul(
@@ -162,7 +164,7 @@ def dhidden_matmul(
   float32 ``[rows, D]`` accumulator.
   """
   if tile is not None:
-    acc = jnp.promote_types(dtype, jnp.float32)
+    acc = at_least_float32(dtype)
 
     def step(total, start, size, dlogits, weight):
       w = weight_columns(weight, start, size, layout)

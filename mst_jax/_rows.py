@@ -337,7 +337,7 @@ def output_init(n_rows: int, dtype: jnp.dtype):
 
 def stat_dtype(hidden) -> jnp.dtype:
   """The per-row statistics' dtype: float32, or float64 for float64 inputs."""
-  return jnp.promote_types(hidden.dtype, jnp.float32)
+  return _ce_math.at_least_float32(hidden.dtype)
 
 
 def _zeros_if(flag: bool, shape, dtype):

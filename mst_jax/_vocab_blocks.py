@@ -113,14 +113,18 @@ class VocabBlocks:
     """
     labels = x.labels
     local = relative_labels(labels, config.columns.offset())
-    stacked = lambda reduce: functools.partial(reduce, axis=0)
-    merge = functools.partial(
+    # Over the stacked parts, keeping the axis (no implicit rank broadcasting).
+    stacked = lambda reduce: functools.partial(reduce, axis=0, keepdims=True)
+    combine = functools.partial(
       _ce_math.combine_stats,
       vocab_size=config.head.vocab_size,
       reduce_max=stacked(jnp.max),
       reduce_sum=stacked(jnp.sum),
       reduce_min=stacked(jnp.min),
     )
+
+    def merge(*args):
+      return jax.tree.map(lambda x: x[0], combine(*args))
 
     x = x._replace(labels=local)
 

@@ -120,7 +120,7 @@ def _load_logits(logits_ref, row_slice, row_mask, col_block_index, block_v):
 
 def _stat_dtype(logits_dtype):
   """float32, or float64 for float64 logits: the dtype all math runs in."""
-  return jnp.promote_types(logits_dtype, jnp.float32)
+  return ce_math.at_least_float32(logits_dtype)
 
 
 def _row_stats(logits_ref, labels, row_slice, row_mask, *, options, block_v):

@@ -13,7 +13,7 @@ from mst_jax._backends import base
 
 def _upcast(logits: jax.Array) -> jax.Array:
   """bfloat16 logits into float32 (XLA fuses the convert into its consumers)."""
-  return logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+  return logits.astype(ce_math.at_least_float32(logits.dtype))
 
 
 @dataclasses.dataclass(frozen=True)
