@@ -30,14 +30,6 @@ STATIC_ARGNAMES = (
   "return_aux",
   *_MESH_ARGNAMES,
 )
-# linear_log_probs: the loss options that do not apply to log-probabilities.
-LOG_PROBS_FIXED = {"reduction": "none", "label_smoothing": 0.0, "z_loss": 0.0}
-LOG_PROBS_STATIC_ARGNAMES = (
-  *(name for name in _options.OPTION_NAMES if name not in LOG_PROBS_FIXED),
-  "weight_layout",
-  "return_entropy",
-  *_MESH_ARGNAMES,
-)
 
 
 @jax.jit(static_argnames=STATIC_ARGNAMES)
@@ -49,6 +41,7 @@ def linear_cross_entropy(
   *,
   where: jax.Array | None = None,
   token_weights: jax.Array | None = None,
+  class_weights: jax.Array | None = None,
   ignore_index: int = -100,
   reduction: str = "mean",
   label_smoothing: float = 0.0,
@@ -97,6 +90,12 @@ def linear_cross_entropy(
       ``reduction="mean"`` divides by the sum of the valid tokens' weights
       (0.0 when that is 0). Data: not differentiated. With ``shift``, it
       refers to label positions.
+    class_weights: optional float ``[V]``, ``torch.nn.functional.cross_entropy``'s
+      ``weight``: a valid token's loss is ``(1 - eps) * w[y] * (lse - s[y]) +
+      (eps / V) * sum_c w[c] * (lse - s[c])`` (plus its z-loss term,
+      unweighted), and ``reduction="mean"`` divides by the sum of ``w[y]``
+      (times the token weights) over valid tokens. Data: not differentiated.
+      Computed by the XLA per-chunk backend (``impl="pallas"`` raises).
     ignore_index: label value that excludes a token.
     reduction: ``"mean"`` over valid tokens (exactly 0.0 when none is valid),
       ``"sum"``, or ``"none"`` (per token, shape of ``labels``, 0 at excluded
@@ -210,115 +209,32 @@ def linear_cross_entropy(
   if not isinstance(return_aux, bool):
     raise TypeError(f"return_aux must be a bool, got {return_aux!r}.")
   rows = _inputs.prepare(
-    hidden, weight, labels, bias, where, options, weight_layout, token_weights
+    hidden,
+    weight,
+    labels,
+    bias,
+    where,
+    options,
+    weight_layout,
+    token_weights,
+    class_weights,
   )
   n_rows = rows.hidden.shape[0]
   layout = _mesh.layout_for(
     mesh, batch_axis, vocab_axis, weight_layout, n_rows, rows.vocab_size
   )
   weights = _inputs.row_weights(rows, options.reduction, stat_dtype(rows.hidden))
-  loss, lse, correct, _ = _outputs(rows, options, perf, weight_layout, layout, weights)
+  loss, lse, correct, _ = per_row_outputs(
+    rows, options, perf, weight_layout, layout, weights
+  )
   return _inputs.finalize(
     rows, loss, lse, correct, weights=weights, options=options, return_aux=return_aux
   )
 
 
-@jax.jit(static_argnames=LOG_PROBS_STATIC_ARGNAMES)
-def linear_log_probs(
-  hidden: jax.Array,
-  weight: jax.Array,
-  labels: jax.Array,
-  bias: jax.Array | None = None,
-  *,
-  ignore_index: int = -100,
-  where: jax.Array | None = None,
-  logit_scale: float | None = None,
-  logit_softcap: float | None = None,
-  shift: bool = False,
-  weight_layout: str = "vd",
-  return_entropy: bool = False,
-  chunk_size: int | None = None,
-  memory_budget: int | None = None,
-  vocab_block_size: int | None = None,
-  impl: str | None = None,
-  accum_dtype: jax.typing.DTypeLike | None = None,
-  logits_dtype: jax.typing.DTypeLike | None = None,
-  grad_mode: str | None = None,
-  mesh: jax.sharding.Mesh | None = None,
-  batch_axis: str | None = None,
-  vocab_axis: str | None = None,
+def per_row_outputs(
+  rows, options, perf, weight_layout, layout, weights, *, entropy=False
 ):
-  r"""Per-token log-probabilities of the labels (and entropies), without the logits.
-
-  The RL primitive (PPO / GRPO ratios, KL penalties, entropy bonuses): for
-  each token with scores ``s`` (the logits ``hidden @ weight.T + bias``,
-  scaled and softcapped as in ``linear_cross_entropy``) and label ``y``::
-
-    log_prob = s[y] - logsumexp(s)            (= log softmax(s)[y])
-    entropy  = logsumexp(s) - sum_c softmax(s)_c * s_c
-
-  in row chunks like ``linear_cross_entropy`` (never ``[N, V]``), and
-  differentiable with respect to ``hidden``, ``weight`` and ``bias`` for any
-  cotangent on either output (the backward recomputes each chunk's logits).
-
-  Args:
-    hidden, weight, labels, bias, ignore_index, where, logit_scale,
-      logit_softcap, shift, weight_layout: as for ``linear_cross_entropy``.
-    return_entropy: if True, also return each token's entropy.
-    chunk_size, memory_budget, vocab_block_size, impl, accum_dtype,
-      logits_dtype, mesh, batch_axis, vocab_axis: the performance options of
-      ``linear_cross_entropy``. The entropy is computed by the XLA per-chunk
-      backend (``impl="pallas"`` raises with ``return_entropy``).
-    grad_mode: None or ``"recompute"`` (per-token outputs; ``"fused"`` needs a
-      scalar loss and raises).
-
-  Returns:
-    ``log_probs``, float32 (float64 for float64 inputs) with the shape of
-    ``labels``: 0.0 at excluded tokens, NaN at a valid token whose label is
-    outside ``[0, V)``. With ``return_entropy``, ``(log_probs, entropy)``,
-    the entropy 0.0 at excluded tokens.
-
-  Raises:
-    ValueError, TypeError: as ``linear_cross_entropy`` for bad inputs.
-    NotImplementedError: ``grad_mode="fused"``, or ``impl="pallas"`` with
-      ``return_entropy``.
-
-  Example:
-
-    >>> import jax, jax.numpy as jnp
-    >>> import mst_jax
-    >>> k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
-    >>> hidden = jax.random.normal(k1, (2, 16, 64))
-    >>> weight = jax.random.normal(k2, (1000, 64)) * 0.05
-    >>> labels = jax.random.randint(k3, (2, 16), 0, 1000)
-    >>> log_probs, entropy = mst_jax.linear_log_probs(
-    ...     hidden, weight, labels, return_entropy=True)
-    >>> log_probs.shape, bool(jnp.all(entropy > 0))
-    ((2, 16), True)
-  """
-  if not isinstance(return_entropy, bool):
-    raise TypeError(f"return_entropy must be a bool, got {return_entropy!r}.")
-  if grad_mode == "fused":
-    raise NotImplementedError(
-      "linear_log_probs returns per-token values; grad_mode='fused' needs a"
-      " scalar loss. Use grad_mode=None or 'recompute'."
-    )
-  options, perf = _options.from_arguments({**locals(), **LOG_PROBS_FIXED})
-  rows = _inputs.prepare(hidden, weight, labels, bias, where, options, weight_layout)
-  n_rows = rows.hidden.shape[0]
-  layout = _mesh.layout_for(
-    mesh, batch_axis, vocab_axis, weight_layout, n_rows, rows.vocab_size
-  )
-  loss, _, _, entropy = _outputs(
-    rows, options, perf, weight_layout, layout, None, entropy=return_entropy
-  )
-  log_probs = (0.0 - loss).reshape(rows.batch_shape)  # +0.0 at excluded tokens
-  if not return_entropy:
-    return log_probs
-  return log_probs, entropy.reshape(rows.batch_shape)
-
-
-def _outputs(rows, options, perf, weight_layout, layout, weights, *, entropy=False):
   """Per-row ``(loss, lse, correct, entropy)`` (the loss reduced with
   ``weights`` already when the gradient is formed in the forward)."""
   n_rows = rows.hidden.shape[0]
@@ -330,8 +246,10 @@ def _outputs(rows, options, perf, weight_layout, layout, weights, *, entropy=Fal
       *rows.arrays, options=ce, weight_layout=weight_layout
     )
   plan, fused = resolve(rows, options, perf, weight_layout, layout, entropy=entropy)
-  args = (plan, *rows.arrays)
-  return reduced_loss(*args, weights) if fused else row_losses(*args)
+  if not fused:
+    return row_losses(plan, *rows.arrays)
+  arrays, classes = rows.arrays[:5], rows.arrays[5:]  # see Rows.arrays
+  return reduced_loss(plan, *arrays, weights, *classes)
 
 
 def resolve(
@@ -351,7 +269,9 @@ def resolve(
   tile = _planning.MATMUL_TILE if platform == "cpu" else None
   order, accum = _loop_order(rows, perf, logits_dtype, layout, cpu=platform == "cpu")
   config = SweepConfig(
-    backend=_backends.select(perf.impl, platform, entropy=entropy),
+    backend=_backends.select(
+      perf.impl, platform, xla_only=_xla_only(entropy, rows.class_weights)
+    ),
     head=_backends.HeadSpec(
       weight_layout,
       logits_dtype,
@@ -373,6 +293,15 @@ def resolve(
     "recompute" if options.reduction == "none" else "fused"
   )
   return Plan(config, order), grad_mode == "fused"
+
+
+def _xla_only(entropy: bool, class_weights) -> str | None:
+  """What only the XLA per-chunk backend computes here, if anything."""
+  if entropy:
+    return "the entropy"
+  if class_weights is not None:
+    return "class weights"
+  return None
 
 
 def _logits_dtype(requested: np.dtype | None, dtype: np.dtype) -> np.dtype:

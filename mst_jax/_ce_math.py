@@ -26,6 +26,15 @@ logit. The gradient with respect to ``s`` is::
 
 and ``ds/dz = a sech(a z / c)**2`` (``scores_grad``).
 
+With class weights ``w`` (torch's ``cross_entropy(weight=...)``), a row's
+cross-entropy terms are weighted per class, ``m = mean_j w_j``::
+
+  loss = (1 - eps) * w_y * (lse - s_y) + eps * m * (lse - wmean(s)) + zl * lse**2
+  dloss/ds_j = p_j * ((1 - eps) * w_y + eps * m + 2 * zl * lse)
+               - (1 - eps) * w_y * [j == y] - eps * w_j / V
+
+with ``wmean(s) = sum_j w_j s_j / sum_j w_j``; ``w = 1`` is the formula above.
+
 With ``entropy`` (``linear_log_probs``), each row also has its softmax's
 entropy ``H = lse - E`` with ``E = sum_j p_j s_j`` (the scores' mean under
 the softmax, ``RowStats.expected_score``), whose gradient is::
@@ -104,6 +113,9 @@ class RowStats(NamedTuple):
     argmax: int32 index of the first maximum of the logits.
     expected_score: float32 ``sum_j p_j s_j`` with ``p = softmax(s)``; None
       unless ``CEOptions.entropy``.
+    mean_weight: with class weights, the sum of the columns' weights, which
+      ``mean_logit`` is the weighted mean over (None: the mean is over the
+      columns, each of weight 1).
   """
 
   row_max: jax.Array
@@ -112,6 +124,7 @@ class RowStats(NamedTuple):
   mean_logit: jax.Array
   argmax: jax.Array
   expected_score: jax.Array | None = None
+  mean_weight: jax.Array | None = None
 
   @property
   def lse(self) -> jax.Array:
@@ -141,7 +154,8 @@ def combine_stats(
       column (``argmax`` likewise).
     here: bool, per part and row: the label is in the part's range.
     offset: each part's first column.
-    width: each part's number of columns (for the mean logit).
+    width: each part's number of columns (the mean logit's weight, unless
+      the parts carry ``mean_weight``).
     vocab_size: ``V`` (an argmax sentinel above every column).
     reduce_max, reduce_sum, reduce_min: reductions over the parts.
 
@@ -157,6 +171,8 @@ def combine_stats(
   part_sum_exp = jnp.exp(parts.row_max - shift + parts.log_sum_exp)
   sum_exp = reduce_sum(part_sum_exp)
   first = jnp.where(parts.row_max == row_max, parts.argmax + offset, vocab_size)
+  weight = width if parts.mean_weight is None else parts.mean_weight
+  mean_weight = None if parts.mean_weight is None else reduce_sum(parts.mean_weight)
   expected = None
   if parts.expected_score is not None:
     # A part without probability mass (all its scores -inf) adds nothing,
@@ -167,10 +183,23 @@ def combine_stats(
     row_max=row_max,
     log_sum_exp=jnp.log(sum_exp),
     target=reduce_sum(jnp.where(here, parts.target, 0.0)),
-    mean_logit=reduce_sum(parts.mean_logit * width) / reduce_sum(width),
+    mean_logit=reduce_sum(parts.mean_logit * weight) / reduce_sum(weight),
     argmax=reduce_min(first),
     expected_score=expected,
+    mean_weight=mean_weight,
   )
+
+
+class ClassRows(NamedTuple):
+  """Per-row class-weight factors, each float32 ``[rows]``.
+
+  Attributes:
+    target_weight: ``w_y``, the weight of each row's label.
+    mean_weight: ``m``, the mean class weight (the same in every row).
+  """
+
+  target_weight: jax.Array
+  mean_weight: jax.Array
 
 
 def softcap(logits: jax.Array, cap: float | None) -> jax.Array:
@@ -207,6 +236,7 @@ def row_outputs(
   valid: jax.Array,
   options: CEOptions,
   vocab_size: int,
+  classes: ClassRows | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Combines a chunk's ``RowStats`` into per-row outputs.
 
@@ -216,6 +246,7 @@ def row_outputs(
     valid: bool ``[rows]``; False rows give exactly zero in every output.
     options: the loss options.
     vocab_size: ``V``.
+    classes: the rows' class-weight factors, or None (no class weights).
 
   Returns:
     ``(loss, lse, correct, entropy)``, each ``[rows]``: the float32 loss of
@@ -229,9 +260,15 @@ def row_outputs(
   target = jnp.where(label_in_range(labels, vocab_size), stats.target, jnp.nan)
   # (1-eps)*(lse - s_y) + eps*(lse - mean(s)), with lse = max + log_sum_exp and
   # the max subtracted first: differences of same-magnitude logits are exact.
-  loss = (1.0 - eps) * (stats.row_max - target) + stats.log_sum_exp
-  if eps:
-    loss = loss + eps * (stats.row_max - stats.mean_logit)
+  if classes is None:
+    loss = (1.0 - eps) * (stats.row_max - target) + stats.log_sum_exp
+    if eps:
+      loss = loss + eps * (stats.row_max - stats.mean_logit)
+  else:
+    w_y, m = classes
+    loss = (1.0 - eps) * w_y * (stats.row_max - target + stats.log_sum_exp)
+    if eps:
+      loss = loss + eps * m * (stats.row_max - stats.mean_logit + stats.log_sum_exp)
   if zl:
     loss = loss + zl * lse * lse
   zero = jnp.zeros_like(lse)
@@ -264,6 +301,8 @@ class BackwardRows(NamedTuple):
     coef_entropy: the entropy's cotangent ``g_H`` (0 at excluded rows), or
       None without ``CEOptions.entropy``.
     expected_score: ``E = lse - H`` (0 at excluded rows), or None likewise.
+    target_weight: ``w_y`` with class weights (the label's term's factor),
+      else None.
   """
 
   lse: jax.Array
@@ -271,6 +310,7 @@ class BackwardRows(NamedTuple):
   coef_target: jax.Array
   coef_entropy: jax.Array | None = None
   expected_score: jax.Array | None = None
+  target_weight: jax.Array | None = None
 
 
 def backward_rows(
@@ -283,6 +323,7 @@ def backward_rows(
   vocab_size: int,
   g_entropy: jax.Array | None = None,
   entropy: jax.Array | None = None,
+  classes: ClassRows | None = None,
 ) -> BackwardRows:
   """Per-row coefficients of ``dlogits`` from the upstream cotangents.
 
@@ -297,11 +338,16 @@ def backward_rows(
     g_entropy: float32 ``[rows]`` cotangent of the per-row entropy (with
       ``options.entropy``).
     entropy: float32 ``[rows]`` saved entropy (likewise).
+    classes: the rows' class-weight factors, or None.
 
   Returns:
     A ``BackwardRows``.
   """
-  coef_softmax = g_loss * (1.0 + 2.0 * options.z_loss * lse) + g_lse
+  eps = options.label_smoothing
+  mass = 1.0
+  if classes is not None:  # (1 - eps) w_y + eps m, which is 1 without weights
+    mass = (1.0 - eps) * classes.target_weight + eps * classes.mean_weight
+  coef_softmax = g_loss * (mass + 2.0 * options.z_loss * lse) + g_lse
   coef_target = jnp.where(label_in_range(labels, vocab_size), g_loss, jnp.nan)
   zero = jnp.zeros_like(lse)
   coef_entropy = expected = None
@@ -314,6 +360,7 @@ def backward_rows(
     coef_target=jnp.where(valid, coef_target, zero),
     coef_entropy=coef_entropy,
     expected_score=expected,
+    target_weight=None if classes is None else classes.target_weight,
   )
 
 
@@ -335,6 +382,7 @@ def dlogits_block(
   rows: BackwardRows,
   options: CEOptions,
   vocab_size: int,
+  class_weights: jax.Array | None = None,
 ) -> jax.Array:
   """Gradient of the loss with respect to a block of raw logits, in float32.
 
@@ -345,6 +393,8 @@ def dlogits_block(
     rows: the block's rows of ``backward_rows``.
     options: the loss options.
     vocab_size: ``V``.
+    class_weights: float32 ``[block]``, the block's class weights (with
+      ``rows.target_weight``), or None.
 
   Returns:
     float32 ``[rows, block]``.
@@ -353,9 +403,15 @@ def dlogits_block(
   capped = scores(logits, options)
   probs = jnp.exp(capped - rows.lse[:, None])  # [rows, block]
   onehot = cols[None, :] == labels[:, None]  # [rows, block]
-  target_weight = jnp.where(onehot, 1.0 - eps, 0.0)
-  if eps:
-    target_weight = target_weight + eps / vocab_size
+  if rows.target_weight is None:
+    target_weight = jnp.where(onehot, 1.0 - eps, 0.0)
+    if eps:
+      target_weight = target_weight + eps / vocab_size
+  else:
+    label_weight = (1.0 - eps) * rows.target_weight[:, None]
+    target_weight = jnp.where(onehot, label_weight, 0.0)
+    if eps:
+      target_weight = target_weight + (eps / vocab_size) * class_weights[None, :]
   grad = rows.coef_softmax[:, None] * probs - rows.coef_target[:, None] * target_weight
   if options.entropy:
     spread = capped - rows.expected_score[:, None]

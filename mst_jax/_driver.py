@@ -85,7 +85,7 @@ def _instantiate(cotangent, like: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def row_losses(plan: Plan, hidden, weight, bias, labels, valid):
+def row_losses(plan: Plan, hidden, weight, bias, labels, valid, *classes):
   """Per-row loss, lse, argmax-correctness and entropy; the backward recomputes
   logits.
 
@@ -96,6 +96,8 @@ def row_losses(plan: Plan, hidden, weight, bias, labels, valid):
     bias: ``[V]`` float or None.
     labels: int32 ``[N]``.
     valid: bool ``[N]``; False rows give 0 loss, 0 lse and zero gradients.
+    *classes: with class weights, ``RowInputs``' ``class_weights``,
+      ``target_weight`` and ``mean_weight`` (not differentiated).
 
   Returns:
     ``(loss, lse, correct, entropy)``: ``[N]`` float32 (float64 for float64
@@ -103,22 +105,24 @@ def row_losses(plan: Plan, hidden, weight, bias, labels, valid):
     the options ask for the entropy). ``loss``, ``lse`` and ``entropy`` are
     differentiable.
   """
-  return plan.order.forward(plan.config, RowInputs(hidden, weight, bias, labels, valid))
+  x = RowInputs(hidden, weight, bias, labels, valid, *classes)
+  return plan.order.forward(plan.config, x)
 
 
-def _row_losses_fwd(plan: Plan, hidden, weight, bias, labels, valid):
+def _row_losses_fwd(plan: Plan, hidden, weight, bias, labels, valid, *classes):
   diff = _differentiated(hidden, weight, bias)
-  x = RowInputs(*_unwrap(hidden, weight, bias, labels, valid))
+  x = RowInputs(*_unwrap(hidden, weight, bias, labels, valid, *classes))
   outputs = plan.order.forward(plan.config, x)
-  return outputs, (x, outputs[1], outputs[3], diff)
+  return outputs, (x, outputs[1], outputs[3], diff, (None,) * len(classes))
 
 
 def _row_losses_bwd(plan: Plan, residuals: tuple, cotangents: tuple) -> tuple:
-  x, lse, entropy, diff = residuals
+  x, lse, entropy, diff, no_classes = residuals
   g_loss, g_lse, _, g_entropy = cotangents
   g_loss, g_lse, g_entropy = (_instantiate(g, lse) for g in (g_loss, g_lse, g_entropy))
   cot = RowCotangents(lse, g_loss, g_lse, entropy, g_entropy)
-  return (*plan.order.backward(plan.config, x, cot, diff), None, None)
+  grads = plan.order.backward(plan.config, x, cot, diff)
+  return (*grads, None, None, *no_classes)  # labels, valid, class weights
 
 
 row_losses.defvjp(_row_losses_fwd, _row_losses_bwd, symbolic_zeros=True)
@@ -128,32 +132,40 @@ row_losses.defvjp(_row_losses_fwd, _row_losses_bwd, symbolic_zeros=True)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def reduced_loss(plan: Plan, hidden, weight, bias, labels, valid, row_scale):
+def reduced_loss(plan: Plan, hidden, weight, bias, labels, valid, row_scale, *classes):
   """``sum(loss * row_scale)``, per-row lse and correctness; grads in the forward.
 
   Args:
     plan, hidden, weight, bias, labels, valid: as for ``row_losses``.
     row_scale: float32 ``[N]``, each row's weight in the scalar loss (for a
       mean, ``valid / n_valid``); not differentiated.
+    *classes: as for ``row_losses``.
 
   Returns:
     ``(loss, lse, correct, entropy)``: the scalar loss, ``[N]`` lse, ``[N]``
     bool and ``[N]`` entropy. Only ``loss`` is differentiable:
     differentiating through ``lse`` raises (use ``row_losses``).
   """
-  x = RowInputs(hidden, weight, bias, labels, valid)
+  x = RowInputs(hidden, weight, bias, labels, valid, *classes)
   loss, *per_row = plan.order.forward(plan.config, x)
   return jnp.sum(loss * row_scale), *per_row
 
 
-def _reduced_loss_fwd(plan: Plan, hidden, weight, bias, labels, valid, row_scale):
+def _reduced_loss_fwd(
+  plan: Plan, hidden, weight, bias, labels, valid, row_scale, *classes
+):
   diff = _differentiated(hidden, weight, bias)
-  *arrays, row_scale = _unwrap(hidden, weight, bias, labels, valid, row_scale)
-  return plan.order.fused(plan.config, RowInputs(*arrays), row_scale, diff)
+  arrays = _unwrap(hidden, weight, bias, labels, valid, *classes)
+  (row_scale,) = _unwrap(row_scale)
+  x = RowInputs(*arrays)
+  outputs, grads = plan.order.fused(plan.config, x, row_scale, diff)
+  return outputs, (grads, (None,) * len(classes))  # a None per class array
 
 
-def _reduced_loss_bwd(plan: Plan, residuals: Grads, cotangents: tuple) -> tuple:
+def _reduced_loss_bwd(plan: Plan, residuals: tuple, cotangents: tuple) -> tuple:
   del plan
+  residuals, no_classes = residuals
+  undifferentiated = (None, None, None, *no_classes)  # labels, valid, row_scale
   g_loss, g_lse, _, g_entropy = cotangents
   zero = jax.custom_derivatives.SymbolicZero
   if not (isinstance(g_lse, zero) and isinstance(g_entropy, zero)):
@@ -163,7 +175,7 @@ def _reduced_loss_bwd(plan: Plan, residuals: Grads, cotangents: tuple) -> tuple:
       " use grad_mode='recompute' to differentiate through it."
     )
   if isinstance(g_loss, jax.custom_derivatives.SymbolicZero):
-    return None, None, None, None, None, None
+    return (None, None, None, *undifferentiated)
 
   def scale(grad):  # in float32 (g_loss's dtype), rounded once to grad's
     if grad is None:
@@ -171,7 +183,7 @@ def _reduced_loss_bwd(plan: Plan, residuals: Grads, cotangents: tuple) -> tuple:
     return (grad.astype(g_loss.dtype) * g_loss).astype(grad.dtype)
 
   dhidden, dweight, dbias = map(scale, residuals)
-  return dhidden, dweight, dbias, None, None, None
+  return (dhidden, dweight, dbias, *undifferentiated)
 
 
 reduced_loss.defvjp(_reduced_loss_fwd, _reduced_loss_bwd, symbolic_zeros=True)

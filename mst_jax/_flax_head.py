@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from flax.nnx.nn import dtypes
 
 from mst_jax import _ce_math
-from mst_jax._api import LOG_PROBS_FIXED, linear_cross_entropy, linear_log_probs
+from mst_jax._api import linear_cross_entropy
+from mst_jax._log_probs import LOG_PROBS_FIXED, linear_log_probs
 from mst_jax._options import HeadLossOptions
 
 
@@ -25,6 +26,14 @@ class HeadParams(NamedTuple):
   weight: jax.Array  # [D, V] kernel ("dv") or a tied [V, D] table ("vd")
   weight_layout: str
   bias: jax.Array | None
+
+
+def _promoted(params: HeadParams, hidden: jax.Array, dtype) -> tuple:
+  """``(hidden, weight, bias, weight_layout)``, promoted to ``dtype`` like
+  Flax's Dense."""
+  weight, weight_layout, bias = params
+  hidden, weight, bias = dtypes.promote_dtype((hidden, weight, bias), dtype=dtype)
+  return hidden, weight, bias, weight_layout
 
 
 def head_loss(
@@ -37,11 +46,10 @@ def head_loss(
   where: jax.Array | None,
   token_weights: jax.Array | None,
   return_aux: bool,
+  class_weights: jax.Array | None = None,
 ):
-  """``linear_cross_entropy`` with inputs promoted to ``dtype`` like Flax's Dense."""
-  weight, weight_layout, bias = params
-  hidden, weight, bias = dtypes.promote_dtype((hidden, weight, bias), dtype=dtype)
-  options = dict(dataclasses.asdict(options), weight_layout=weight_layout)
+  """``linear_cross_entropy`` with the head's options."""
+  hidden, weight, bias, weight_layout = _promoted(params, hidden, dtype)
   return linear_cross_entropy(
     hidden,
     weight,
@@ -49,8 +57,10 @@ def head_loss(
     bias,
     where=where,
     token_weights=token_weights,
+    class_weights=class_weights,
     return_aux=return_aux,
-    **options,
+    weight_layout=weight_layout,
+    **dataclasses.asdict(options),
   )
 
 
@@ -67,8 +77,7 @@ def head_log_probs(
   """``linear_log_probs`` with the head's options that apply to it (not the
   loss's reduction, smoothing or z-loss; a ``"fused"`` gradient mode, which
   needs a scalar loss, becomes the default)."""
-  weight, weight_layout, bias = params
-  hidden, weight, bias = dtypes.promote_dtype((hidden, weight, bias), dtype=dtype)
+  hidden, weight, bias, weight_layout = _promoted(params, hidden, dtype)
   options = {
     name: value
     for name, value in dataclasses.asdict(options).items()
@@ -93,10 +102,9 @@ def head_logits(
 ) -> jax.Array:
   """Full logits ``[..., V]`` in the computation dtype, scaled and softcapped
   like the loss's."""
-  weight, weight_layout, bias = params
-  hidden, weight, bias = dtypes.promote_dtype((hidden, weight, bias), dtype=dtype)
+  hidden, weight, bias, weight_layout = _promoted(params, hidden, dtype)
   kernel = weight if weight_layout == "dv" else weight.T
   logits = jnp.dot(hidden, kernel)
   if bias is not None:
-    logits = logits + bias
+    logits = logits + jnp.expand_dims(bias, tuple(range(logits.ndim - 1)))
   return _ce_math.scores(logits, options.ce)

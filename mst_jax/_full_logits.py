@@ -25,7 +25,8 @@ def row_losses(
   bias: jax.Array | None,
   labels: jax.Array,
   valid: jax.Array,
-  *,
+  class_weights: jax.Array | None = None,
+  *unused_class_rows,
   options: CEOptions,
   weight_layout: str,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -37,6 +38,9 @@ def row_losses(
     bias: ``[V]`` or None.
     labels: int32 ``[N]``.
     valid: bool ``[N]``.
+    class_weights: ``[V]`` or None (torch's ``weight``).
+    *unused_class_rows: the per-row class factors the chunked paths take
+      (``Rows.arrays``); the reference derives its own from ``class_weights``.
     options: the loss options.
     weight_layout: ``"vd"`` or ``"dv"``.
 
@@ -56,7 +60,9 @@ def row_losses(
   )
   if bias is not None:
     logits = logits + bias.astype(acc)[None, :]
-  return losses_from_logits(logits, labels, valid, options=options)
+  return losses_from_logits(
+    logits, labels, valid, options=options, class_weights=class_weights
+  )
 
 
 def losses_from_logits(
@@ -65,6 +71,7 @@ def losses_from_logits(
   valid: jax.Array,
   *,
   options: CEOptions,
+  class_weights: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """Per-row ``(loss, lse, correct, entropy)`` from ``[N, V]`` logits; see
   ``row_losses``."""
@@ -80,7 +87,13 @@ def losses_from_logits(
   log_p_label = jnp.where(in_range, log_p_label, jnp.nan)
   lse = jax.nn.logsumexp(logits, axis=-1)
   eps = options.label_smoothing
-  loss = -(1.0 - eps) * log_p_label - eps * jnp.mean(log_probs, axis=-1)
+  if class_weights is None:
+    loss = -(1.0 - eps) * log_p_label - eps * jnp.mean(log_probs, axis=-1)
+  else:  # torch: -(1 - eps) w_y log p_y - (eps / V) sum_c w_c log p_c
+    w = class_weights.astype(logits.dtype)
+    w_label = jnp.where(in_range, w[safe_labels], 0.0)
+    smooth = jnp.sum(log_probs * w[None, :], axis=-1) / vocab_size
+    loss = -(1.0 - eps) * w_label * log_p_label - eps * smooth
   loss = loss + options.z_loss * jnp.square(lse)
   correct = valid & (jnp.argmax(logits, axis=-1) == labels)
   zero = jnp.zeros_like(lse)

@@ -53,6 +53,11 @@ class Rows(NamedTuple):
     vocab_size: ``V``.
     token_weights: float ``[N]`` (shifted with the labels), not
       differentiated; or None.
+    class_weights: float32 ``[V]``, not differentiated; or None.
+    target_weight: float32 ``[N]``, each row's label's class weight (0 where
+      the label is outside ``[0, V)``), with ``class_weights``.
+    mean_weight: float32 ``[N]``, the mean class weight, with
+      ``class_weights``.
   """
 
   hidden: jax.Array
@@ -63,11 +68,19 @@ class Rows(NamedTuple):
   batch_shape: tuple[int, ...]
   vocab_size: int
   token_weights: jax.Array | None = None
+  class_weights: jax.Array | None = None
+  target_weight: jax.Array | None = None
+  mean_weight: jax.Array | None = None
 
   @property
   def arrays(self) -> tuple:
-    """``(hidden, weight, bias, labels, valid)``."""
-    return self.hidden, self.weight, self.bias, self.labels, self.valid
+    """``(hidden, weight, bias, labels, valid)``, then ``(class_weights,
+    target_weight, mean_weight)`` when there are class weights: the
+    ``_rows.RowInputs`` fields."""
+    arrays = (self.hidden, self.weight, self.bias, self.labels, self.valid)
+    if self.class_weights is None:
+      return arrays
+    return (*arrays, self.class_weights, self.target_weight, self.mean_weight)
 
 
 def _check_float(name: str, x: jax.Array) -> None:
@@ -84,6 +97,7 @@ def prepare(
   options: LossOptions,
   weight_layout: str,
   token_weights: jax.Array | None = None,
+  class_weights: jax.Array | None = None,
 ) -> Rows:
   """Validates the public arguments and flattens them into rows."""
   hidden, weight, labels = map(jnp.asarray, (hidden, weight, labels))
@@ -138,6 +152,15 @@ def prepare(
   # The wider of the two (numpy's rule: JAX's strict promotion mode has none
   # between bfloat16 and float32): float32 hidden and a bfloat16 weight
   # compute in float32.
+  if class_weights is not None:
+    class_weights = lax.stop_gradient(jnp.asarray(class_weights))  # data
+    _check_float("class_weights", class_weights)
+    if class_weights.shape != (vocab_size,):
+      raise ValueError(
+        f"class_weights must have shape ({vocab_size},), got {class_weights.shape}."
+      )
+    class_weights = class_weights.astype(jnp.float32)
+
   dtype = np.promote_types(hidden.dtype, weight.dtype)
   hidden, weight = hidden.astype(dtype), weight.astype(dtype)
   ignore_index = options.ignore_index
@@ -154,6 +177,13 @@ def prepare(
     if token_weights is not None:
       token_weights = _shift(token_weights, 0)
   batch_shape = labels.shape
+  classes = {}
+  if class_weights is not None:
+    flat = labels.reshape(-1)
+    in_range = (flat >= 0) & (flat < vocab_size)
+    target = jnp.where(in_range, class_weights[jnp.clip(flat, 0, vocab_size - 1)], 0.0)
+    mean = jnp.full(flat.shape, jnp.mean(class_weights))
+    classes = dict(class_weights=class_weights, target_weight=target, mean_weight=mean)
   return Rows(
     hidden=hidden.reshape(-1, dim),
     weight=weight,
@@ -163,6 +193,7 @@ def prepare(
     batch_shape=batch_shape,
     vocab_size=vocab_size,
     token_weights=None if token_weights is None else token_weights.reshape(-1),
+    **classes,
   )
 
 
@@ -193,22 +224,26 @@ def _shift(x: jax.Array, fill) -> jax.Array:
 
 
 def row_weights(rows: Rows, reduction: str, dtype) -> jax.Array:
-  """Each row's weight in the loss: ``valid``, times the token weights, over
-  their sum for a mean.
+  """Each row's weight in the loss: ``valid``, times the token weights; for a
+  mean, over their sum (each times its label's class weight, with class
+  weights: torch's weighted mean).
 
-  A mean over no valid row (or over token weights that sum to 0) is exactly
-  0, not NaN.
+  A mean over no valid row (or over weights that sum to 0) is exactly 0, not
+  NaN.
   """
   weights = rows.valid.astype(dtype)
   if rows.token_weights is not None:
     # Selected, not multiplied: a NaN weight at an excluded token stays out.
     weights = jnp.where(rows.valid, rows.token_weights.astype(dtype), 0.0)
-    if reduction == "mean":
-      total = jnp.sum(weights)
-      weights = jnp.where(total == 0, 0.0, weights / jnp.where(total == 0, 1, total))
-  elif reduction == "mean":
-    weights = weights / jnp.maximum(jnp.sum(rows.valid), 1).astype(dtype)
-  return weights
+  if reduction != "mean":
+    return weights
+  if rows.token_weights is None and rows.target_weight is None:
+    return weights / jnp.maximum(jnp.sum(rows.valid), 1).astype(dtype)
+  counted = weights
+  if rows.target_weight is not None:
+    counted = weights * rows.target_weight.astype(dtype)
+  total = jnp.sum(counted)
+  return jnp.where(total == 0, 0.0, weights / jnp.where(total == 0, 1, total))
 
 
 def finalize(

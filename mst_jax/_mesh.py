@@ -143,19 +143,29 @@ class Layout:
   def per_device(self, fn: Callable, x: RowInputs, extra: tuple, out_specs):
     """``fn(x, *extra)`` on each device's shards.
 
-    ``extra`` are ``[N]`` arrays split like the rows. A None bias is not
-    passed through ``shard_map`` (which takes arrays only).
+    ``extra`` are ``[N]`` arrays split like the rows. Fields of ``x`` that
+    are None (no bias, no class weights) are not passed through
+    ``shard_map`` (which takes arrays only).
     """
-    has_bias = x.bias is not None
-    arrays = [a for a in (*x, *extra) if a is not None]
-    specs = [self.hidden, self.weight, *[self.bias] * has_bias]
-    specs += [self.rows] * (len(arrays) - len(specs))
+    present = [a is not None for a in x]
+    field_specs = RowInputs(
+      hidden=self.hidden,
+      weight=self.weight,
+      bias=self.bias,
+      labels=self.rows,
+      valid=self.rows,
+      class_weights=self.bias,
+      target_weight=self.rows,
+      mean_weight=self.rows,
+    )
+    arrays = [a for a in x if a is not None] + list(extra)
+    specs = [s for s, p in zip(field_specs, present, strict=True) if p]
+    specs += [self.rows] * len(extra)
 
     def body(*arrays):
-      hidden, weight, *rest = arrays
-      bias = rest.pop(0) if has_bias else None
-      labels, valid, *rest = rest
-      return fn(RowInputs(hidden, weight, bias, labels, valid), *rest)
+      given = iter(arrays)
+      fields = [next(given) if p else None for p in present]
+      return fn(RowInputs(*fields), *given)
 
     mapped = jax.shard_map(
       body,

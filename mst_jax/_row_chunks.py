@@ -326,7 +326,11 @@ class RowChunks:
       rows = x.chunk(chunk)
       stats = config.whole_row_stats(rows)
       return tuple(
-        map(chunk.put, outputs, config.row_outputs(stats, rows.labels, chunk.valid))
+        map(
+          chunk.put,
+          outputs,
+          config.row_outputs(stats, rows.labels, chunk.valid, rows.classes),
+        )
       )
 
     init = output_init(x.hidden.shape[0], stat_dtype(x.hidden))
@@ -342,7 +346,9 @@ class RowChunks:
     def chunk_dlogits(outputs, chunk, into):
       config.announce("backward", chunk.start)
       rows = x.chunk(chunk)
-      coefficients = config.backward_rows(cot.take(chunk), rows.labels, chunk.valid)
+      coefficients = config.backward_rows(
+        cot.take(chunk), rows.labels, chunk.valid, rows.classes
+      )
       dlogits = config.backend.chunk_backward(
         rows, coefficients, config.head, x.hidden.dtype, offset=offset
       )
@@ -372,7 +378,9 @@ class RowChunks:
         into=into,
       )
       outputs = map(
-        chunk.put, outputs, config.row_outputs(stats, rows.labels, chunk.valid)
+        chunk.put,
+        outputs,
+        config.row_outputs(stats, rows.labels, chunk.valid, rows.classes),
       )
       return tuple(outputs), dlogits
 

@@ -64,14 +64,25 @@ class SweepConfig:
       jax.debug.callback(self.chunk_callback, pass_name, first_row)
 
   def row_outputs(
-    self, stats: _ce_math.RowStats, labels: jax.Array, valid: jax.Array
-  ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Per-row ``(loss, lse, correct)`` of a chunk's whole-row statistics."""
+    self,
+    stats: _ce_math.RowStats,
+    labels: jax.Array,
+    valid: jax.Array,
+    classes: _ce_math.ClassRows | None = None,
+  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Per-row ``(loss, lse, correct, entropy)`` of a chunk's whole-row
+    statistics."""
     head = self.head
-    return _ce_math.row_outputs(stats, labels, valid, head.options, head.vocab_size)
+    return _ce_math.row_outputs(
+      stats, labels, valid, head.options, head.vocab_size, classes
+    )
 
   def backward_rows(
-    self, cot: RowCotangents, labels: jax.Array, valid: jax.Array
+    self,
+    cot: RowCotangents,
+    labels: jax.Array,
+    valid: jax.Array,
+    classes: _ce_math.ClassRows | None = None,
   ) -> _ce_math.BackwardRows:
     """Per-row ``dlogits`` coefficients from a chunk's cotangents."""
     head = self.head
@@ -85,6 +96,7 @@ class SweepConfig:
       head.vocab_size,
       g_entropy=cot.g_entropy,
       entropy=cot.entropy,
+      classes=classes,
     )
 
   def whole_row_stats(self, x: ChunkInputs) -> _ce_math.RowStats:
@@ -103,6 +115,10 @@ class RowInputs(NamedTuple):
     bias: ``[V]`` float or None.
     labels: int32 ``[N]``.
     valid: bool ``[N]``; False rows give 0 loss, 0 lse and zero gradients.
+    class_weights: float ``[V]`` class weights, or None (then the next two
+      are None too).
+    target_weight: float32 ``[N]``, the weight of each row's label.
+    mean_weight: float32 ``[N]``, the mean class weight (in every row).
   """
 
   hidden: Any
@@ -110,18 +126,42 @@ class RowInputs(NamedTuple):
   bias: jax.Array | None
   labels: jax.Array
   valid: jax.Array
+  class_weights: jax.Array | None = None
+  target_weight: jax.Array | None = None
+  mean_weight: jax.Array | None = None
+
+  @property
+  def classes(self) -> _ce_math.ClassRows | None:
+    if self.class_weights is None:
+      return None
+    return _ce_math.ClassRows(self.target_weight, self.mean_weight)
+
+  def _per_row(self, take) -> dict:
+    """The per-row fields other than ``hidden``, through ``take``."""
+    names = ("labels", "valid", "target_weight", "mean_weight")
+    return {
+      n: None if getattr(self, n) is None else take(getattr(self, n)) for n in names
+    }
 
   def compacted(self, compact: bool):
     """``(rows, gather, scatter)``: these rows with valid ones first
     (``compaction``), and the maps of ``[N]`` arrays into that order and back."""
     gather, scatter, view = compaction(compact, self.valid)
-    hidden, labels, valid = view(self.hidden), gather(self.labels), gather(self.valid)
-    return RowInputs(hidden, self.weight, self.bias, labels, valid), gather, scatter
+    rows = self._replace(hidden=view(self.hidden), **self._per_row(gather))
+    return rows, gather, scatter
 
   def chunk(self, chunk: Chunk) -> ChunkInputs:
     """A chunk's rows (excluded ones zeroed) with the whole weight."""
+    classes = self.classes
+    if classes is not None:
+      classes = _ce_math.ClassRows(*map(chunk.take, classes))
     return ChunkInputs(
-      chunk.hidden(self.hidden), self.weight, self.bias, chunk.take(self.labels)
+      chunk.hidden(self.hidden),
+      self.weight,
+      self.bias,
+      chunk.take(self.labels),
+      class_weights=self.class_weights,
+      classes=classes,
     )
 
 

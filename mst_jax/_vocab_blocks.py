@@ -200,7 +200,11 @@ class VocabBlocks:
       rows = x.chunk(chunk)
       stats = self._row_stats(config, rows)
       return tuple(
-        map(chunk.put, outputs, config.row_outputs(stats, rows.labels, chunk.valid))
+        map(
+          chunk.put,
+          outputs,
+          config.row_outputs(stats, rows.labels, chunk.valid, rows.classes),
+        )
       )
 
     init = output_init(x.hidden.shape[0], stat_dtype(x.hidden))
@@ -212,7 +216,9 @@ class VocabBlocks:
     def update(grads, chunk):
       config.announce("backward", chunk.start)
       rows = x.chunk(chunk)
-      coefficients = config.backward_rows(cot.take(chunk), rows.labels, chunk.valid)
+      coefficients = config.backward_rows(
+        cot.take(chunk), rows.labels, chunk.valid, rows.classes
+      )
       return self._chunk_gradients(config, grads, chunk, rows, coefficients)
 
     grads = gradient_init(config, x, diff)
@@ -227,10 +233,10 @@ class VocabBlocks:
       config.announce("fused", chunk.start)
       rows = x.chunk(chunk)
       stats = self._row_stats(config, rows)
-      out = config.row_outputs(stats, rows.labels, chunk.valid)
+      out = config.row_outputs(stats, rows.labels, chunk.valid, rows.classes)
       g_loss = jnp.where(chunk.valid, chunk.take(row_scale), 0.0)
       cot = RowCotangents.of_loss(stats.lse, g_loss)
-      coefficients = config.backward_rows(cot, rows.labels, chunk.valid)
+      coefficients = config.backward_rows(cot, rows.labels, chunk.valid, rows.classes)
       grads = self._chunk_gradients(config, grads, chunk, rows, coefficients)
       return tuple(map(chunk.put, outputs, out)), grads
 
@@ -243,7 +249,10 @@ class VocabBlocks:
 
 
 def _block(config: SweepConfig, x: ChunkInputs, start, size: int) -> ChunkInputs:
-  """The chunk against the weight's (and bias's) columns ``[start, start + size)``."""
+  """The chunk against the weight's (bias's, class weights') columns
+  ``[start, start + size)``."""
   w = _matmul.weight_columns(x.weight, start, size, config.layout)
-  b = None if x.bias is None else lax.dynamic_slice_in_dim(x.bias, start, size)
-  return x._replace(weight=w, bias=b)
+  columns = lambda v: None if v is None else lax.dynamic_slice_in_dim(v, start, size)
+  return x._replace(
+    weight=w, bias=columns(x.bias), class_weights=columns(x.class_weights)
+  )

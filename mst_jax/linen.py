@@ -91,13 +91,15 @@ class LMHeadLoss(nn.Module):
     *,
     where: jax.Array | None = None,
     token_weights: jax.Array | None = None,
+    class_weights: jax.Array | None = None,
     return_aux: bool = False,
     embedding: jax.Array | None = None,
   ):
     """The loss of ``hidden`` (``[..., T, D]``) against ``labels`` (``[..., T]``).
 
     ``where`` (bool) and ``token_weights`` (float, not differentiated) have
-    the shape of ``labels`` and act as in ``mst_jax.linear_cross_entropy``.
+    the shape of ``labels``, ``class_weights`` (float, not differentiated)
+    is ``[V]``; they act as in ``mst_jax.linear_cross_entropy``.
     Returns what ``mst_jax.linear_cross_entropy`` returns with this module's
     options: the float32 loss, and with ``return_aux`` a ``LossAux`` too.
     """
@@ -110,6 +112,7 @@ class LMHeadLoss(nn.Module):
       where=where,
       token_weights=token_weights,
       return_aux=return_aux,
+      class_weights=class_weights,
     )
 
   def log_probs(

@@ -9,7 +9,7 @@ their per-row math.
 
 from __future__ import annotations
 
-from mst_jax import _api
+from mst_jax import _api, _log_probs
 from mst_jax._full_logits import losses_from_logits, row_losses
 
 __all__ = [
@@ -35,4 +35,6 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, **kwargs):
 
 def linear_log_probs(hidden, weight, labels, bias=None, **kwargs):
   """``mst_jax.linear_log_probs`` computed from the full logits (likewise)."""
-  return _api.linear_log_probs(hidden, weight, labels, bias, impl="reference", **kwargs)
+  return _log_probs.linear_log_probs(
+    hidden, weight, labels, bias, impl="reference", **kwargs
+  )

@@ -33,6 +33,7 @@ LAYERS = [
   ["mst_jax._driver"],  # custom VJPs
   ["mst_jax._mesh"],
   ["mst_jax._api"],
+  ["mst_jax._log_probs"],  # a second public function on the same machinery
   ["mst_jax.reference"],
   ["mst_jax._flax_head"],
   ["mst_jax.linen", "mst_jax.nnx"],

@@ -105,6 +105,27 @@ def test_linen_and_nnx_agree_on_the_same_parameters(rng):
 
 
 @pytest.mark.parametrize("api", ["nnx", "linen"])
+def test_class_and_token_weights_reach_the_function(rng, api):
+  """The modules pass class_weights and token_weights on unchanged."""
+  hidden, labels, where = _data(rng)
+  class_weights = jnp.asarray(rng.random(V) * 2, jnp.float32)
+  token_weights = jnp.asarray(rng.random(labels.shape), jnp.float32)
+  weights = dict(where=where, class_weights=class_weights, token_weights=token_weights)
+  if api == "nnx":
+    head = mst_jax.nnx.LMHeadLoss(D, V, rngs=nnx.Rngs(2), **OPTIONS)
+    value, kernel = head(hidden, labels, **weights), head.kernel[...]
+  else:
+    head = mst_jax.linen.LMHeadLoss.create(V, **OPTIONS)
+    params = head.init(jax.random.key(2), hidden, labels)
+    value = head.apply(params, hidden, labels, **weights)
+    kernel = params["params"]["kernel"]
+  direct = mst_jax.linear_cross_entropy(
+    hidden, kernel, labels, weight_layout="dv", **weights, **OPTIONS
+  )
+  np.testing.assert_array_equal(np.asarray(value), np.asarray(direct))
+
+
+@pytest.mark.parametrize("api", ["nnx", "linen"])
 def test_log_probs_match_the_oracle(rng, api):
   """The modules' log_probs (and entropy) and their kernel gradient, with the
   module's loss options (smoothing, z-loss, fused mode) left out."""

@@ -49,19 +49,22 @@ def pallas_unavailable_reason(platform: str) -> str | None:
   return None
 
 
-def select(impl: str | None, platform: str, *, entropy: bool = False) -> ChunkBackend:
+def select(
+  impl: str | None, platform: str, *, xla_only: str | None = None
+) -> ChunkBackend:
   """The per-chunk backend for ``impl`` (None, "xla" or "pallas") on ``platform``.
 
   ``impl=None`` picks the Pallas kernels on a GPU and XLA elsewhere;
   ``impl="pallas"`` on a CPU runs the kernels in interpret mode. If the Triton
   lowering is unavailable, a Pallas request falls back to XLA with one warning.
-  The entropy (``entropy``) is computed by the XLA backend only.
+  ``xla_only`` names what the call computes that only the XLA backend does
+  (the entropy, class weights): then XLA, or for ``impl="pallas"`` an error.
   """
-  if entropy and impl == "pallas":
+  if xla_only and impl == "pallas":
     raise NotImplementedError(
-      "impl='pallas' does not compute the entropy; use impl=None or impl='xla'."
+      f"impl='pallas' does not compute {xla_only}; use impl=None or impl='xla'."
     )
-  if impl == "xla" or entropy or (impl is None and platform != "gpu"):
+  if impl == "xla" or xla_only or (impl is None and platform != "gpu"):
     return XlaChunkCE()
   reason = pallas_unavailable_reason(platform)
   if reason is not None:

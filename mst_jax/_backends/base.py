@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mst_jax import _ce_math, _matmul
-from mst_jax._ce_math import BackwardRows, CEOptions, RowStats
+from mst_jax._ce_math import BackwardRows, CEOptions, ClassRows, RowStats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,12 +99,16 @@ class ChunkInputs(NamedTuple):
       the whole vocabulary, a block of it, or a shard.
     bias: ``[columns]`` or None.
     labels: int32 ``[rows]``, indices into the whole vocabulary.
+    class_weights: ``[columns]`` class weights, or None.
+    classes: the rows' class-weight factors (with ``class_weights``).
   """
 
   hidden: jax.Array
   weight: jax.Array
   bias: jax.Array | None
   labels: jax.Array
+  class_weights: jax.Array | None = None
+  classes: ClassRows | None = None
 
 
 class ChunkBackend(Protocol):
@@ -142,14 +146,26 @@ class ChunkBackend(Protocol):
 
 
 class LogitsCE(Protocol):
-  """Blockwise cross-entropy of given logits ``[rows, V]`` (float32 or bfloat16)."""
+  """Blockwise cross-entropy of given logits ``[rows, V]`` (float32 or bfloat16).
 
-  def forward(self, logits, labels, options: CEOptions) -> RowStats:
+  A backend that supports class weights takes ``class_weights=`` (the
+  columns', ``[V]``) in ``forward`` and ``backward``; it is given the keyword
+  only when there are weights.
+  """
+
+  def forward(self, logits, labels, options: CEOptions, **weights) -> RowStats:
     """Reduces ``logits`` with ``labels`` relative to their first column."""
     ...
 
   def backward(
-    self, logits, labels, rows, options: CEOptions, out_dtype, vocab_size=None
+    self,
+    logits,
+    labels,
+    rows,
+    options: CEOptions,
+    out_dtype,
+    vocab_size=None,
+    **weights,
   ) -> jax.Array:
     """``dloss/dlogits`` in ``out_dtype``; ``vocab_size`` default: the width."""
     ...
@@ -180,15 +196,17 @@ class MatmulThenCE:
 
   def chunk_forward(self, x, head, *, offset=0):
     labels = relative_labels(x.labels, offset)
-    return self.forward(self._logits(x, head), labels, head.options)
+    return self.forward(self._logits(x, head), labels, head.options, **_weights(x))
 
   def chunk_backward(self, x, rows, head, out_dtype, *, offset=0):
     logits, labels = self._logits(x, head), relative_labels(x.labels, offset)
-    return self.backward(logits, labels, rows, head.options, out_dtype, head.vocab_size)
+    return self.backward(
+      logits, labels, rows, head.options, out_dtype, head.vocab_size, **_weights(x)
+    )
 
   def chunk_forward_backward(self, x, g_loss, head, out_dtype, *, valid, columns, into):
     logits = self._logits(x, head)
-    if not columns.split:
+    if not columns.split and x.class_weights is None:
       options = head.options
       return self.forward_backward(
         logits, x.labels, valid, g_loss, options, out_dtype, into=into
@@ -204,7 +222,15 @@ class MatmulThenCE:
       into=into,
       columns=columns,
       vocab_size=head.vocab_size,
+      classes=x.classes,
+      **_weights(x),
     )
+
+
+def _weights(x: ChunkInputs) -> dict:
+  """The class-weight argument of a ``LogitsCE`` call, when there are weights
+  (a backend without class-weight support is never given any)."""
+  return {} if x.class_weights is None else {"class_weights": x.class_weights}
 
 
 def unfused_forward_backward(
@@ -219,20 +245,33 @@ def unfused_forward_backward(
   into: tuple[jax.Array, jax.Array] | None,
   columns: Columns = AllColumns(),
   vocab_size: int | None = None,
+  class_weights: jax.Array | None = None,
+  classes: ClassRows | None = None,
 ) -> tuple[RowStats, jax.Array]:
   """``forward_backward`` as a ``forward`` then a ``backward``.
 
   With split ``columns`` (a vocabulary shard), the shards' statistics are
   combined between the two, before any shard's ``dlogits``. ``vocab_size``:
-  the whole vocabulary (default: the logits' width).
+  the whole vocabulary (default: the logits' width). ``class_weights`` (the
+  columns') and ``classes`` (the rows') when there are class weights.
   """
   vocab_size = vocab_size or logits.shape[-1]
+  weights = {} if class_weights is None else {"class_weights": class_weights}
   local = relative_labels(labels, columns.offset())
-  stats = columns.combine(backend.forward(logits, local, options), labels)
+  stats = columns.combine(backend.forward(logits, local, options, **weights), labels)
   rows = _ce_math.backward_rows(
-    g_loss, jnp.zeros_like(stats.lse), stats.lse, labels, valid, options, vocab_size
+    g_loss,
+    jnp.zeros_like(stats.lse),
+    stats.lse,
+    labels,
+    valid,
+    options,
+    vocab_size,
+    classes=classes,
   )
-  dlogits = backend.backward(logits, local, rows, options, out_dtype, vocab_size)
+  dlogits = backend.backward(
+    logits, local, rows, options, out_dtype, vocab_size, **weights
+  )
   return stats, write_into(into, dlogits)
 
 

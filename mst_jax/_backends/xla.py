@@ -21,7 +21,11 @@ class XlaChunkCE(base.MatmulThenCE):
   """The logits GEMM, then the cross-entropy in jnp; XLA fuses the elementwise work."""
 
   def forward(
-    self, logits: jax.Array, labels: jax.Array, options: ce_math.CEOptions
+    self,
+    logits: jax.Array,
+    labels: jax.Array,
+    options: ce_math.CEOptions,
+    class_weights: jax.Array | None = None,
   ) -> ce_math.RowStats:
     vocab_size = logits.shape[-1]
     logits = _upcast(logits)
@@ -35,10 +39,16 @@ class XlaChunkCE(base.MatmulThenCE):
     log_sum_exp = jnp.log(sum_exp)
     safe_labels = jnp.clip(labels, 0, vocab_size - 1)
     target = jnp.take_along_axis(capped, safe_labels[:, None], axis=-1)[:, 0]
-    if options.label_smoothing:
-      mean_logit = jnp.mean(capped, axis=-1)
-    else:
+    mean_weight = None
+    if not options.label_smoothing:
       mean_logit = jnp.zeros_like(row_max)
+    elif class_weights is None:
+      mean_logit = jnp.mean(capped, axis=-1)
+    else:  # the class-weighted mean, and its weight for combining parts
+      weights = class_weights.astype(capped.dtype)
+      total = jnp.sum(weights)
+      mean_logit = jnp.sum(capped * weights[None, :], axis=-1) / total
+      mean_weight = jnp.full_like(row_max, total)
     argmax = jnp.argmax(capped, axis=-1).astype(jnp.int32)
     expected = None
     if options.entropy:
@@ -46,7 +56,13 @@ class XlaChunkCE(base.MatmulThenCE):
       weighted = jnp.where(unnormalized > 0, unnormalized * capped, 0.0)
       expected = jnp.sum(weighted, axis=-1) / sum_exp
     return ce_math.RowStats(
-      row_max, log_sum_exp, target, mean_logit, argmax, expected_score=expected
+      row_max,
+      log_sum_exp,
+      target,
+      mean_logit,
+      argmax,
+      expected_score=expected,
+      mean_weight=mean_weight,
     )
 
   def backward(
@@ -57,11 +73,14 @@ class XlaChunkCE(base.MatmulThenCE):
     options: ce_math.CEOptions,
     out_dtype: jax.typing.DTypeLike,
     vocab_size: int | None = None,
+    class_weights: jax.Array | None = None,
   ) -> jax.Array:
     cols = jnp.arange(logits.shape[-1], dtype=jnp.int32)
     vocab_size = vocab_size or logits.shape[-1]
+    if class_weights is not None:
+      class_weights = class_weights.astype(jnp.float32)
     grad = ce_math.dlogits_block(
-      _upcast(logits), cols, labels, rows, options, vocab_size
+      _upcast(logits), cols, labels, rows, options, vocab_size, class_weights
     )
     return grad.astype(out_dtype)
 
@@ -75,7 +94,18 @@ class XlaChunkCE(base.MatmulThenCE):
     out_dtype: jax.typing.DTypeLike,
     *,
     into: tuple[jax.Array, jax.Array] | None = None,
+    class_weights: jax.Array | None = None,
+    classes: ce_math.ClassRows | None = None,
   ) -> tuple[ce_math.RowStats, jax.Array]:
     return base.unfused_forward_backward(
-      self, logits, labels, valid, g_loss, options, out_dtype, into=into
+      self,
+      logits,
+      labels,
+      valid,
+      g_loss,
+      options,
+      out_dtype,
+      into=into,
+      class_weights=class_weights,
+      classes=classes,
     )

@@ -205,6 +205,13 @@ class Unsupported(Exception):
   """This implementation cannot run this case (a missing peer, say)."""
 
 
+def _naive_logits(hidden, weight, cast_logits: bool) -> jax.Array:
+  """Full float32 logits: from a float32 matmul, or cast from the input dtype."""
+  if cast_logits:
+    return jnp.dot(hidden, weight.T).astype(jnp.float32)
+  return jnp.dot(hidden, weight.T, preferred_element_type=jnp.float32)
+
+
 def naive_loss(hidden, weight, labels, where, *, cast_logits=False):
   """The baseline: full ``[N, V]`` float32 logits, then a masked mean.
 
@@ -214,10 +221,7 @@ def naive_loss(hidden, weight, labels, where, *, cast_logits=False):
   the float32-output version's autodiff promotes them to float32 (TF32 on a
   GPU). Ratios are taken against the faster of the two.
   """
-  if cast_logits:
-    logits = jnp.dot(hidden, weight.T).astype(jnp.float32)
-  else:
-    logits = jnp.dot(hidden, weight.T, preferred_element_type=jnp.float32)
+  logits = _naive_logits(hidden, weight, cast_logits)
   lse = jax.nn.logsumexp(logits, axis=-1)
   target = jnp.take_along_axis(logits, labels[:, None], axis=-1)[:, 0]
   count = jnp.maximum(jnp.sum(where), 1)
@@ -233,11 +237,7 @@ def _cotangents(n_tokens: int):
 def naive_log_probs(hidden, weight, labels, where, *, cast_logits=False):
   """The RL baseline: full float32 logits, ``log_softmax`` at the label and the
   entropy, summed against ``_cotangents``."""
-  if cast_logits:
-    logits = jnp.dot(hidden, weight.T).astype(jnp.float32)
-  else:
-    logits = jnp.dot(hidden, weight.T, preferred_element_type=jnp.float32)
-  log_p = jax.nn.log_softmax(logits, axis=-1)
+  log_p = jax.nn.log_softmax(_naive_logits(hidden, weight, cast_logits), axis=-1)
   at_label = jnp.take_along_axis(log_p, labels[:, None], axis=-1)[:, 0]
   entropy = -jnp.sum(jnp.exp(log_p) * log_p, axis=-1)
   g_lp, g_h = _cotangents(labels.shape[0])

@@ -140,15 +140,34 @@ def test_no_weight_all_gather_and_no_full_logits(rng):
   assert "1032]" not in text
 
 
-def test_token_weights_on_a_mesh(rng):
+@pytest.mark.parametrize("vocab_block_size", [None, 50], ids=["rows", "vocab_blocks"])
+def test_token_and_class_weights_on_a_mesh(rng, vocab_block_size):
+  """Class weights are sharded with the vocabulary (their weighted mean
+  combined across shards) and the label's weight taken whole."""
   problem = make_problem(rng, (N,), dim=D, vocab=V, bias=True, mask="scattered")
   weights = jnp.asarray(rng.random(N) * 2.0, jnp.float32)
-  kwargs = dict(where=problem.where, token_weights=weights, impl="xla")
-  one = mst_jax.linear_cross_entropy(*problem.args, **kwargs)
-  meshed = mst_jax.linear_cross_entropy(
-    *problem.args, mesh=_mesh((2, 4)), batch_axis="data", vocab_axis="model", **kwargs
+  kwargs = dict(
+    where=problem.where,
+    token_weights=weights,
+    class_weights=jnp.asarray(rng.random(V) * 2.0, jnp.float32),
+    label_smoothing=0.1,
+    impl="xla",
+    chunk_size=4,
+    vocab_block_size=vocab_block_size,
   )
-  np.testing.assert_allclose(np.asarray(meshed), np.asarray(one), rtol=1e-5)
+  mesh = dict(mesh=_mesh((2, 4)), batch_axis="data", vocab_axis="model")
+
+  def step(**extra):
+    loss = lambda h, w, b: mst_jax.linear_cross_entropy(
+      h, w, problem.labels, b, **kwargs, **extra
+    )
+    args = (problem.hidden, problem.weight, problem.bias)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*args)
+
+  for out, ref in zip(
+    jax.tree.leaves(step(**mesh)), jax.tree.leaves(step()), strict=True
+  ):
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("vocab_block_size", [None, 50], ids=["rows", "vocab_blocks"])

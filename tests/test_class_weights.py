@@ -1,0 +1,195 @@
+"""``class_weights`` against a float64 oracle written from torch's definition.
+
+``torch.nn.functional.cross_entropy(weight=w, label_smoothing=eps)``: per
+valid token ``(1 - eps) * w[y] * (lse - s[y]) + (eps / V) * sum_c w[c] *
+(lse - s[c])``; the mean divides by the sum of ``w[y]`` over valid tokens.
+Here also: a token weight multiplies the token's loss (z-loss included) and
+the mean's denominator term; the z-loss is not class-weighted. The oracle is
+that formula in float64 on the full logits, differentiated by autodiff.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import LOOP_ORDERS, make_problem, to64
+
+import mst_jax
+
+
+def _label_positions(x, shift, fill):
+  x = np.asarray(x)
+  if not shift:
+    return x
+  return np.concatenate([x[..., 1:], np.full_like(x[..., :1], fill)], axis=-1)
+
+
+def _oracle(problem, w, token_weights, *, reduction, eps, z_loss, shift, layout):
+  where = (
+    np.ones(problem.labels.shape, bool) if problem.where is None else problem.where
+  )
+  labels = _label_positions(problem.labels, shift, -100)
+  valid = _label_positions(np.asarray(where), shift, False) & (labels != -100)
+  tw = np.ones(labels.shape) if token_weights is None else np.asarray(token_weights)
+  tw = np.where(valid, _label_positions(tw, shift, 0.0), 0.0)
+  safe = np.where(valid, labels, 0)
+  argnums = (0, 1, 2) if problem.bias is not None else (0, 1)
+  with jax.enable_x64(True):
+    w64 = jnp.asarray(np.asarray(w, np.float64))
+
+    def loss(hidden, weight, bias=None):
+      kernel = weight if layout == "dv" else weight.T
+      s = hidden @ kernel + (0.0 if bias is None else bias)
+      log_p = jax.nn.log_softmax(s, axis=-1)
+      lse = jax.nn.logsumexp(s, axis=-1)
+      w_y = w64[safe]
+      at_label = jnp.take_along_axis(log_p, jnp.asarray(safe)[..., None], -1)[..., 0]
+      vocab = s.shape[-1]
+      per_token = -(1 - eps) * w_y * at_label - (eps / vocab) * jnp.sum(w64 * log_p, -1)
+      per_token = (per_token + z_loss * lse**2) * tw
+      if reduction == "none":
+        return per_token
+      total = jnp.sum(per_token)
+      if reduction == "sum":
+        return total
+      denominator = jnp.sum(tw * w_y)
+      return jnp.where(denominator == 0, 0.0, total / denominator)
+
+    inputs = (problem.hidden, problem.weight, problem.bias)[: len(argnums)]
+    args = [jnp.asarray(to64(x)) for x in inputs]
+    value = loss(*args)
+    grads = jax.grad(lambda *a: jnp.sum(loss(*a)), argnums=argnums)(*args)
+    return np.asarray(value), [np.asarray(g) for g in grads]
+
+
+def _rel(out, ref):
+  out, ref = np.asarray(jnp.asarray(out, jnp.float32), np.float64), np.asarray(ref)
+  return np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
+
+
+@pytest.mark.parametrize("loop_order", list(LOOP_ORDERS))
+@pytest.mark.parametrize(
+  "reduction, grad_mode",
+  [("mean", "fused"), ("mean", "recompute"), ("sum", None), ("none", None)],
+)
+@pytest.mark.parametrize(
+  "eps, z_loss, token_weighted, shift, bias, layout",
+  [
+    (0.0, 0.0, False, False, False, "vd"),
+    (0.1, 1e-3, False, True, True, "dv"),
+    (0.2, 0.0, True, False, True, "vd"),
+    (0.1, 1e-3, True, True, False, "dv"),
+  ],
+)
+def test_class_weights_match_torch_semantics(
+  rng,
+  loop_order,
+  reduction,
+  grad_mode,
+  eps,
+  z_loss,
+  token_weighted,
+  shift,
+  bias,
+  layout,
+):
+  problem = make_problem(
+    rng, (3, 23), dim=16, vocab=1031, bias=bias, weight_layout=layout, mask="scattered"
+  )
+  vocab = 1031
+  w = rng.random(vocab) * 2.0
+  w[rng.integers(0, vocab, 50)] = 0.0  # some classes switched off
+  token_weights = rng.random(problem.labels.shape) * 2 if token_weighted else None
+  argnums = (0, 1, 3) if bias else (0, 1)
+
+  def loss(hidden, weight, labels, b):
+    out = mst_jax.linear_cross_entropy(
+      hidden,
+      weight,
+      labels,
+      b,
+      where=problem.where,
+      class_weights=jnp.asarray(w, jnp.float32),
+      token_weights=None if token_weights is None else jnp.asarray(token_weights),
+      reduction=reduction,
+      label_smoothing=eps,
+      z_loss=z_loss,
+      shift=shift,
+      weight_layout=layout,
+      impl="xla",
+      chunk_size=16,
+      grad_mode=grad_mode,
+      **LOOP_ORDERS[loop_order],
+    )
+    return out
+
+  value = jax.jit(loss)(*problem.args)
+  grads = jax.jit(jax.grad(lambda *a: jnp.sum(loss(*a)), argnums=argnums))(
+    *problem.args
+  )
+  ref, ref_grads = _oracle(
+    problem,
+    w,
+    token_weights,
+    reduction=reduction,
+    eps=eps,
+    z_loss=z_loss,
+    shift=shift,
+    layout=layout,
+  )
+  assert value.dtype == jnp.float32 and value.shape == np.shape(ref)
+  assert _rel(value, ref) < 2e-5, _rel(value, ref)
+  for g, r in zip(grads, ref_grads, strict=True):
+    assert _rel(g, r) < 2e-4, _rel(g, r)
+
+
+def test_uniform_class_weights_change_nothing(rng):
+  problem = make_problem(rng, (41,), dtype="float32", bias=True)
+  kwargs = dict(where=problem.where, label_smoothing=0.1, z_loss=1e-3, impl="xla")
+  plain = mst_jax.linear_cross_entropy(*problem.args, **kwargs)
+  ones = jnp.ones(problem.weight.shape[0])
+  weighted = mst_jax.linear_cross_entropy(*problem.args, class_weights=ones, **kwargs)
+  np.testing.assert_allclose(np.asarray(weighted), np.asarray(plain), rtol=1e-6)
+
+
+def test_all_weights_zero_gives_zero_mean(rng):
+  problem = make_problem(rng, (9,), dtype="float32", mask="none")
+  zeros = jnp.zeros(problem.weight.shape[0])
+  loss = mst_jax.linear_cross_entropy(*problem.args[:3], class_weights=zeros)
+  assert float(loss) == 0.0
+
+
+def test_bad_class_weights_raise(rng):
+  problem = make_problem(rng, (5,), dtype="float32")
+  args = problem.args[:3]
+  vocab = problem.weight.shape[0]
+  with pytest.raises(TypeError, match="class_weights"):
+    mst_jax.linear_cross_entropy(*args, class_weights=jnp.ones(vocab, jnp.int32))
+  with pytest.raises(ValueError, match="class_weights"):
+    mst_jax.linear_cross_entropy(*args, class_weights=jnp.ones(vocab + 1))
+  with pytest.raises(NotImplementedError, match="class weights"):
+    mst_jax.linear_cross_entropy(*args, class_weights=jnp.ones(vocab), impl="pallas")
+
+
+@pytest.mark.gpu
+def test_class_weights_on_the_gpu(rng):
+  """The default backend with class weights (XLA), unaligned sizes, float32
+  inputs at the GPU's matmul precision."""
+  problem = make_problem(rng, (4, 301), dim=72, vocab=5003, dtype="float32", bias=True)
+  w = rng.random(5003) * 2.0
+  kwargs = dict(where=problem.where, label_smoothing=0.1, z_loss=1e-3)
+
+  def loss(hidden, weight, labels, bias):
+    return mst_jax.linear_cross_entropy(
+      hidden, weight, labels, bias, class_weights=jnp.asarray(w, jnp.float32), **kwargs
+    )
+
+  value, grads = jax.value_and_grad(loss, argnums=(0, 1, 3))(*problem.args)
+  ref, ref_grads = _oracle(
+    problem, w, None, reduction="mean", eps=0.1, z_loss=1e-3, shift=False, layout="vd"
+  )
+  assert _rel(value, ref) < 3e-3
+  for g, r in zip(grads, ref_grads, strict=True):
+    assert _rel(g, r) < 3e-3
