@@ -55,6 +55,8 @@ def row_losses(
   # A plain transpose rather than the fast paths' layout-aware dot: the
   # reference shares nothing with them but the options.
   w = weight if weight_layout == "dv" else weight.T
+  # Excluded rows never reach the logits: a NaN there changes nothing.
+  hidden = jnp.where(valid[:, None], hidden, jnp.zeros_like(hidden))
   logits = jnp.dot(
     hidden, w, preferred_element_type=acc, precision=lax.Precision.HIGHEST
   )
@@ -75,13 +77,16 @@ def losses_from_logits(
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """Per-row ``(loss, lse, correct, entropy)`` from ``[N, V]`` logits; see
   ``row_losses``."""
+  vocab_size = logits.shape[-1]
+  in_range = (labels >= 0) & (labels < vocab_size)
+  # A valid row's label outside [0, V) is an error: its loss and gradients
+  # are NaN (not a loss of NaN with finite gradients).
+  logits = logits + jnp.where(valid & ~in_range, jnp.nan, 0.0)[:, None]
   logits = logits * options.logit_scale
   cap = options.logit_softcap
   if cap is not None:
     logits = cap * jnp.tanh(logits / cap)
   log_probs = jax.nn.log_softmax(logits, axis=-1)  # [N, V]
-  vocab_size = logits.shape[-1]
-  in_range = (labels >= 0) & (labels < vocab_size)
   safe_labels = jnp.where(in_range, labels, 0)
   log_p_label = jnp.take_along_axis(log_probs, safe_labels[:, None], axis=-1)[:, 0]
   log_p_label = jnp.where(in_range, log_p_label, jnp.nan)

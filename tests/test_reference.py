@@ -8,6 +8,7 @@ independent numpy loop, so the oracle is not taken on faith.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import make_problem, to64
@@ -123,3 +124,33 @@ def test_reference_out_of_range_label_is_nan(rng):
     problem.hidden, problem.weight, labels, reduction="none"
   )
   np.testing.assert_array_equal(np.flatnonzero(np.isnan(per_token)), [2, 5])
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla"])
+def test_nan_rules_hold_for_the_reference_too(rng, impl):
+  """The README's rules: a NaN hidden row at an excluded token changes
+  nothing; a valid token's out-of-range label makes its loss and its
+  gradients NaN. The oracle follows them like the chunked paths."""
+  problem = make_problem(rng, (6,), dim=8, vocab=13, mask="none")
+  hidden = problem.hidden.at[1].set(jnp.nan)
+  labels = problem.labels.at[4].set(13)
+
+  def grads(where):
+    def total(hidden, weight):
+      out = mst_jax.linear_cross_entropy(
+        hidden, weight, labels, where=where, reduction="none", impl=impl
+      )
+      return jnp.sum(out), out
+
+    (_, per_token), (dh, dw) = jax.value_and_grad(total, argnums=(0, 1), has_aux=True)(
+      hidden, problem.weight
+    )
+    return np.asarray(per_token), np.asarray(dh), np.asarray(dw)
+
+  per_token, dh, dw = grads(jnp.arange(6) != 1)
+  assert np.isnan(per_token[4]) and per_token[1] == 0.0
+  assert np.isnan(dh[4]).all() and np.isfinite(np.delete(dh, 4, 0)).all()
+  assert np.isnan(dw).any()  # the bad row reaches the weight
+  per_token, dh, dw = grads((jnp.arange(6) != 1) & (jnp.arange(6) != 4))
+  assert np.isfinite(per_token).all() and np.isfinite(dh).all()
+  assert np.isfinite(dw).all() and (dh[[1, 4]] == 0).all()
