@@ -92,13 +92,18 @@ def losses_from_logits(
   log_p_label = jnp.where(in_range, log_p_label, jnp.nan)
   lse = jax.nn.logsumexp(logits, axis=-1)
   eps = options.label_smoothing
+  # The smoothing term only with eps > 0: a banned class (log p = -inf)
+  # would make eps * mean(log p) = 0 * -inf = NaN.
   if class_weights is None:
-    loss = -(1.0 - eps) * log_p_label - eps * jnp.mean(log_probs, axis=-1)
+    loss = -(1.0 - eps) * log_p_label
+    if eps:
+      loss = loss - eps * jnp.mean(log_probs, axis=-1)
   else:  # torch: -(1 - eps) w_y log p_y - (eps / V) sum_c w_c log p_c
     w = class_weights.astype(logits.dtype)
     w_label = jnp.where(in_range, w[safe_labels], 0.0)
-    smooth = jnp.sum(log_probs * w[None, :], axis=-1) / vocab_size
-    loss = -(1.0 - eps) * w_label * log_p_label - eps * smooth
+    loss = -(1.0 - eps) * w_label * log_p_label
+    if eps:
+      loss = loss - eps * jnp.sum(log_probs * w[None, :], axis=-1) / vocab_size
   loss = loss + options.z_loss * jnp.square(lse)
   correct = valid & (jnp.argmax(logits, axis=-1) == labels)
   zero = jnp.zeros_like(lse)

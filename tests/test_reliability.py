@@ -426,3 +426,43 @@ def test_repeated_train_steps_keep_peak_memory_flat():
       readings[i] = (stats["bytes_in_use"], stats["peak_bytes_in_use"])
   assert np.isfinite(float(loss))
   assert readings[199] == readings[9], readings
+
+
+@pytest.mark.parametrize(
+  "impl, extra",
+  [
+    ("reference", {}),
+    ("xla", {}),
+    ("xla", {"vocab_block_size": 256, "chunk_size": 16}),
+    ("pallas", {}),  # the first 2048-column kernel block is all -inf
+    ("pallas", {"vocab_block_size": 256, "chunk_size": 16}),
+  ],
+)
+@pytest.mark.parametrize("grad_mode", ["fused", "recompute"])
+def test_banned_tokens_by_a_minus_inf_bias(rng, impl, extra, grad_mode):
+  """A bias of -inf on the first 2100 of 4099 columns (whole vocabulary
+  blocks and the first kernel block): the loss and gradients equal those of
+  the head without those columns, finite, when every label is allowed."""
+  problem = make_problem(rng, (2, 13), dim=8, vocab=4099, bias=True, mask="none")
+  banned = 2100
+  bias = problem.bias.at[:banned].set(-jnp.inf)
+  labels = jnp.maximum(problem.labels, banned)
+  if impl != "reference":
+    extra = {**extra, "grad_mode": grad_mode}
+  elif grad_mode == "recompute":
+    pytest.skip("the reference has one gradient path")
+
+  def run(weight, bias, labels):
+    return jax.value_and_grad(mst_jax.linear_cross_entropy, argnums=(0, 1))(
+      problem.hidden, weight, labels, bias, impl=impl, **extra
+    )
+
+  value, (dh, dw) = run(problem.weight, bias, labels)
+  ref, (ref_dh, ref_dw) = run(
+    problem.weight[banned:], problem.bias[banned:], labels - banned
+  )
+  assert _finite(value, dh, dw)
+  assert_close(value, ref, 1e-5, "loss")
+  assert_close(dh, ref_dh, 1e-4, "dhidden")
+  assert_close(dw[banned:], ref_dw, 1e-4, "dweight")
+  np.testing.assert_array_equal(np.asarray(dw[:banned]), 0.0)

@@ -138,8 +138,11 @@ def _row_stats(logits_ref, labels, row_slice, row_mask, *, options, block_v):
     live = jnp.where(col_mask[None, :], capped, -jnp.inf)
     block_max = jnp.max(live, axis=1)
     new_max = jnp.maximum(row_max, block_max)
-    sum_exp = sum_exp * jnp.exp(row_max - new_max) + jnp.sum(
-      jnp.exp(live - new_max[:, None]), axis=1
+    # Rescaled to the new max, or to 0 while every score so far is -inf
+    # (banned tokens): no mass, not exp(-inf - -inf) = NaN.
+    shift = jnp.where(new_max > -jnp.inf, new_max, 0.0)
+    sum_exp = sum_exp * jnp.exp(row_max - shift) + jnp.sum(
+      jnp.exp(live - shift[:, None]), axis=1
     )
     is_label = cols[None, :] == labels[:, None]
     target = target + jnp.sum(jnp.where(is_label, capped, 0.0), axis=1)

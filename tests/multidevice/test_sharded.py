@@ -328,3 +328,26 @@ def test_vocab_blocks_combine_shards_once_per_row_chunk(rng):
     jax.make_jaxpr(f)(problem.hidden, problem.weight).jaxpr
   )
   assert depths and set(depths) == {1}, depths
+
+
+@pytest.mark.parametrize("vocab_block_size", [None, 50], ids=["rows", "vocab_blocks"])
+def test_a_banned_shard(rng, vocab_block_size):
+  """A bias of -inf on the first two of eight vocabulary shards: finite loss
+  and gradients, equal to one device's."""
+  problem = make_problem(rng, (N,), dim=D, vocab=V, bias=True, mask="none")
+  bias = problem.bias.at[: 2 * V // 8].set(-jnp.inf)
+  labels = jnp.maximum(problem.labels, 2 * V // 8)
+  options = dict(impl="xla", chunk_size=4, vocab_block_size=vocab_block_size)
+
+  def step(**mesh):
+    loss = lambda h, w: mst_jax.linear_cross_entropy(
+      h, w, labels, bias, **options, **mesh
+    )
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(
+      problem.hidden, problem.weight
+    )
+
+  meshed = step(mesh=_mesh((1, 8)), vocab_axis="model")
+  for out, ref in zip(jax.tree.leaves(meshed), jax.tree.leaves(step()), strict=True):
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-4, atol=1e-6)
