@@ -183,7 +183,9 @@ def combine_stats(
     row_max=row_max,
     log_sum_exp=jnp.log(sum_exp),
     target=reduce_sum(jnp.where(here, parts.target, 0.0)),
-    mean_logit=reduce_sum(parts.mean_logit * weight) / reduce_sum(weight),
+    # A part of weight 0 (its classes all weighted 0) adds nothing.
+    mean_logit=reduce_sum(jnp.where(weight > 0, parts.mean_logit * weight, 0.0))
+    / reduce_sum(weight),
     argmax=reduce_min(first),
     expected_score=expected,
     mean_weight=mean_weight,

@@ -103,7 +103,8 @@ def losses_from_logits(
     w_label = jnp.where(in_range, w[safe_labels], 0.0)
     loss = -(1.0 - eps) * w_label * log_p_label
     if eps:
-      loss = loss - eps * jnp.sum(log_probs * w[None, :], axis=-1) / vocab_size
+      weighted = jnp.where(w[None, :] > 0, log_probs * w[None, :], 0.0)
+      loss = loss - eps * jnp.sum(weighted, axis=-1) / vocab_size
   loss = loss + options.z_loss * jnp.square(lse)
   correct = valid & (jnp.argmax(logits, axis=-1) == labels)
   zero = jnp.zeros_like(lse)

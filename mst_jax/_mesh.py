@@ -241,7 +241,9 @@ def layout_for(
   if vocab_size % layout.axis_size(vocab_axis):
     raise ValueError(
       f"the vocabulary ({vocab_size}) must split evenly over vocab_axis={vocab_axis!r}"
-      f" ({layout.axis_size(vocab_axis)} devices): pad the weight (and bias) to a"
-      " multiple with rows whose logits never win, e.g. a bias of -1e9."
+      f" ({layout.axis_size(vocab_axis)} devices): use a mesh axis whose size"
+      " divides V. Padding the weight changes the loss unless the padded"
+      " columns get a bias of -inf and there is no label smoothing (its"
+      " eps / V and mean logit count every column)."
     )
   return layout

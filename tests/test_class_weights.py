@@ -193,3 +193,25 @@ def test_class_weights_on_the_gpu(rng):
   assert _rel(value, ref) < 3e-3
   for g, r in zip(grads, ref_grads, strict=True):
     assert _rel(g, r) < 3e-3
+
+
+@pytest.mark.parametrize("loop_order", list(LOOP_ORDERS))
+def test_banned_classes_of_weight_zero(rng, loop_order):
+  """A bias of -inf with class weight 0 (banned, padded classes) under label
+  smoothing: finite, and the same on the chunked path as on the reference."""
+  problem = make_problem(rng, (2, 13), dim=8, vocab=1031, bias=True, mask="none")
+  bias = problem.bias.at[:300].set(-jnp.inf)
+  labels = jnp.maximum(problem.labels, 300)
+  weights = jnp.asarray(rng.random(1031), jnp.float32).at[:300].set(0.0)
+
+  def run(**kwargs):
+    loss = lambda h, w: mst_jax.linear_cross_entropy(
+      h, w, labels, bias, class_weights=weights, label_smoothing=0.1, **kwargs
+    )
+    return jax.value_and_grad(loss, argnums=(0, 1))(problem.hidden, problem.weight)
+
+  out = run(impl="xla", chunk_size=8, **LOOP_ORDERS[loop_order])
+  ref = run(impl="reference")
+  for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True):
+    assert np.isfinite(np.asarray(a)).all()
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-7)

@@ -47,7 +47,9 @@ class XlaChunkCE(base.MatmulThenCE):
     else:  # the class-weighted mean, and its weight for combining parts
       weights = class_weights.astype(capped.dtype)
       total = jnp.sum(weights)
-      mean_logit = jnp.sum(capped * weights[None, :], axis=-1) / total
+      # A class of weight 0 adds 0, also where its score is -inf (banned).
+      weighted = jnp.where(weights[None, :] > 0, capped * weights[None, :], 0.0)
+      mean_logit = jnp.sum(weighted, axis=-1) / jnp.where(total > 0, total, 1.0)
       mean_weight = jnp.full_like(row_max, total)
     argmax = jnp.argmax(capped, axis=-1).astype(jnp.int32)
     expected = None
