@@ -219,10 +219,7 @@ def linear_cross_entropy(
     token_weights,
     class_weights,
   )
-  n_rows = rows.hidden.shape[0]
-  layout = _mesh.layout_for(
-    mesh, batch_axis, vocab_axis, weight_layout, n_rows, rows.vocab_size
-  )
+  layout = _mesh.layout_for(mesh, batch_axis, vocab_axis, weight_layout, rows)
   weights = _inputs.row_weights(rows, options.reduction, stat_dtype(rows.hidden))
   loss, lse, correct, _ = per_row_outputs(
     rows, options, perf, weight_layout, layout, weights
@@ -240,7 +237,9 @@ def per_row_outputs(
   n_rows = rows.hidden.shape[0]
   if perf.impl == "reference" or n_rows == 0:
     if layout is not None and n_rows:
-      raise ValueError("impl='reference' forms the full logits; it takes no mesh.")
+      if not layout.from_inputs:
+        raise ValueError("impl='reference' forms the full logits; it takes no mesh.")
+      rows = _mesh.gathered(rows)
     ce = dataclasses.replace(options.ce, entropy=entropy)
     return _full_logits.row_losses(
       *rows.arrays, options=ce, weight_layout=weight_layout
@@ -363,6 +362,4 @@ def _loop_order(rows: Rows, perf: PerfOptions, logits_dtype, layout, *, cpu: boo
 
 def _platform(layout: _mesh.Layout | None) -> str:
   """The platform the loss runs on: the mesh's, else JAX's default."""
-  if layout is not None:
-    return layout.mesh.devices.flat[0].platform
-  return jax.default_backend()
+  return jax.default_backend() if layout is None else layout.platform

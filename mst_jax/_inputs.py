@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from mst_jax import _matmul
 from mst_jax._ce_math import at_least_float32
@@ -161,6 +163,21 @@ def prepare(
       )
     class_weights = class_weights.astype(jnp.float32)
 
+  mesh = explicit_mesh(
+    hidden, weight, labels, bias, where, token_weights, class_weights
+  )
+  if mesh is not None:
+    hidden, weight, labels, bias, where, token_weights, class_weights = _as_rows_on(
+      mesh,
+      vocab_axis,
+      hidden,
+      weight,
+      labels,
+      bias,
+      where,
+      token_weights,
+      class_weights,
+    )
   dtype = np.promote_types(hidden.dtype, weight.dtype)
   hidden, weight = hidden.astype(dtype), weight.astype(dtype)
   ignore_index = options.ignore_index
@@ -194,6 +211,67 @@ def prepare(
     vocab_size=vocab_size,
     token_weights=None if token_weights is None else token_weights.reshape(-1),
     **classes,
+  )
+
+
+def explicit_mesh(*arrays):
+  """The mesh with Explicit axes that one of ``arrays`` is typed over, or None.
+
+  On such a mesh (``jax.make_mesh``'s default axis type) the sharding is part
+  of an array's type, and reshapes and gathers need operands sharded the way
+  they allow.
+  """
+  for x in arrays:
+    mesh = None if x is None else getattr(jax.typeof(x).sharding, "mesh", None)
+    if mesh is not None and AxisType.Explicit in tuple(mesh.axis_types):
+      return mesh
+  return None
+
+
+def spec_entry(x: jax.Array, dim: int):
+  """The mesh axes that dimension ``dim`` of ``x`` is split over (None: none)."""
+  spec = jax.typeof(x).sharding.spec
+  return spec[dim] if dim < len(spec) else None
+
+
+def _axes(entry) -> set[str]:
+  if entry is None:
+    return set()
+  return {entry} if isinstance(entry, str) else set(entry)
+
+
+def _as_rows_on(mesh, vocab_axis: int, hidden, weight, labels, *optional):
+  """The arguments resharded on the Explicit ``mesh`` so that they flatten
+  into rows: tokens split only as the leading axis is (a split sequence or D
+  axis is gathered), the weight and bias only along V and over axes the rows
+  do not use, the class weights whole (each row reads its label's).
+
+  ``optional`` are ``(bias, where, token_weights, class_weights)``.
+  """
+  bias, where, token_weights, class_weights = optional
+  rows = spec_entry(hidden, 0)
+  vocab = spec_entry(weight, vocab_axis)
+  if _axes(vocab) & _axes(rows):
+    vocab = None  # a weight split like the rows (FSDP) is gathered
+
+  def put(x, *spec):
+    if x is None:
+      return None
+    return jax.sharding.reshard(x, NamedSharding(mesh, P(*spec)))
+
+  def tokens(x):
+    return None if x is None else put(x, rows, *(None,) * (x.ndim - 1))
+
+  weight_spec = [None, None]
+  weight_spec[vocab_axis] = vocab
+  return (
+    tokens(hidden),
+    put(weight, *weight_spec),
+    tokens(labels),
+    put(bias, vocab),
+    tokens(where),
+    tokens(token_weights),
+    put(class_weights, None),
   )
 
 

@@ -106,9 +106,7 @@ def linear_log_probs(
   options, perf = _options.from_arguments({**locals(), **LOG_PROBS_FIXED})
   rows = _inputs.prepare(hidden, weight, labels, bias, where, options, weight_layout)
   n_rows = rows.hidden.shape[0]
-  layout = _mesh.layout_for(
-    mesh, batch_axis, vocab_axis, weight_layout, n_rows, rows.vocab_size
-  )
+  layout = _mesh.layout_for(mesh, batch_axis, vocab_axis, weight_layout, rows)
   loss, _, _, entropy = _api.per_row_outputs(
     rows, options, perf, weight_layout, layout, None, entropy=return_entropy
   )

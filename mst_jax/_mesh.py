@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 
 import jax
@@ -33,8 +34,9 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mst_jax import _ce_math
+from mst_jax import _ce_math, _inputs, _matmul
 from mst_jax._driver import LoopOrder
+from mst_jax._inputs import Rows
 from mst_jax._rows import (
   Differentiated,
   Grads,
@@ -86,10 +88,11 @@ class VocabShard:
 class Layout:
   """Where the arrays live on the mesh (static, hashable)."""
 
-  mesh: jax.sharding.Mesh
-  batch_axis: str | None
-  vocab_axis: str | None
+  mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh
+  batch_axis: str | tuple[str, ...] | None
+  vocab_axis: str | tuple[str, ...] | None
   weight_layout: str
+  from_inputs: bool = False  # read off inputs typed on an Explicit mesh
 
   @property
   def rows(self) -> P:
@@ -109,8 +112,14 @@ class Layout:
   def bias(self) -> P:
     return P(self.vocab_axis)
 
-  def axis_size(self, axis: str | None) -> int:
-    return 1 if axis is None else self.mesh.shape[axis]
+  def axis_size(self, axis: str | tuple[str, ...] | None) -> int:
+    return math.prod(self.mesh.shape[name] for name in _names(axis))
+
+  @property
+  def platform(self) -> str:
+    if isinstance(self.mesh, jax.sharding.Mesh):
+      return self.mesh.devices.flat[0].platform
+    return self.mesh.abstract_device.platform
 
   def constrain(self, x: jax.Array, spec: P) -> jax.Array:
     """Puts ``x`` where ``spec`` says (reshard on Explicit meshes)."""
@@ -210,19 +219,26 @@ class Sharded:
     return layout.per_device(body, x, (row_scale,), out_specs)
 
 
+def _names(axis) -> tuple[str, ...]:
+  if axis is None:
+    return ()
+  return (axis,) if isinstance(axis, str) else tuple(axis)
+
+
 def layout_for(
   mesh,
   batch_axis: str | None,
   vocab_axis: str | None,
   weight_layout: str,
-  n_rows: int,
-  vocab_size: int,
+  rows: Rows,
 ) -> Layout | None:
-  """The ``Layout`` for a mesh (None without one), after checks."""
+  """The ``Layout`` for a mesh, after checks; without one, the layout the
+  rows are typed with on an Explicit mesh (else None)."""
+  n_rows, vocab_size = rows.hidden.shape[0], rows.vocab_size
   if mesh is None:
     if (batch_axis, vocab_axis) != (None, None):
       raise ValueError("batch_axis and vocab_axis name axes of a mesh: pass mesh=.")
-    return None
+    return _from_inputs(rows, weight_layout)
   if not isinstance(mesh, jax.sharding.Mesh):
     raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
   if batch_axis is None and vocab_axis is None:
@@ -247,3 +263,33 @@ def layout_for(
       " eps / V and mean logit count every column)."
     )
   return layout
+
+
+def _from_inputs(rows: Rows, weight_layout: str) -> Layout | None:
+  """The layout of rows on an Explicit mesh (``_inputs.prepare`` resharded
+  them to one this module runs), or None off such a mesh.
+
+  An axis that does not split its dimension evenly is dropped (that
+  dimension is then gathered).
+  """
+  mesh = _inputs.explicit_mesh(rows.hidden, rows.weight)
+  if mesh is None:
+    return None
+  vocab = _inputs.spec_entry(rows.weight, _matmul.vocab_axis(weight_layout))
+  layout = Layout(
+    mesh, _inputs.spec_entry(rows.hidden, 0), vocab, weight_layout, from_inputs=True
+  )
+  if rows.hidden.shape[0] % layout.axis_size(layout.batch_axis):
+    layout = dataclasses.replace(layout, batch_axis=None)
+  if rows.vocab_size % layout.axis_size(layout.vocab_axis):
+    layout = dataclasses.replace(layout, vocab_axis=None)
+  # With neither split, still per device: inside shard_map no array is typed
+  # on the mesh, and the loop orders' fresh buffers need not be either.
+  return layout
+
+
+def gathered(rows: Rows) -> Rows:
+  """``rows`` whole on every device of their Explicit mesh."""
+  mesh = _inputs.explicit_mesh(rows.hidden, rows.weight)
+  whole = lambda x: jax.sharding.reshard(x, NamedSharding(mesh, P()))
+  return Rows(*(whole(f) if isinstance(f, jax.Array) else f for f in rows))

@@ -1,0 +1,161 @@
+"""Multi-device: meshes with Explicit axes (``jax.make_mesh``'s default).
+
+On such a mesh an array's sharding is part of its type. Inputs typed so are
+read as a layout (rows over the leading axis's mesh axes, the vocabulary over
+the weight's V axis's) and run sharded without a ``mesh=`` argument; anything
+else about their sharding is resharded first. Run by ``tests/test_multidevice.py``
+on 8 simulated CPU devices.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import GRAD_RTOL, LOSS_RTOL, assert_close, make_problem, oracle, to64
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import mst_jax
+
+B, T, D, V = 8, 12, 16, 1032
+OPTIONS = dict(label_smoothing=0.1, z_loss=1e-3, logit_softcap=4.0)
+
+
+def _mesh(shape=(4, 2), axis_types=AxisType.Explicit):
+  return jax.make_mesh(
+    shape,
+    ("data", "model"),
+    axis_types=(axis_types,) * 2,
+    devices=jax.devices()[: np.prod(shape)],
+  )
+
+
+def _put(x, mesh, *spec):
+  return None if x is None else jax.device_put(x, NamedSharding(mesh, P(*spec)))
+
+
+# (hidden [B, T, D], weight [V, D], labels [B, T], bias [V]) specs.
+SHARDINGS = {
+  "rows_and_vocab": (("data", None, None), ("model", None), ("data", None), ("model",)),
+  # FSDP: the weight split over the rows' axis is gathered.
+  "fsdp_weight": (("data", None, None), ("data", None), ("data", None), (None,)),
+  "rows_over_both_axes": ((("data", "model"), None, None), (None, None), (), ()),
+  # A split sequence or D axis is gathered; the labels' own split is ignored.
+  "sequence_and_d": ((None, "data", "model"), (None, "model"), (None, "data"), ()),
+}
+
+
+@pytest.mark.parametrize("grad_mode", ["fused", "recompute"])
+@pytest.mark.parametrize("sharding", list(SHARDINGS))
+def test_explicit_inputs_under_jit_without_a_mesh_argument(rng, sharding, grad_mode):
+  problem = make_problem(rng, (B, T), dim=D, vocab=V, bias=True, mask="scattered")
+  mesh = _mesh()
+  specs = SHARDINGS[sharding]
+  args = [_put(x, mesh, *s) for x, s in zip(problem.args, specs, strict=True)]
+  where = _put(problem.where, mesh, *specs[2])
+
+  def loss(hidden, weight, bias):
+    return mst_jax.linear_cross_entropy(
+      hidden,
+      weight,
+      args[2],
+      bias,
+      where=where,
+      impl="xla",
+      chunk_size=4,
+      grad_mode=grad_mode,
+      **OPTIONS,
+    )
+
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+  value, grads = step(args[0], args[1], args[3])
+  ref_value, ref_grads = oracle(problem, **OPTIONS)
+  assert_close(value, ref_value, LOSS_RTOL["float32"] * 10, "loss")
+  for name, g, ref in zip(
+    ("dhidden", "dweight", "dbias"), grads, ref_grads, strict=True
+  ):
+    assert_close(g, ref, GRAD_RTOL["float32"], name)
+  # Each gradient has its input's type (sharding included).
+  for g, x in zip(grads, (args[0], args[1], args[3]), strict=True):
+    assert jax.typeof(g).sharding.spec == jax.typeof(x).sharding.spec
+
+
+def test_rows_and_vocab_run_sharded_without_gathering_the_weight(rng):
+  problem = make_problem(rng, (B * T,), dim=D, vocab=V, mask="scattered")
+  mesh = _mesh((2, 4))
+  hidden = _put(problem.hidden, mesh, "data", None)
+  weight = _put(problem.weight, mesh, "model", None)
+  labels = _put(problem.labels, mesh, "data")
+
+  def loss(hidden, weight):
+    return mst_jax.linear_cross_entropy(
+      hidden, weight, labels, impl="xla", chunk_size=4
+    )
+
+  text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(hidden, weight)
+  text = text.compile().as_text()
+  assert "all-gather" not in text
+  widths = {int(m) for m in re.findall(r"\[(\d+),258\]", text)}  # [chunk, V / 4]
+  assert widths and max(widths) <= 4, widths
+  assert "1032]" not in text
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla"])
+def test_log_probs_with_shift_and_the_reference(rng, impl):
+  problem = make_problem(rng, (B, T), dim=D, vocab=V, bias=True, mask="prefix")
+  mesh = _mesh()
+  hidden = _put(problem.hidden, mesh, "data", None, None)
+  weight = _put(problem.weight, mesh, "model", None)
+  bias = _put(problem.bias, mesh, "model")
+  g_lp = jnp.asarray(rng.standard_normal((B, T)), jnp.float32)
+
+  def total(fn, hidden, weight, bias, labels, **kwargs):
+    lp, h = fn(hidden, weight, labels, bias, shift=True, return_entropy=True, **kwargs)
+    return jnp.sum(lp * g_lp + h), (lp, h)
+
+  step = jax.value_and_grad(total, argnums=(1, 2, 3), has_aux=True)
+  labels = _put(problem.labels, mesh, "data", None)
+  fn = functools.partial(mst_jax.linear_log_probs, impl=impl)
+  (_, outputs), grads = jax.jit(functools.partial(step, fn))(
+    hidden, weight, bias, labels
+  )
+  with jax.enable_x64(True):
+    args64 = [jnp.asarray(to64(x)) for x in problem.args[:2] + (problem.bias,)]
+    (_, ref_outputs), ref_grads = step(
+      mst_jax.reference.linear_log_probs, *args64, problem.labels
+    )
+  for out, ref in zip((*outputs, *grads), (*ref_outputs, *ref_grads), strict=True):
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("axis_types", [AxisType.Explicit, AxisType.Auto])
+@pytest.mark.parametrize(
+  "mesh_argument", [True, False], ids=["mesh_arg", "no_mesh_arg"]
+)
+def test_eager_grad_inside_set_mesh(rng, axis_types, mesh_argument):
+  """Eager ``jax.grad`` on an Explicit mesh needs ``jax.set_mesh`` (JAX's own
+  rule: grad forms the loss's cotangent on the mesh); Auto axes too."""
+  problem = make_problem(rng, (B * T,), dim=D, vocab=V, mask="scattered")
+  mesh = _mesh((2, 4), axis_types)
+  hidden = _put(problem.hidden, mesh, "data", None)
+  weight = _put(problem.weight, mesh, "model", None)
+  labels = _put(problem.labels, mesh, "data")
+  where = _put(problem.where, mesh, "data")
+  kwargs = (
+    dict(mesh=mesh, batch_axis="data", vocab_axis="model") if mesh_argument else {}
+  )
+
+  def loss(hidden, weight):
+    return mst_jax.linear_cross_entropy(hidden, weight, labels, where=where, **kwargs)
+
+  with jax.set_mesh(mesh):
+    value, grads = jax.value_and_grad(loss, argnums=(0, 1))(hidden, weight)
+  ref_value, ref_grads = oracle(problem)
+  assert_close(value, ref_value, LOSS_RTOL["float32"] * 10, "loss")
+  for g, ref in zip(grads, ref_grads, strict=True):
+    assert_close(g, ref, GRAD_RTOL["float32"], "grad")
