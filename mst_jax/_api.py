@@ -163,7 +163,10 @@ def linear_cross_entropy(
       needs a scalar ``reduction``; ``aux.lse`` is then not differentiable).
       ``"recompute"``: the backward recomputes each chunk's logits (8 N·D·V
       FLOPs; every reduction; differentiable ``aux.lse``). None: ``"fused"``
-      for ``"mean"`` / ``"sum"``, ``"recompute"`` for ``"none"``.
+      for ``"mean"`` / ``"sum"`` when each device holds at least D rows,
+      else ``"recompute"`` (the fused mode's residual is a whole
+      ``dweight``, which a differentiated ``lax.scan`` over micro-batches
+      would keep one of per step).
     return_aux: if True, also return a ``LossAux``.
     mesh: a ``jax.sharding.Mesh`` to compute over: rows
       split over ``batch_axis`` (data parallel; ``dweight`` summed over it) and
@@ -287,11 +290,23 @@ def resolve(
       shard = _mesh.VocabShard(layout.vocab_axis, shard_size, rows.vocab_size)
       config = dataclasses.replace(config, columns=shard)
     order = _mesh.Sharded(order, layout)
-  # The gradient in the forward pass for a scalar loss, recompute per token.
-  grad_mode = perf.grad_mode or (
-    "recompute" if options.reduction == "none" else "fused"
-  )
-  return Plan(config, order), grad_mode == "fused"
+  return Plan(config, order), _grad_mode(rows, options, perf, layout) == "fused"
+
+
+def _grad_mode(rows: Rows, options: LossOptions, perf: PerfOptions, layout) -> str:
+  """The requested mode, else: the gradient in the forward pass for a scalar
+  loss, recompute per token.
+
+  Also recompute when a device holds fewer rows than D: the fused mode's
+  residual is the whole ``dweight`` (V x D), more than the naive head's
+  logits (N x V) then, and a ``lax.scan`` over micro-batches differentiated
+  from outside stacks one per step.
+  """
+  if perf.grad_mode is not None:
+    return perf.grad_mode
+  row_devices = 1 if layout is None else layout.axis_size(layout.batch_axis)
+  few_rows = rows.hidden.shape[0] // row_devices < rows.hidden.shape[1]
+  return "recompute" if options.reduction == "none" or few_rows else "fused"
 
 
 def _xla_only(entropy: bool, class_weights) -> str | None:
