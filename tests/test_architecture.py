@@ -24,16 +24,26 @@ PACKAGE = pathlib.Path(mst_jax.__file__).resolve().parent
 ROOT = PACKAGE.parent
 
 LAYERS = [
-  ["mst_jax._ce_math", "mst_jax._planning"],  # math and heuristics
-  ["mst_jax._options", "mst_jax._matmul", "mst_jax._full_logits"],
+  [
+    "mst_jax._ce_math",
+    "mst_jax._planning",
+    "mst_jax._distill_math",
+  ],  # math, heuristics
+  [
+    "mst_jax._options",
+    "mst_jax._matmul",
+    "mst_jax._full_logits",
+    "mst_jax._full_distill",
+  ],
   ["mst_jax._inputs"],
   ["mst_jax._backends*"],  # per-chunk backends
   ["mst_jax._rows"],  # shared row helpers
   ["mst_jax._row_chunks", "mst_jax._vocab_blocks"],  # loop orders, peers
-  ["mst_jax._driver"],  # custom VJPs
+  ["mst_jax._driver", "mst_jax._distill_driver"],  # custom VJPs
   ["mst_jax._mesh"],
   ["mst_jax._api"],
   ["mst_jax._log_probs"],  # a second public function on the same machinery
+  ["mst_jax._distill"],  # the distillation loss
   ["mst_jax.reference"],
   ["mst_jax._flax_head"],
   ["mst_jax.linen", "mst_jax.nnx"],

@@ -1,0 +1,338 @@
+"""The chunked sweep of both heads behind ``linear_distillation_loss``, and its VJPs.
+
+Rows are walked in chunks (``_rows.sweep_chunks``, valid rows compacted to the
+front, chunks without a valid row skipped by ``lax.cond``); per chunk both
+heads' logits are formed (``_matmul.logits_matmul``, the teacher's under
+``lax.stop_gradient``), ``_distill_math.chunk_loss`` scores them, and the
+student's ``dlogits`` go into its ``dhidden`` rows, ``dweight`` and ``dbias``.
+Two custom VJPs:
+
+* ``fused_loss`` (a scalar reduction): the gradients are formed in the same
+  sweep as the loss, ``6 N D_s V + 2 N D_t V`` FLOPs like full-logits
+  autodiff; the backward scales them by the incoming cotangent.
+* ``row_losses`` (per-token losses, or ``grad_mode="recompute"``): the
+  forward keeps only its inputs; the backward forms each chunk's logits of
+  both heads again (``8 N D_s V + 4 N D_t V`` FLOPs in all).
+
+No cotangent ever reaches the teacher's arrays, so the program holds no
+matmul for a teacher gradient. ``resolve`` decides every default (chunk rows
+from a memory budget, logits and accumulator dtypes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from mst_jax import _matmul, _planning
+from mst_jax._ce_math import at_least_float32
+from mst_jax._distill_math import DistillOptions, chunk_loss
+from mst_jax._options import PerfOptions
+from mst_jax._rows import (
+  Differentiated,
+  Permuted,
+  compaction,
+  gradient_finish,
+  stat_dtype,
+  sweep_chunks,
+)
+
+# Bytes a chunk holds per logit besides both heads' logits and the student's
+# dlogits: two float32 arrays between the elementwise passes. XLA:CPU holds
+# 12 (bfloat16 heads) to 16 (float32 heads, or the JSD) bytes a logit in all;
+# XLA:GPU fuses the passes and holds fewer.
+_WORK_BYTES = 2 * 4
+
+# A plan may compute this fraction of rows twice (the last chunk ends at row
+# N and overlaps the previous one) rather than add chunks.
+_MAX_OVERLAP = 1 / 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Everything the sweep needs besides the arrays (static, hashable).
+
+  Attributes:
+    options: the loss options.
+    weight_layout: ``"vd"`` or ``"dv"`` (both heads).
+    rows_per_chunk: rows whose logits (of both heads) exist at once.
+    logits_dtype: the dtype the student's logits matmul writes.
+    teacher_logits_dtype: the teacher's.
+    dweight_dtype: the ``dweight`` accumulator's dtype (the weight's: in
+      place in the output).
+    dbias_dtype: the ``dbias`` accumulator's.
+    matmul_tile: vocabulary columns per matmul tile (XLA:CPU), or None.
+    compact: move valid rows to the front before chunking.
+  """
+
+  options: DistillOptions
+  weight_layout: str
+  rows_per_chunk: int
+  logits_dtype: np.dtype
+  teacher_logits_dtype: np.dtype
+  dweight_dtype: np.dtype
+  dbias_dtype: np.dtype
+  matmul_tile: int | None = None
+  compact: bool = True
+
+
+class Heads(NamedTuple):
+  """The sweep's arrays: the student's (differentiated) and the teacher's rows."""
+
+  hidden: jax.Array  # [N, D_s]
+  weight: jax.Array  # [V, D_s] or [D_s, V]
+  bias: jax.Array | None  # [V]
+  teacher_hidden: jax.Array  # [N, D_t]
+  teacher_weight: jax.Array  # [V, D_t] or [D_t, V]
+  teacher_bias: jax.Array | None  # [V]
+  labels: jax.Array  # int32 [N]
+  valid: jax.Array  # bool [N]
+
+
+# ---- The sweep: chunks of rows, both heads' logits per chunk. ----
+
+
+def _gradient_init(plan: Plan, x: Heads, hidden, diff: Differentiated):
+  """Zero ``(dhidden, dweight, dbias)``; ``dhidden`` seen like ``hidden``."""
+  dhidden = dweight = dbias = None
+  if diff.hidden:
+    dhidden = jnp.zeros(x.hidden.shape, x.hidden.dtype)
+    if isinstance(hidden, Permuted):
+      dhidden = hidden._replace(array=dhidden)
+  if diff.weight:
+    dweight = jnp.zeros(x.weight.shape, plan.dweight_dtype)
+  if diff.bias:
+    dbias = jnp.zeros(x.bias.shape, plan.dbias_dtype)
+  return dhidden, dweight, dbias
+
+
+def _accumulate(plan: Plan, grads, chunk, h, dlogits, weight, first: bool):
+  """Adds a chunk's ``dlogits`` to ``(dhidden, dweight, dbias)``; ``first``:
+  replaces the (never read) zeros of ``dweight`` and ``dbias`` instead."""
+  dhidden, dweight, dbias = grads
+  layout, tile = plan.weight_layout, plan.matmul_tile
+  if dhidden is not None:
+    rows = _matmul.dhidden_matmul(dlogits, weight, layout, dhidden.dtype, tile=tile)
+    dhidden = chunk.put(dhidden, rows)
+  if dweight is not None:
+    dweight = _matmul.dweight_matmul(
+      dlogits, h, layout, dweight.dtype, into=dweight, add=not first, tile=tile
+    )
+  if dbias is not None:
+    part = jnp.sum(dlogits, axis=0, dtype=dbias.dtype)
+    dbias = part if first else dbias + part
+  return dhidden, dweight, dbias
+
+
+def _sweep(plan: Plan, x: Heads, g_loss, diff: Differentiated, *, want_loss=True):
+  """``(loss, grads)``: per-row losses ``[N]`` (None without ``want_loss``) and
+  the gradients of ``sum(g_loss * loss)`` (None where ``diff`` says an input
+  is not differentiated, or without ``g_loss``)."""
+  gather, scatter, view = compaction(plan.compact, x.valid)
+  hidden, teacher_hidden = view(x.hidden), view(x.teacher_hidden)
+  labels, valid = gather(x.labels), gather(x.valid)
+  if g_loss is None:
+    diff = Differentiated(False, False, False)
+  else:
+    g_loss = gather(g_loss)
+  grads = _gradient_init(plan, x, hidden, diff)
+  want_grads = any(g is not None for g in grads)
+  loss = jnp.zeros(x.labels.shape, stat_dtype(x.hidden)) if want_loss else None
+  layout, tile = plan.weight_layout, plan.matmul_tile
+
+  def update(carry, chunk, first=False):
+    loss, grads = carry
+    h = chunk.hidden(hidden)
+    student = _matmul.logits_matmul(
+      h, x.weight, x.bias, layout, plan.logits_dtype, tile=tile
+    )
+    teacher = _matmul.logits_matmul(
+      chunk.hidden(teacher_hidden),
+      x.teacher_weight,
+      x.teacher_bias,
+      layout,
+      plan.teacher_logits_dtype,
+      tile=tile,
+    )
+    g_rows = chunk.take(g_loss) if want_grads else None
+    rows, dlogits = chunk_loss(
+      student,
+      lax.stop_gradient(teacher),
+      chunk.take(labels),
+      chunk.valid,
+      g_rows,
+      plan.options,
+    )
+    if loss is not None:
+      loss = chunk.put(loss, rows.astype(loss.dtype))
+    if want_grads:
+      dlogits = dlogits.astype(h.dtype)
+      grads = _accumulate(plan, grads, chunk, h, dlogits, x.weight, first)
+    return loss, grads
+
+  # Compacted, chunk 0 holds a valid row unless none does: it starts dweight.
+  first = functools.partial(update, first=True) if plan.compact else None
+  loss, grads = sweep_chunks(
+    plan.rows_per_chunk, valid, update, (loss, grads), first=first
+  )
+  return None if loss is None else scatter(loss), gradient_finish(grads, x)
+
+
+# ---- The custom VJPs. ----
+
+
+def _differentiated(hidden, weight, bias) -> Differentiated:
+  """From the ``CustomVJPPrimal`` inputs of a ``symbolic_zeros`` forward."""
+  return Differentiated(
+    hidden=hidden.perturbed,
+    weight=weight.perturbed,
+    bias=bias is not None and bias.perturbed,  # None has no leaves to wrap
+  )
+
+
+def _unwrap(*primals) -> tuple:
+  return tuple(None if p is None else p.value for p in primals)
+
+
+# Cotangents of the arrays that are never differentiated: the teacher's
+# hidden, weight and bias, the labels and the validity.
+_NO_COTANGENTS = (None,) * 5
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def fused_loss(plan: Plan, *arrays_and_scale):
+  """``sum(loss * row_scale)`` over the rows of ``Heads(*arrays)``."""
+  *arrays, row_scale = arrays_and_scale
+  loss, _ = _sweep(plan, Heads(*arrays), None, Differentiated(False, False, False))
+  return jnp.sum(loss * row_scale.astype(loss.dtype))
+
+
+def _fused_loss_fwd(plan: Plan, *arrays_and_scale):
+  *arrays, row_scale = arrays_and_scale
+  diff = _differentiated(*arrays[:3])
+  x, (row_scale,) = Heads(*_unwrap(*arrays)), _unwrap(row_scale)
+  loss, grads = _sweep(plan, x, row_scale, diff)
+  return jnp.sum(loss * row_scale.astype(loss.dtype)), grads
+
+
+def _fused_loss_bwd(plan: Plan, grads, g_loss):
+  del plan
+  undifferentiated = (*_NO_COTANGENTS, None)  # and row_scale
+  if isinstance(g_loss, jax.custom_derivatives.SymbolicZero):
+    return (None, None, None, *undifferentiated)
+
+  def scale(grad):  # in float32 (g_loss's dtype), rounded once to grad's
+    if grad is None:
+      return None
+    return (grad.astype(g_loss.dtype) * g_loss).astype(grad.dtype)
+
+  return (*map(scale, grads), *undifferentiated)
+
+
+fused_loss.defvjp(_fused_loss_fwd, _fused_loss_bwd, symbolic_zeros=True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def row_losses(plan: Plan, *arrays):
+  """Per-row losses ``[N]`` of ``Heads(*arrays)``; the backward recomputes."""
+  loss, _ = _sweep(plan, Heads(*arrays), None, Differentiated(False, False, False))
+  return loss
+
+
+def _row_losses_fwd(plan: Plan, *arrays):
+  diff = _differentiated(*arrays[:3])
+  x = Heads(*_unwrap(*arrays))
+  loss, _ = _sweep(plan, x, None, diff)
+  return loss, (x, diff)
+
+
+def _row_losses_bwd(plan: Plan, residuals, g_loss):
+  x, diff = residuals
+  if isinstance(g_loss, jax.custom_derivatives.SymbolicZero):
+    return (None, None, None, *_NO_COTANGENTS)
+  _, grads = _sweep(plan, x, g_loss, diff, want_loss=False)
+  return (*grads, *_NO_COTANGENTS)
+
+
+row_losses.defvjp(_row_losses_fwd, _row_losses_bwd, symbolic_zeros=True)
+
+
+# ---- Planning, at trace time. ----
+
+
+def _logits_dtype(requested, dtype) -> np.dtype:
+  """bfloat16 logits for a bfloat16 head, else at least float32 (as
+  ``linear_cross_entropy`` decides); never wider than the math's dtype."""
+  widest = at_least_float32(dtype)
+  logits_dtype = requested or (dtype if dtype == jnp.bfloat16 else widest)
+  if np.dtype(logits_dtype).itemsize > widest.itemsize:
+    raise ValueError(
+      f"logits_dtype={logits_dtype} is wider than the {widest} the loss is"
+      f" computed in for {dtype} inputs."
+    )
+  return np.dtype(logits_dtype)
+
+
+def plan_rows(n_rows: int, vocab_size: int, bytes_per_logit: int, budget: int) -> int:
+  """Rows per chunk whose temporaries (``bytes_per_logit`` per logit) fit
+  ``budget``.
+
+  Chunks are multiples of 128 rows (of 8, below 128), as few as fit, unless
+  the last one (which ends at row ``N``) would overlap its predecessor by
+  more than ``_MAX_OVERLAP`` of the rows: then the fewest chunks (up to
+  twice as many) that overlap least. 8192 rows at most 1280 a chunk are 8
+  chunks of 1024, not 7 of 1280.
+  """
+  most = budget // (bytes_per_logit * vocab_size)
+  if most >= n_rows:
+    return n_rows
+  align = 128 if most >= 128 else 8
+  most = max(most // align * align, min(8, n_rows))
+  fewest = -(-n_rows // most)
+
+  def rows(n_chunks):
+    even = -(-n_rows // n_chunks)
+    return min(most, -(-even // align) * align, n_rows)
+
+  counts = range(fewest, 2 * fewest + 1)
+  good = [k for k in counts if k * rows(k) - n_rows <= n_rows * _MAX_OVERLAP]
+  return rows(good[0] if good else min(counts, key=lambda k: k * rows(k)))
+
+
+def resolve(x: Heads, options: DistillOptions, perf: PerfOptions, layout: str) -> Plan:
+  """Every default decided: the plan of the chunked sweep."""
+  dtype, teacher_dtype = x.hidden.dtype, x.teacher_hidden.dtype
+  logits_dtype = _logits_dtype(perf.logits_dtype, dtype)
+  teacher_logits_dtype = _logits_dtype(perf.logits_dtype, teacher_dtype)
+  cpu = jax.default_backend() == "cpu"
+  n_rows, vocab = x.hidden.shape[0], _matmul.vocab_size(x.weight, layout)
+  per_logit = (
+    logits_dtype.itemsize
+    + teacher_logits_dtype.itemsize
+    + np.dtype(dtype).itemsize  # dlogits
+    + _WORK_BYTES
+  )
+  budget = perf.memory_budget or _planning.DEFAULT_MEMORY_BUDGET
+  chunk = perf.chunk_size and min(perf.chunk_size, n_rows)
+  chunk = chunk or plan_rows(n_rows, vocab, per_logit, budget)
+  accum = perf.accum_dtype
+  # One chunk writes dweight once: an accumulator would only round the same.
+  if accum is None and chunk < n_rows:
+    accum = at_least_float32(x.weight.dtype)
+  bias_dtype = x.weight.dtype if x.bias is None else x.bias.dtype
+  return Plan(
+    options=options,
+    weight_layout=layout,
+    rows_per_chunk=chunk,
+    logits_dtype=logits_dtype,
+    teacher_logits_dtype=teacher_logits_dtype,
+    dweight_dtype=np.dtype(accum or x.weight.dtype),
+    dbias_dtype=np.dtype(accum or at_least_float32(bias_dtype)),
+    matmul_tile=_planning.MATMUL_TILE if cpu else None,
+  )

@@ -1,0 +1,506 @@
+"""``linear_distillation_loss`` against a float64 full-logits oracle.
+
+The oracle is ``mst_jax.reference.linear_distillation_loss`` on float64
+inputs: both heads' whole logits, the loss written from the definitions
+(``_full_distill``), gradients by autodiff. It shares nothing with the chunked
+path's hand-written gradient (``_distill_math``); a numpy check pins its values
+to the formulas. Sizes are unaligned on purpose (N=37, D_s=24, D_t=40, V=203)
+and chunks small (8 rows), so every problem has several chunks, a clamped last
+one, and (valid rows compacted to the front) chunks without a valid row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import doctest
+import importlib
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_close, to64
+
+import mst_jax
+from mst_jax import _distill_driver
+
+D_S, D_T, V = 24, 40, 203
+CHUNK = 8
+# ||out - ref|| <= rtol ||ref|| against the float64 oracle, by input dtype and
+# logits dtype. float32: float32 math on float32 logits (T = 0.1 multiplies
+# their rounding by 10). bfloat16 with float32 logits: dlogits and the
+# gradients are rounded to bfloat16; with bfloat16 logits (the default), the
+# logits too.
+LOSS_RTOL = {"float32": 2e-5, "bfloat16": 2e-5, "bfloat16_logits": 1e-2}
+GRAD_RTOL = {"float32": 5e-5, "bfloat16": 2e-2, "bfloat16_logits": 3e-2}
+# A divergence near 0 (T = 10) is a sum of terms P (log P - log Q) of
+# log(V)'s size: its float32 error is relative to that, per token.
+LOSS_ATOL_PER_TOKEN = 1e-6
+PERF_OPTIONS = {f.name for f in dataclasses.fields(mst_jax.PerfOptions)}
+
+
+@dataclasses.dataclass
+class Pair:
+  """A student and a teacher head on the same tokens."""
+
+  student_hidden: jax.Array
+  student_weight: jax.Array
+  teacher_hidden: jax.Array
+  teacher_weight: jax.Array
+  labels: jax.Array | None
+  where: jax.Array | None
+  student_bias: jax.Array | None
+  teacher_bias: jax.Array | None
+
+  def call(self, fn, hidden, weight, bias, **kwargs):
+    return fn(
+      hidden,
+      weight,
+      self.teacher_hidden,
+      self.teacher_weight,
+      self.labels,
+      student_bias=bias,
+      teacher_bias=self.teacher_bias,
+      where=self.where,
+      **kwargs,
+    )
+
+
+def make_pair(
+  rng,
+  batch_shape=(37,),
+  dtype="float32",
+  *,
+  layout="vd",
+  mask="scattered",
+  bias=None,
+  labels=True,
+  teacher_dtype=None,
+) -> Pair:
+  """Random heads whose logits have standard deviation ~3, the teacher's
+  those of the student plus noise of standard deviation ~2 (related heads,
+  as in distillation: the distributions overlap at every temperature).
+
+  ``mask``: "none", "prefix" (the first third of each sequence is
+  ``ignore_index``), "scattered" (``where`` drops ~40%) or "all". ``bias``:
+  None, "finite", or "banned" (finite, and -inf at the same 7 columns of both
+  heads).
+  """
+  n = int(np.prod(batch_shape))
+  h_t = rng.standard_normal((*batch_shape, D_T))
+  # The student sees a projection of the teacher's hidden states.
+  projection = rng.standard_normal((D_T, D_S)) / np.sqrt(D_T)
+  h_s = h_t @ projection
+  w_s = rng.standard_normal((V, D_S)) * 3.0 / np.sqrt(D_S)
+  noise = rng.standard_normal((V, D_T)) * 2.0 / np.sqrt(D_T)
+  w_t = w_s @ projection.T + noise
+  if layout == "dv":
+    w_s, w_t = w_s.T, w_t.T
+  y = rng.integers(0, V, batch_shape)
+  where = None
+  if mask == "prefix":
+    y = np.where(np.arange(batch_shape[-1]) < batch_shape[-1] // 3, -100, y)
+  elif mask == "scattered":
+    where = rng.random(batch_shape) > 0.4
+  elif mask == "all":
+    where = np.zeros(batch_shape, bool)
+  biases = [None, None]
+  if bias is not None:
+    biases = [rng.standard_normal(V) * 0.5 for _ in range(2)]
+    if bias == "banned":
+      banned = rng.choice(V, 7, replace=False)
+      y = np.where(np.isin(y, banned), (y + 1) % V, y)  # no label is banned
+      for b in biases:
+        b[banned] = -np.inf
+  assert n == y.size
+  cast = lambda x, d=dtype: None if x is None else jnp.asarray(x, d)
+  teacher_dtype = teacher_dtype or dtype
+  return Pair(
+    cast(h_s),
+    cast(w_s),
+    cast(h_t, teacher_dtype),
+    cast(w_t, teacher_dtype),
+    jnp.asarray(y, jnp.int32) if labels else None,
+    None if where is None else jnp.asarray(where),
+    cast(biases[0]),
+    cast(biases[1], teacher_dtype),
+  )
+
+
+def pair_args(pair):
+  return pair.student_hidden, pair.student_weight, pair.student_bias
+
+
+def value_and_grads(fn, pair: Pair, cotangent=None, **kwargs):
+  """``(loss, grads, per_token)``: the loss (or, with a per-token
+  ``cotangent``, ``sum(loss * cotangent)`` and the per-token losses) and its
+  gradients with respect to the student's hidden, weight and (if any) bias,
+  in one compiled program."""
+  argnums = (0, 1, 2) if pair.student_bias is not None else (0, 1)
+
+  @jax.jit
+  def step(hidden, weight, bias):
+    primals = (hidden, weight, bias)[: len(argnums)]
+    extra = (bias,) if len(argnums) == 2 else ()
+    per_token, vjp = jax.vjp(lambda *a: pair.call(fn, *a, *extra, **kwargs), *primals)
+    seed = jnp.ones_like(per_token) if cotangent is None else cotangent
+    loss = per_token if cotangent is None else jnp.sum(per_token * cotangent)
+    return loss, vjp(seed.astype(per_token.dtype)), per_token
+
+  loss, grads, per_token = step(*pair_args(pair))
+  return loss, grads, None if cotangent is None else per_token
+
+
+def oracle(pair: Pair, cotangent=None, **kwargs):
+  """float64 values and gradients from the full-logits reference."""
+  kwargs = {k: v for k, v in kwargs.items() if k not in PERF_OPTIONS}
+  with jax.enable_x64(True):
+    wide = lambda x: None if x is None else jnp.asarray(to64(x))
+    p64 = dataclasses.replace(
+      pair,
+      **{
+        f.name: wide(getattr(pair, f.name))
+        for f in dataclasses.fields(pair)
+        if f.name not in ("labels", "where")
+      },
+    )
+    c64 = None if cotangent is None else jnp.asarray(cotangent, jnp.float64)
+    loss, grads, per_token = value_and_grads(
+      mst_jax.reference.linear_distillation_loss, p64, c64, **kwargs
+    )
+    convert = lambda x: None if x is None else np.asarray(x)
+    return convert(loss), [np.asarray(g) for g in grads], convert(per_token)
+
+
+def check(pair: Pair, tolerance: str, reduction="mean", **kwargs):
+  """The chunked loss and gradients against the oracle (per-token outputs
+  weighted by a random cotangent for ``reduction="none"``)."""
+  cotangent = None
+  if reduction == "none":
+    shape = pair.student_hidden.shape[:-1]
+    cotangent = np.random.default_rng(7).standard_normal(shape).astype(np.float32)
+  kwargs = dict(reduction=reduction, **kwargs)
+  ref_loss, ref_grads, ref_per_token = oracle(pair, cotangent, **kwargs)
+  assert np.isfinite(ref_loss) and all(np.isfinite(g).all() for g in ref_grads)
+  with jax.numpy_rank_promotion("raise"), jax.numpy_dtype_promotion("strict"):
+    loss, grads, per_token = value_and_grads(
+      mst_jax.linear_distillation_loss, pair, cotangent, **kwargs
+    )
+  assert loss.dtype == jnp.float32
+  rtol = LOSS_RTOL[tolerance]
+  n_tokens = np.prod(pair.student_hidden.shape[:-1])
+  atol = LOSS_ATOL_PER_TOKEN * np.sqrt(n_tokens)
+  assert_close(loss, ref_loss, rtol, "loss", atol=atol)
+  if per_token is not None:
+    assert per_token.shape == pair.student_hidden.shape[:-1]
+    assert_close(per_token, ref_per_token, rtol, "per-token loss", atol=atol)
+  names = ("dhidden", "dweight", "dbias")
+  inputs = pair_args(pair)
+  for name, x, g, ref in zip(names, inputs, grads, ref_grads, strict=False):
+    assert g.dtype == x.dtype, (name, g.dtype, x.dtype)
+    assert_close(g, ref, GRAD_RTOL[tolerance], name, atol=1e-7)
+  return loss, grads
+
+
+# Every divergence with every reduction, both layouts, each mask, shift,
+# temperatures 0.1 and 10, the hard-label term, a finite or banned (-inf)
+# bias, softcap and scale, and both gradient modes across them.
+CASES = [
+  # divergence, reduction, layout, mask, shift, options
+  ("forward_kl", "mean", "vd", "scattered", False, {}),
+  (
+    "forward_kl",
+    "sum",
+    "dv",
+    "prefix",
+    True,
+    dict(temperature=0.1, hard_label_weight=0.5, bias="banned"),
+  ),
+  (
+    "forward_kl",
+    "none",
+    "vd",
+    "none",
+    False,
+    dict(temperature=10.0, logit_softcap=4.0, logit_scale=0.7, labels=False),
+  ),
+  (
+    "reverse_kl",
+    "mean",
+    "dv",
+    "none",
+    True,
+    dict(temperature=10.0, bias="banned", grad_mode="recompute"),
+  ),
+  (
+    "reverse_kl",
+    "sum",
+    "vd",
+    "scattered",
+    False,
+    dict(hard_label_weight=1.0, logit_softcap=5.0, bias="finite"),
+  ),
+  ("reverse_kl", "none", "dv", "prefix", False, dict(temperature=0.1)),
+  (
+    "jsd",
+    "mean",
+    "dv",
+    "prefix",
+    True,
+    dict(temperature=0.1, beta=0.3, logit_scale=1.5, grad_mode="recompute"),
+  ),
+  (
+    "jsd",
+    "sum",
+    "vd",
+    "none",
+    False,
+    dict(temperature=10.0, beta=0.7, bias="banned", hard_label_weight=0.3),
+  ),
+  ("jsd", "none", "vd", "scattered", True, dict(beta=0.5)),
+]
+
+
+@pytest.mark.parametrize(
+  "divergence, reduction, layout, mask, shift, options",
+  CASES,
+  ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[3]}" for c in CASES],
+)
+def test_matches_the_float64_oracle(
+  rng, divergence, reduction, layout, mask, shift, options
+):
+  options = dict(options)
+  bias, labels = options.pop("bias", None), options.pop("labels", True)
+  batch = (3, 13) if mask == "prefix" or shift else (37,)
+  pair = make_pair(rng, batch, layout=layout, mask=mask, bias=bias, labels=labels)
+  check(
+    pair,
+    "float32",
+    reduction,
+    divergence=divergence,
+    weight_layout=layout,
+    shift=shift,
+    chunk_size=CHUNK,
+    **options,
+  )
+
+
+@pytest.mark.parametrize(
+  "divergence, logits_dtype, tolerance, options",
+  [
+    ("forward_kl", None, "bfloat16_logits", dict(accum_dtype=jnp.bfloat16)),
+    ("jsd", jnp.float32, "bfloat16", dict(temperature=0.1, hard_label_weight=0.5)),
+  ],
+)
+def test_bfloat16_student_with_a_float32_teacher(
+  rng, divergence, logits_dtype, tolerance, options
+):
+  pair = make_pair(rng, dtype="bfloat16", teacher_dtype="float32", bias="finite")
+  check(
+    pair,
+    tolerance,
+    divergence=divergence,
+    logits_dtype=logits_dtype,
+    chunk_size=CHUNK,
+    **options,
+  )
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_no_valid_token_gives_exactly_zero(rng, reduction):
+  pair = make_pair(rng, mask="all", bias="finite")
+  cotangent = None if reduction == "mean" else np.ones(37, np.float32)
+  loss, grads, _ = value_and_grads(
+    mst_jax.linear_distillation_loss,
+    pair,
+    cotangent,
+    reduction=reduction,
+    hard_label_weight=1.0,
+    chunk_size=CHUNK,
+  )
+  assert float(loss) == 0.0
+  assert all(not np.any(np.asarray(g, np.float32)) for g in grads)
+
+
+def test_the_oracle_follows_the_definitions(rng):
+  """The reference's per-token values against numpy, from the formulas."""
+  pair = make_pair(rng, mask="none")
+  temperature, beta, weight = 2.0, 0.3, 0.4
+  s = (
+    np.asarray(pair.student_hidden, np.float64)
+    @ np.asarray(pair.student_weight, np.float64).T
+  )
+  t = (
+    np.asarray(pair.teacher_hidden, np.float64)
+    @ np.asarray(pair.teacher_weight, np.float64).T
+  )
+
+  def softmax(x):
+    e = np.exp(x - x.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+  p, q = softmax(t / temperature), softmax(s / temperature)
+  m = beta * p + (1 - beta) * q
+  kl = lambda a, b: np.sum(a * np.log(a / b), axis=1)
+  y = np.asarray(pair.labels)
+  ce = -np.log(softmax(s)[np.arange(37), y])
+  want = {
+    "forward_kl": kl(p, q),
+    "reverse_kl": kl(q, p),
+    "jsd": beta * kl(p, m) + (1 - beta) * kl(q, m),
+  }
+  with jax.enable_x64(True):
+    for divergence, value in want.items():
+      got = pair.call(
+        mst_jax.reference.linear_distillation_loss,
+        *pair_args(pair),
+        divergence=divergence,
+        beta=beta,
+        temperature=temperature,
+        hard_label_weight=weight,
+        reduction="none",
+      )
+      np.testing.assert_allclose(got, value + weight * ce, rtol=1e-6)
+
+
+def _dot_general_shapes(fn, *args):
+  """Output shapes of every dot_general in ``fn``'s jaxpr (sub-jaxprs too)."""
+
+  def eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+      yield eqn
+      for param in eqn.params.values():
+        for sub in param if isinstance(param, (tuple, list)) else (param,):
+          if isinstance(sub, jax.extend.core.ClosedJaxpr):
+            yield from eqns(sub.jaxpr)
+          elif isinstance(sub, jax.extend.core.Jaxpr):
+            yield from eqns(sub)
+
+  jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+  return [
+    tuple(v.aval.shape)
+    for eqn in eqns(jaxpr)
+    if eqn.primitive.name == "dot_general"
+    for v in eqn.outvars
+  ]
+
+
+@pytest.mark.parametrize(
+  "options",
+  [dict(), dict(grad_mode="recompute"), dict(reduction="none"), dict(impl="reference")],
+  ids=["fused", "recompute", "none", "reference"],
+)
+def test_no_matmul_forms_a_teacher_gradient(rng, options):
+  """Differentiated with respect to every array, the program holds matmuls
+  for the student's gradients and none with the teacher's hidden size D_t
+  (a teacher ``dweight`` or ``dhidden``); the teacher's gradients are zero."""
+  pair = make_pair(rng, bias="finite")
+  if options.get("impl") != "reference":
+    options = dict(options, chunk_size=CHUNK)
+
+  def loss(*arrays):
+    out = mst_jax.linear_distillation_loss(
+      *arrays[:4], pair.labels, where=pair.where, **options
+    )
+    return jnp.sum(out)
+
+  args = (
+    pair.student_hidden,
+    pair.student_weight,
+    pair.teacher_hidden,
+    pair.teacher_weight,
+  )
+  shapes = _dot_general_shapes(jax.grad(loss, argnums=(0, 1, 2, 3)), *args)
+  assert pair.student_weight.shape in shapes, shapes  # the student's dweight
+  assert not [s for s in shapes if D_T in s], shapes
+  if options.get("grad_mode") is None and options.get("impl") is None:
+    grads = jax.grad(loss, argnums=(0, 1, 2, 3))(*args)
+    assert np.any(np.asarray(grads[1]))
+    assert not np.any(np.asarray(grads[2])) and not np.any(np.asarray(grads[3]))
+
+
+def _args(rng, **overrides):
+  pair = make_pair(rng)
+  args = dict(
+    student_hidden=pair.student_hidden,
+    student_weight=pair.student_weight,
+    teacher_hidden=pair.teacher_hidden,
+    teacher_weight=pair.teacher_weight,
+    labels=pair.labels,
+  )
+  args.update(overrides)
+  return args
+
+
+BAD = [
+  # (argument overrides, options, error, message)
+  (dict(teacher_weight=np.ones((V + 1, D_T), np.float32)), {}, ValueError, "vocab"),
+  (dict(teacher_weight=np.ones((V, D_T + 1), np.float32)), {}, ValueError, "teacher"),
+  (dict(teacher_hidden=np.ones((36, D_T), np.float32)), {}, ValueError, "leading"),
+  (dict(teacher_weight=np.ones((V, D_T), np.int32)), {}, TypeError, "teacher"),
+  (dict(student_weight=np.ones((V, D_S), np.int32)), {}, TypeError, "student"),
+  ({}, dict(divergence="jsd", beta=0.0), ValueError, "beta"),
+  ({}, dict(divergence="jsd", beta=1.0), ValueError, "beta"),
+  ({}, dict(divergence="jsd", beta=1.5), ValueError, "beta"),
+  ({}, dict(temperature=0.0), ValueError, "temperature"),
+  ({}, dict(temperature=-1.0), ValueError, "temperature"),
+  ({}, dict(temperature=float("inf")), ValueError, "temperature"),
+  ({}, dict(temperature=float("nan")), ValueError, "temperature"),
+  ({}, dict(hard_label_weight=-0.5), ValueError, "hard_label_weight"),
+  (dict(labels=None), dict(hard_label_weight=0.5), ValueError, "needs labels"),
+  ({}, dict(divergence="kl"), ValueError, "forward_kl"),
+  ({}, dict(reduction="avg"), ValueError, "reduction"),
+  ({}, dict(vocab_block_size=64), NotImplementedError, "chunk_size"),
+  ({}, dict(impl="pallas"), NotImplementedError, "xla"),
+  ({}, dict(reduction="none", grad_mode="fused"), NotImplementedError, "recompute"),
+  ({}, dict(impl="reference", chunk_size=8), ValueError, "reference"),
+  ({}, dict(temperature="1"), TypeError, "temperature"),
+]
+
+
+@pytest.mark.parametrize("overrides, options, error, match", BAD)
+def test_bad_input_raises_at_trace_time(rng, overrides, options, error, match):
+  args = _args(rng, **overrides)
+  shapes = {
+    k: None if v is None else jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype)
+    for k, v in args.items()
+  }
+  with pytest.raises(error, match=match):  # eval_shape: tracing only
+    jax.eval_shape(lambda a: mst_jax.linear_distillation_loss(**a, **options), shapes)
+
+
+def test_plan_rows_splits_evenly():
+  plan = _distill_driver.plan_rows
+  budget = 9 << 28
+  assert plan(8192, 128256, 14, budget) == 1024  # 8 chunks, not 7 of 1280
+  assert plan(8192, 128256, 14, 1 << 40) == 8192
+  assert plan(37, 203, 14, 14 * 203 * 20) == 8
+  assert plan(37, 203, 14, 1) == 8
+
+
+def test_temporaries_grow_with_the_chunk_not_with_tokens(rng):
+  """Compiled temporaries are O(chunk x V), never O(N x V)."""
+  vocab, chunk = 4099, 64
+
+  def temp_bytes(n_rows):
+    shapes = [
+      jax.ShapeDtypeStruct(s, jnp.float32)
+      for s in ((n_rows, 16), (vocab, 16), (n_rows, 32), (vocab, 32))
+    ]
+    step = jax.value_and_grad(
+      lambda *a: mst_jax.linear_distillation_loss(*a, chunk_size=chunk),
+      argnums=(0, 1),
+    )
+    compiled = jax.jit(step).lower(*shapes).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  small, large = temp_bytes(1024), temp_bytes(4096)
+  full_logits = 4096 * vocab * 4
+  assert large < full_logits / 8, (large, full_logits)
+  assert large - small < 3072 * vocab * 4 / 16, (small, large)
+
+
+def test_docstring_example_runs():
+  result = doctest.testmod(importlib.import_module("mst_jax._distill"))
+  assert result.attempted > 0 and result.failed == 0
