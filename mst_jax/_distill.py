@@ -135,8 +135,11 @@ def linear_distillation_loss(
       float32; the divergence math is float32). None: bfloat16 for a
       bfloat16 head, else at least float32.
     grad_mode: ``"fused"`` (gradients in the forward sweep; a scalar
-      ``reduction``), ``"recompute"`` (the backward forms the logits again;
-      every reduction), or None (``"fused"`` for ``"mean"`` / ``"sum"``).
+      ``reduction``), ``"recompute"`` (the backward forms both heads' logits
+      again; every reduction), or None: ``"fused"`` for ``"mean"`` /
+      ``"sum"`` with at least ``D_s`` tokens, else ``"recompute"`` (the fused
+      mode's residual is a whole ``dweight``, which a differentiated
+      ``lax.scan`` over micro-batches would keep one of per step).
 
   Returns:
     The loss, float32 (float64 for float64 inputs): a scalar, or the leading
@@ -201,8 +204,7 @@ def linear_distillation_loss(
     loss = _full_distill.row_losses(*x, options=distill, weight_layout=weight_layout)
   else:
     plan = _distill_driver.resolve(x, distill, perf, weight_layout)
-    fused = (perf.grad_mode or "fused") == "fused" and options.reduction != "none"
-    if fused:
+    if _grad_mode(perf, options.reduction, student.hidden.shape) == "fused":
       return _distill_driver.fused_loss(plan, *x, weights).astype(out_dtype)
     loss = _distill_driver.row_losses(plan, *x)
   loss = loss.astype(out_dtype)
@@ -242,6 +244,16 @@ def _check_perf(perf: _options.PerfOptions) -> None:
       "linear_distillation_loss has no Pallas kernels; use impl=None or 'xla'"
       " (or 'reference' for the full-logits oracle)."
     )
+
+
+def _grad_mode(perf: _options.PerfOptions, reduction: str, shape) -> str:
+  """The requested mode, else: the gradients in the forward for a scalar
+  loss, recompute per token or for fewer rows than ``D_s`` (then the fused
+  residual, a whole ``dweight``, is more than the naive heads' logits)."""
+  if perf.grad_mode is not None:
+    return perf.grad_mode
+  n_rows, dim = shape
+  return "recompute" if reduction == "none" or n_rows < dim else "fused"
 
 
 def _prepare_head(head: str, hidden, weight, bias, labels, where, options, layout):

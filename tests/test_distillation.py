@@ -420,6 +420,44 @@ def test_no_matmul_forms_a_teacher_gradient(rng, options):
     assert not np.any(np.asarray(grads[2])) and not np.any(np.asarray(grads[3]))
 
 
+def test_fewer_rows_than_d_recompute_by_default(rng):
+  """The fused mode's residual is a whole dweight: with fewer rows than D_s
+  the default recomputes instead (both heads' logits formed again)."""
+  pair = make_pair(rng, (16,), mask="none")
+
+  def logits_matmuls(**options):
+    loss = lambda h, w: mst_jax.linear_distillation_loss(
+      h, w, pair.teacher_hidden, pair.teacher_weight, chunk_size=CHUNK, **options
+    )
+    shapes = _dot_general_shapes(jax.grad(loss, argnums=(0, 1)), *pair_args(pair)[:2])
+    return sum(s == (CHUNK, V) for s in shapes)
+
+  recompute = logits_matmuls(grad_mode="recompute")
+  assert logits_matmuls() == recompute > logits_matmuls(grad_mode="fused")
+
+
+def test_benchmark_case_computes_the_forward_kl():
+  """The llama_distill case at a small size: the naive baselines and mst_jax
+  compute the float64 reference's mean forward KL."""
+  from mst_jax.bench.cases import CASES, make_inputs, make_loss
+
+  case = dataclasses.replace(
+    CASES["llama_distill"], tokens=300, dim=24, teacher_dim=40, vocab=1031
+  )
+  case = dataclasses.replace(case, dtype="float32")
+  hidden, weight, labels, where, teacher_hidden, teacher_weight = make_inputs(case)
+  with jax.enable_x64(True):
+    want = mst_jax.reference.linear_distillation_loss(
+      *(to64(x) for x in (hidden, weight, teacher_hidden, teacher_weight)),
+      where=where,
+    )
+  for impl in ("naive", "naive_cast", "mst_jax:chunk_size=64"):
+    got = make_loss(impl, case)(
+      hidden, weight, labels, where, teacher_hidden, teacher_weight
+    )
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-5, err_msg=impl)
+
+
 def _args(rng, **overrides):
   pair = make_pair(rng)
   args = dict(
