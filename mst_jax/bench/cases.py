@@ -36,9 +36,12 @@ class Case:
       plain GSPMD programs and ``mst_jax`` specs get ``mesh=`` with the
       matching ``batch_axis`` or ``vocab_axis``.
     devices: how many local devices a parallel case spans.
-    objective: "cross_entropy" (the mean loss) or "log_probs" (per-token
+    objective: "cross_entropy" (the mean loss), "log_probs" (per-token
       log-probabilities and entropies, summed against fixed pseudo-random
-      cotangents: what an RL step differentiates).
+      cotangents: what an RL step differentiates) or "distill" (the mean
+      forward KL from a teacher head of hidden size ``teacher_dim`` to the
+      student's; gradients of the student's hidden states and weight).
+    teacher_dim: the teacher's hidden size ``D_t`` ("distill" only).
     description: one line for the table.
   """
 
@@ -54,6 +57,7 @@ class Case:
   parallel: str = ""
   devices: int = 1
   objective: str = "cross_entropy"
+  teacher_dim: int = 0
   description: str = ""
 
   @property
@@ -62,8 +66,10 @@ class Case:
 
   @property
   def flops(self) -> float:
-    """Nominal FLOPs of value-and-grad: 2·N·D·V per matmul, 3 (or 2 frozen)."""
-    return 2.0 * self.tokens * self.dim * self.vocab * (1 + len(self.argnums))
+    """Nominal FLOPs of value-and-grad: 2·N·D·V per matmul, 3 (or 2 frozen),
+    and the teacher's logits (2·N·D_t·V) for "distill"."""
+    student = 2.0 * self.tokens * self.dim * self.vocab * (1 + len(self.argnums))
+    return student + 2.0 * self.tokens * self.teacher_dim * self.vocab
 
   def with_tokens(self, tokens: int) -> Case:
     return dataclasses.replace(self, name=f"{self.name}@{tokens}", tokens=tokens)
@@ -113,6 +119,15 @@ CASES = {
       description="4b: 40% masked at random",
     ),
     Case("llama_frozen", 8192, **_LLAMA, wrt="hidden", description="5: frozen head"),
+    Case(
+      "llama_distill",
+      8192,
+      2048,
+      128256,
+      objective="distill",
+      teacher_dim=4096,
+      description="distillation: student D=2048, teacher D=4096 (forward KL)",
+    ),
     Case(
       "llama_logprobs",
       8192,
@@ -164,8 +179,9 @@ def _normal(key, shape, dtype, scale, blocks=256):
 
 
 def make_inputs(case: Case, seed: int = 0):
-  """Random ``(hidden [N, D], weight [V, D], labels [N], where [N])``."""
-  k_h, k_w, k_y, k_m = jax.random.split(jax.random.key(seed), 4)
+  """Random ``(hidden [N, D], weight [V, D], labels [N], where [N])``, then
+  ``(teacher_hidden [N, D_t], teacher_weight [V, D_t])`` for "distill"."""
+  k_h, k_w, k_y, k_m, k_t = jax.random.split(jax.random.key(seed), 5)
   dtype = jnp.dtype(case.dtype)
   hidden = _normal(k_h, (case.tokens, case.dim), dtype, 1.0)
   weight = _normal(k_w, (case.vocab, case.dim), dtype, 1.0 / np.sqrt(case.dim))
@@ -186,6 +202,14 @@ def make_inputs(case: Case, seed: int = 0):
       jax.device_put(x, NamedSharding(mesh, spec))
       for x, spec in zip((hidden, weight, labels, where), specs, strict=True)
     )
+  if case.objective == "distill":
+    if mesh is not None:
+      raise Unsupported("distillation is benchmarked on one device only")
+    k_th, k_tw = jax.random.split(k_t)
+    dim = case.teacher_dim
+    teacher_hidden = _normal(k_th, (case.tokens, dim), dtype, 1.0)
+    teacher_weight = _normal(k_tw, (case.vocab, dim), dtype, 1.0 / np.sqrt(dim))
+    return hidden, weight, labels, where, teacher_hidden, teacher_weight
   return hidden, weight, labels, where
 
 
@@ -193,12 +217,19 @@ def input_shapes(case: Case):
   """``jax.ShapeDtypeStruct`` s of ``make_inputs(case)`` (one device), to compile
   without allocating."""
   dtype = jnp.dtype(case.dtype)
-  return (
+  shapes = (
     jax.ShapeDtypeStruct((case.tokens, case.dim), dtype),
     jax.ShapeDtypeStruct((case.vocab, case.dim), dtype),
     jax.ShapeDtypeStruct((case.tokens,), jnp.int32),
     jax.ShapeDtypeStruct((case.tokens,), jnp.bool_),
   )
+  if case.objective != "distill":
+    return shapes
+  teacher = (
+    jax.ShapeDtypeStruct((case.tokens, case.teacher_dim), dtype),
+    jax.ShapeDtypeStruct((case.vocab, case.teacher_dim), dtype),
+  )
+  return shapes + teacher
 
 
 class Unsupported(Exception):
@@ -252,6 +283,35 @@ def _mst_log_probs(hidden, weight, labels, where, **kwargs):
   return jnp.sum(log_probs * g_lp + entropy * g_h)
 
 
+def naive_distill(
+  hidden,
+  weight,
+  labels,
+  where,
+  teacher_hidden,
+  teacher_weight,
+  *,
+  cast_logits=False,
+):
+  """The distillation baseline: both heads' full float32 logits, the forward
+  KL ``sum P (log P - log Q)`` per token (the teacher not differentiated), a
+  masked mean."""
+  del labels
+  log_q = jax.nn.log_softmax(_naive_logits(hidden, weight, cast_logits), axis=-1)
+  teacher = _naive_logits(teacher_hidden, teacher_weight, cast_logits)
+  log_p = jax.nn.log_softmax(jax.lax.stop_gradient(teacher), axis=-1)
+  kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
+  count = jnp.maximum(jnp.sum(where), 1)
+  return jnp.sum(jnp.where(where, kl, 0.0)) / count
+
+
+def _mst_distill(hidden, weight, labels, where, teacher_hidden, teacher_weight, **kw):
+  del labels
+  return mst_jax.linear_distillation_loss(
+    hidden, weight, teacher_hidden, teacher_weight, where=where, **kw
+  )
+
+
 def _parse_value(text: str):
   if text == "None":
     return None
@@ -277,13 +337,18 @@ def make_loss(spec: str, case: Case):
   """``loss(hidden, weight, labels, where)`` for an implementation spec."""
   name, kwargs = parse_impl(spec)
   log_probs = case.objective == "log_probs"
+  distill = case.objective == "distill"
   if name in ("naive", "naive_cast"):
-    baseline = naive_log_probs if log_probs else naive_loss
+    baseline = {"log_probs": naive_log_probs, "distill": naive_distill}.get(
+      case.objective, naive_loss
+    )
     return functools.partial(baseline, cast_logits=name == "naive_cast")
   if name == "mst_jax":
     kwargs.update(case.mesh_axes)
     if log_probs:
       return functools.partial(_mst_log_probs, **kwargs)
+    if distill:
+      return functools.partial(_mst_distill, **kwargs)
 
     def loss(hidden, weight, labels, where):
       return mst_jax.linear_cross_entropy(hidden, weight, labels, where=where, **kwargs)
@@ -291,6 +356,8 @@ def make_loss(spec: str, case: Case):
     return loss
   if log_probs:
     raise Unsupported(f"{name} computes no per-token log-probabilities here")
+  if distill:
+    raise Unsupported(f"{name} computes no distillation loss")
   if case.parallel and name in ("jax_cce", "tokamax"):
     raise Unsupported(f"{name} is benchmarked on one device only")
   if case.mask != "none" and name in ("jax_cce", "tokamax"):

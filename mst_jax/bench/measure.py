@@ -158,11 +158,11 @@ def accuracy(spec: str, case: Case) -> dict:
   """Relative error of dhidden and dweight against float32 HIGHEST logits."""
   inputs = make_inputs(case)
   grads = make_step(spec, case)(*inputs)[1]
-  hidden, weight, labels, where = inputs
+  hidden, weight, labels, where, *teacher = inputs  # a teacher head: "distill"
 
   def reference(h, w):
     with jax.default_matmul_precision("highest"):
-      return make_loss("naive", case)(h, w, labels, where)
+      return make_loss("naive", case)(h, w, labels, where, *teacher)
 
   ref = jax.jit(jax.grad(reference, argnums=case.argnums))(
     hidden.astype(jnp.float32), weight.astype(jnp.float32)
