@@ -18,3 +18,23 @@ def test_rl_policy_gradient_raises_the_reward():
   )
   assert result.returncode == 0, result.stderr[-2000:]
   assert "the reward rose" in result.stdout, result.stdout
+
+
+def test_distill_tiny_lm_compares_the_students():
+  tiny = "--corpus-mib 0.25 --teacher-steps 30 --student-steps 20 --batch 8"
+  tiny += " --seq-len 32 --teacher-dim 64 --eval-batches 4"
+  result = subprocess.run(
+    [sys.executable, str(EXAMPLES / "distill_tiny_lm.py"), *tiny.split()],
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert result.returncode == 0, result.stderr[-2000:]
+  lines = result.stdout.splitlines()
+  assert [x.split()[0] for x in lines[2:]] == [
+    "teacher",
+    "student",
+    "student",
+    "verdict:",
+  ]
+  assert "nan" not in result.stdout, result.stdout
