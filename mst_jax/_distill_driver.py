@@ -64,8 +64,8 @@ class Plan:
     rows_per_chunk: rows whose logits (of both heads) exist at once.
     logits_dtype: the dtype the student's logits matmul writes.
     teacher_logits_dtype: the teacher's.
-    dweight_dtype: the ``dweight`` accumulator's dtype (the weight's: in
-      place in the output).
+    dweight_dtype: the ``dweight`` accumulator's dtype (the weight's own:
+      ``dweight`` accumulates in place in the output).
     dbias_dtype: the ``dbias`` accumulator's.
     matmul_tile: vocabulary columns per matmul tile (XLA:CPU), or None.
     compact: move valid rows to the front before chunking.

@@ -414,6 +414,8 @@ def test_no_matmul_forms_a_teacher_gradient(rng, options):
   shapes = _dot_general_shapes(jax.grad(loss, argnums=(0, 1, 2, 3)), *args)
   assert pair.student_weight.shape in shapes, shapes  # the student's dweight
   assert not [s for s in shapes if D_T in s], shapes
+  frozen_weight = _dot_general_shapes(jax.grad(loss, argnums=0), *args)
+  assert pair.student_weight.shape not in frozen_weight, frozen_weight
   if options.get("grad_mode") is None and options.get("impl") is None:
     grads = jax.grad(loss, argnums=(0, 1, 2, 3))(*args)
     assert np.any(np.asarray(grads[1]))
