@@ -192,6 +192,31 @@ def test_pallas_gpu_matches_oracle(rng, n_rows, vocab, logits_dtype, out_dtype):
   )
 
 
+# Each block_v the heuristic picks (its V in parentheses), then row blocks.
+_GPU_BLOCKS = [
+  *((vocab, None) for vocab in (100, 200, 300, 1000, 4099)),
+  *(
+    (vocab, KernelBlocks(block_rows=rows, block_v=block_v, num_warps=warps))
+    for vocab in (1031, 50257)
+    for rows, block_v, warps in ((1, 128, 4), (2, 512, 4), (4, 1024, 8), (8, 2048, 8))
+  ),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+  "vocab, blocks", _GPU_BLOCKS, ids=lambda x: str(x) if isinstance(x, int) else None
+)
+def test_pallas_gpu_ragged_vocabulary_for_each_block_shape(rng, vocab, blocks):
+  """V never a multiple of block_v, label in the last (partial) block."""
+  logits, labels, valid = _logits_case(rng, "label_in_tail", 37, vocab)
+  backend = PallasTritonChunkCE(blocks=blocks)
+  check_backend(backend, logits, labels, valid, ALL_OPTIONS, rng)
+  check_backend(
+    backend, logits.astype(jnp.bfloat16), labels, valid, PLAIN, rng, jnp.bfloat16
+  )
+
+
 @pytest.mark.gpu
 def test_pallas_gpu_scaled_logits(rng):
   """logit_scale with a softcap, bfloat16 logits in place, the Llama-3 vocabulary."""

@@ -38,3 +38,15 @@ def test_distill_tiny_lm_compares_the_students():
     "verdict:",
   ]
   assert "nan" not in result.stdout, result.stdout
+
+
+def test_multi_process_matches_one_process():
+  """Two processes joined by jax.distributed (CPU collectives), 2 devices each."""
+  result = subprocess.run(
+    [sys.executable, str(EXAMPLES / "multi_process.py"), "--processes", "2"],
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+  assert "results match one process" in result.stdout, result.stdout

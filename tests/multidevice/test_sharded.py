@@ -16,7 +16,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import check_against_oracle, make_problem, to64
+from conftest import assert_close, check_against_oracle, make_problem, oracle, to64
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -352,3 +352,50 @@ def test_a_banned_shard(rng, vocab_block_size):
   for out, ref in zip(jax.tree.leaves(meshed), jax.tree.leaves(step()), strict=True):
     assert np.isfinite(np.asarray(out)).all()
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(8, 1), (2, 4)], ids=["8x1", "2x4"])
+def test_gradient_accumulation_across_data_parallel_devices(rng, shape):
+  """The README's recipe on a mesh: micro-batches split over the data axis,
+  each summed loss over the whole batch's valid count, gradients summed in a
+  scan: the gradients of the whole batch's mean."""
+  k = 3
+  problem = make_problem(rng, (k * N,), dim=D, vocab=V, bias=True, mask="none")
+  labels = np.asarray(problem.labels).copy()
+  labels[: N + 8] = -100  # the first micro-batch holds no valid token
+  problem.labels = jnp.asarray(labels)
+  mesh = _mesh(shape)
+  n_valid = jnp.sum(problem.labels != -100)
+
+  def micro_loss(weight, bias, hidden, labels):
+    loss = mst_jax.linear_cross_entropy(
+      hidden,
+      weight,
+      labels,
+      bias,
+      reduction="sum",
+      mesh=mesh,
+      batch_axis="data",
+      vocab_axis="model",
+      impl="xla",
+      chunk_size=4,
+      **OPTIONS,
+    )
+    return loss / n_valid
+
+  @jax.jit
+  def accumulated(weight, bias):
+    def body(carry, batch):
+      loss, grads = jax.value_and_grad(micro_loss, argnums=(0, 1))(weight, bias, *batch)
+      return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+    zeros = (jnp.zeros(()), (jnp.zeros_like(weight), jnp.zeros_like(bias)))
+    batches = (problem.hidden.reshape(k, N, D), problem.labels.reshape(k, N))
+    return jax.lax.scan(body, zeros, batches)[0]
+
+  loss, (dweight, dbias) = accumulated(problem.weight, problem.bias)
+  problem.where = None
+  ref_loss, ref_grads = oracle(problem, **OPTIONS)
+  assert_close(loss, ref_loss, 1e-5, "loss")
+  assert_close(dweight, ref_grads[1], 1e-5, "dweight")
+  assert_close(dbias, ref_grads[2], 1e-5, "dbias")
