@@ -77,6 +77,7 @@ def make_pair(
   bias=None,
   labels=True,
   teacher_dtype=None,
+  vocab=V,
 ) -> Pair:
   """Random heads whose logits have standard deviation ~3, the teacher's
   those of the student plus noise of standard deviation ~2 (related heads,
@@ -92,12 +93,12 @@ def make_pair(
   # The student sees a projection of the teacher's hidden states.
   projection = rng.standard_normal((D_T, D_S)) / np.sqrt(D_T)
   h_s = h_t @ projection
-  w_s = rng.standard_normal((V, D_S)) * 3.0 / np.sqrt(D_S)
-  noise = rng.standard_normal((V, D_T)) * 2.0 / np.sqrt(D_T)
+  w_s = rng.standard_normal((vocab, D_S)) * 3.0 / np.sqrt(D_S)
+  noise = rng.standard_normal((vocab, D_T)) * 2.0 / np.sqrt(D_T)
   w_t = w_s @ projection.T + noise
   if layout == "dv":
     w_s, w_t = w_s.T, w_t.T
-  y = rng.integers(0, V, batch_shape)
+  y = rng.integers(0, vocab, batch_shape)
   where = None
   if mask == "prefix":
     y = np.where(np.arange(batch_shape[-1]) < batch_shape[-1] // 3, -100, y)
@@ -107,10 +108,10 @@ def make_pair(
     where = np.zeros(batch_shape, bool)
   biases = [None, None]
   if bias is not None:
-    biases = [rng.standard_normal(V) * 0.5 for _ in range(2)]
+    biases = [rng.standard_normal(vocab) * 0.5 for _ in range(2)]
     if bias == "banned":
-      banned = rng.choice(V, 7, replace=False)
-      y = np.where(np.isin(y, banned), (y + 1) % V, y)  # no label is banned
+      banned = rng.choice(vocab, 7, replace=False)
+      y = np.where(np.isin(y, banned), (y + 1) % vocab, y)  # no label is banned
       for b in biases:
         b[banned] = -np.inf
   assert n == y.size
@@ -283,6 +284,24 @@ def test_matches_the_float64_oracle(
     shift=shift,
     chunk_size=CHUNK,
     **options,
+  )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("divergence", ["forward_kl", "jsd"])
+def test_gpu_llama_vocabulary(rng, divergence):
+  """bfloat16 heads over the Llama-3 vocabulary on a GPU, with the default
+  logits and accumulator in several planned chunks (and a masked tail)."""
+  pair = make_pair(
+    rng, (2, 500), dtype="bfloat16", mask="prefix", bias="banned", vocab=128256
+  )
+  check(
+    pair,
+    "bfloat16_logits",
+    divergence=divergence,
+    temperature=2.0,
+    hard_label_weight=0.5,
+    memory_budget=256 << 20,
   )
 
 
