@@ -75,7 +75,9 @@ class VocabShard:
       offset,
       jnp.float32(self.shard_size),
       self.vocab_size,
-      reduce_max=reduce(lax.pmax),
+      # The max only shifts the sum-exp (the lse does not depend on it), and
+      # pmax has no derivative: second derivatives go through the rest.
+      reduce_max=lambda x: lax.pmax(lax.stop_gradient(x), self.axis),
       reduce_sum=reduce(lax.psum),
       reduce_min=reduce(lax.pmin),
     )

@@ -399,3 +399,45 @@ def test_gradient_accumulation_across_data_parallel_devices(rng, shape):
   assert_close(loss, ref_loss, 1e-5, "loss")
   assert_close(dweight, ref_grads[1], 1e-5, "dweight")
   assert_close(dbias, ref_grads[2], 1e-5, "dbias")
+
+
+@pytest.mark.parametrize(
+  "grad_mode, vocab_block_size",
+  [("fused", None), ("recompute", 50)],
+  ids=["rows_fused", "vocab_blocks_recompute"],
+)
+def test_second_derivatives_on_a_vocab_sharded_mesh(rng, grad_mode, vocab_block_size):
+  """Hessian-vector products (forward over reverse, and reverse over reverse)
+  in float64 on a 2x4 mesh: the shards' max is a shift without derivative."""
+  problem = make_problem(rng, (N,), dim=D, vocab=V, mask="scattered")
+  mesh = dict(mesh=_mesh((2, 4)), batch_axis="data", vocab_axis="model")
+  kwargs = dict(where=problem.where, label_smoothing=0.1, logit_softcap=4.0)
+
+  def grads(fn, hidden, weight, **extra):
+    loss = functools.partial(fn, labels=problem.labels, **kwargs, **extra)
+    return jax.grad(loss, argnums=(0, 1))(hidden, weight)
+
+  def second(fn, hidden, weight, direction, **extra):
+    forward = jax.jvp(lambda h: grads(fn, h, weight, **extra), (hidden,), (direction,))
+    backward = jax.grad(lambda h: jnp.sum(grads(fn, h, weight, **extra)[1] ** 2))(
+      hidden
+    )
+    return (*forward[1], backward)
+
+  with jax.enable_x64(True):
+    hidden, weight = (jnp.asarray(to64(x)) for x in (problem.hidden, problem.weight))
+    direction = jnp.asarray(rng.standard_normal(hidden.shape))
+    out = second(
+      mst_jax.linear_cross_entropy,
+      hidden,
+      weight,
+      direction,
+      impl="xla",
+      chunk_size=4,
+      grad_mode=grad_mode,
+      vocab_block_size=vocab_block_size,
+      **mesh,
+    )
+    ref = second(mst_jax.reference.linear_cross_entropy, hidden, weight, direction)
+  for o, r in zip(out, ref, strict=True):
+    np.testing.assert_allclose(np.asarray(o), np.asarray(r), rtol=1e-9, atol=1e-12)
