@@ -100,7 +100,8 @@ def linear_distillation_loss(
     student_bias, teacher_bias: optional ``[V]`` float (``-inf`` bans a
       token; ban it in both heads, or the divergence may be infinite).
     divergence: ``"forward_kl"``, ``"reverse_kl"`` or ``"jsd"``.
-    beta: the JSD's mixture weight, in ``(0, 1)`` (used by ``"jsd"`` only).
+    beta: the JSD's mixture weight, in ``(0, 1)``. The KL divergences take
+      none: another value than the default raises rather than being ignored.
     temperature: ``T > 0``, finite; divides both heads' scores.
     hard_label_weight: ``h >= 0``, the weight of the student's cross-entropy
       on ``labels`` at temperature 1.
@@ -150,7 +151,8 @@ def linear_distillation_loss(
   Raises:
     ValueError: mismatched shapes (a different ``V`` or leading shape), an
       unknown ``divergence`` / ``reduction`` / ``weight_layout`` / ``impl`` /
-      ``grad_mode``, ``beta`` outside ``(0, 1)`` with ``"jsd"``, a
+      ``grad_mode``, ``beta`` outside ``(0, 1)`` with ``"jsd"`` (or other
+      than 0.5 with a KL divergence), a
       temperature that is not finite and positive, ``hard_label_weight < 0``
       or ``> 0`` without ``labels``.
     TypeError: non-float hidden states, weights or biases, non-integer

@@ -51,7 +51,8 @@ class DistillOptions:
 
   Attributes:
     divergence: one of ``DIVERGENCES``.
-    beta: the JSD's mixture weight, ``0 < beta < 1`` (read by ``"jsd"`` only).
+    beta: the JSD's mixture weight, ``0 < beta < 1``; the other divergences
+      take only the default 0.5 (another value raises: it would be ignored).
     temperature: ``T > 0``, finite.
     hard_label_weight: ``h >= 0``, finite.
     scores: the logit scale and softcap, applied to both heads.
@@ -71,6 +72,11 @@ class DistillOptions:
     beta, temperature, weight = self.beta, self.temperature, self.hard_label_weight
     if self.divergence == "jsd" and not (math.isfinite(beta) and 0.0 < beta < 1.0):
       raise ValueError(f"beta must be in (0, 1) for divergence='jsd', got {beta!r}.")
+    if self.divergence != "jsd" and beta != 0.5:
+      raise ValueError(
+        f"beta={beta!r} weighs the JSD's mixture; divergence={self.divergence!r}"
+        " takes none (beta=0.5, the default). Use divergence='jsd'."
+      )
     if not (math.isfinite(temperature) and temperature > 0.0):
       raise ValueError(f"temperature must be finite and > 0, got {temperature!r}.")
     if not (math.isfinite(weight) and weight >= 0.0):
