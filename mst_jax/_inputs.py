@@ -102,6 +102,11 @@ def prepare(
   class_weights: jax.Array | None = None,
 ) -> Rows:
   """Validates the public arguments and flattens them into rows."""
+  if labels is None:
+    raise TypeError(
+      "labels is None: pass int labels with hidden's leading shape (use"
+      " ignore_index or where= to exclude tokens)."
+    )
   hidden, weight, labels = map(jnp.asarray, (hidden, weight, labels))
   check_choice("weight_layout", weight_layout, _matmul.WEIGHT_LAYOUTS)
   _check_float("hidden", hidden)
@@ -115,10 +120,19 @@ def prepare(
   vocab_axis = _matmul.vocab_axis(weight_layout)
   vocab_size, dim = weight.shape[vocab_axis], weight.shape[1 - vocab_axis]
   if hidden.shape[-1] != dim:
+    hint = ""
+    if hidden.shape[-1] == vocab_size:
+      other = "dv" if weight_layout == "vd" else "vd"
+      hint = (
+        f" If the weight is {'[D, V]' if other == 'dv' else '[V, D]'}, pass"
+        f" weight_layout={other!r}; if hidden holds logits, pass the hidden"
+        " states before the head instead."
+      )
     raise ValueError(
       f"hidden's last axis ({hidden.shape[-1]}) must equal the weight's D axis:"
       f" hidden {hidden.shape}, weight {weight.shape} with"
       f" weight_layout={weight_layout!r} ({'[V, D]' if vocab_axis == 0 else '[D, V]'})."
+      + hint
     )
   if vocab_size == 0:
     raise ValueError(f"the vocabulary is empty: weight {weight.shape}.")

@@ -70,9 +70,12 @@ def test_nnx_module_matches_the_oracle(rng, order):
   assert_close(grads["bias"][...], ref_db, GRAD_RTOL["float32"], "dbias")
 
 
-def test_linen_and_nnx_agree_on_the_same_parameters(rng):
-  nnx_head = mst_jax.nnx.LMHeadLoss(D, V, use_bias=True, rngs=nnx.Rngs(1), **OPTIONS)
-  linen_head = mst_jax.linen.LMHeadLoss.create(V, use_bias=True, **OPTIONS)
+@pytest.mark.parametrize("shift", [False, True])
+def test_linen_and_nnx_agree_on_the_same_parameters(rng, shift):
+  """shift=True: the modules take unshifted (Hugging Face style) labels too."""
+  options = dict(OPTIONS, shift=shift)
+  nnx_head = mst_jax.nnx.LMHeadLoss(D, V, use_bias=True, rngs=nnx.Rngs(1), **options)
+  linen_head = mst_jax.linen.LMHeadLoss.create(V, use_bias=True, **options)
   hidden, labels, where = _data(rng)
   params = {"params": {"kernel": nnx_head.kernel[...], "bias": nnx_head.bias[...]}}
   initial = linen_head.init(jax.random.key(0), hidden, labels)
@@ -92,7 +95,7 @@ def test_linen_and_nnx_agree_on_the_same_parameters(rng):
     where,
     "dv",
     (1, 2),
-    **OPTIONS,
+    **options,
   )
   for value in (linen_value, nnx_value):
     assert_close(value, ref, LOSS_RTOL["float32"], "loss")

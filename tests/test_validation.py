@@ -37,6 +37,10 @@ def _call(overrides=(), **kwargs):
       "weight_layout='dv'",
     ),
     (dict(weight=jnp.ones((V, D, 1))), {}, ValueError, "2-D"),
+    # A [D, V] weight with the default layout, and logits passed as hidden.
+    (dict(weight=jnp.ones((D, V))), {}, ValueError, "pass weight_layout='dv'"),
+    (dict(hidden=jnp.ones((N, V))), {}, ValueError, "hidden holds logits"),
+    (dict(labels=None), {}, TypeError, "labels is None"),
     (dict(hidden=jnp.ones((D,))), {}, ValueError, r"\[N, D\]"),
     (
       dict(labels=jnp.zeros((N + 1,), jnp.int32)),
