@@ -108,7 +108,7 @@ def test_chunks_without_a_valid_label_between_sparse_ones(
 
 
 def test_gradient_accumulation_matches_the_whole_batch(rng, impl):
-  """The README's recipe: each micro-batch's summed loss over the whole
+  """docs/api.md's recipe: each micro-batch's summed loss over the whole
   batch's valid count. Micro-batches with 0 and with many valid tokens."""
   problem = make_problem(rng, (6, 11), bias=True, mask="prefix")
   labels = np.asarray(problem.labels).copy()

@@ -128,7 +128,7 @@ def test_reference_out_of_range_label_is_nan(rng):
 
 @pytest.mark.parametrize("impl", ["reference", "xla"])
 def test_nan_rules_hold_for_the_reference_too(rng, impl):
-  """The README's rules: a NaN hidden row at an excluded token changes
+  """docs/errors.md's rules: a NaN hidden row at an excluded token changes
   nothing; a valid token's out-of-range label makes its loss and its
   gradients NaN. The oracle follows them like the chunked paths."""
   problem = make_problem(rng, (6,), dim=8, vocab=13, mask="none")

@@ -1,6 +1,6 @@
 """Edge cases, determinism, transformations and property tests.
 
-Every row of the README's "Errors and edge cases" table has a test here or in
+Every row of the table in docs/errors.md has a test here or in
 test_validation.py / test_linear_cross_entropy.py (named in the table).
 """
 
