@@ -10,8 +10,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from mst_jax import _backends, _full_logits, _inputs, _mesh, _options, _planning
 from mst_jax._ce_math import at_least_float32
@@ -265,7 +263,7 @@ def resolve(
 ) -> tuple[Plan, bool]:
   """Every default decided: ``(plan, fused)`` for the chunked paths
   (``entropy``: the per-row entropy too)."""
-  logits_dtype = _logits_dtype(perf.logits_dtype, rows.hidden.dtype)
+  logits_dtype = _options.resolve_logits_dtype(perf.logits_dtype, rows.hidden.dtype)
   bias_dtype = rows.weight.dtype if rows.bias is None else rows.bias.dtype
   platform = _platform(layout)
   tile = _planning.MATMUL_TILE if platform == "cpu" else None
@@ -316,20 +314,6 @@ def _xla_only(entropy: bool, class_weights) -> str | None:
   if class_weights is not None:
     return "class weights"
   return None
-
-
-def _logits_dtype(requested: np.dtype | None, dtype: np.dtype) -> np.dtype:
-  """bfloat16 logits for bfloat16 inputs (as a bfloat16 Dense head has),
-  else at least float32; never wider than the loss's float32 (float64)."""
-  widest = at_least_float32(dtype)
-  logits_dtype = requested or (dtype if dtype == jnp.bfloat16 else widest)
-  if logits_dtype.itemsize > widest.itemsize:
-    raise ValueError(
-      f"logits_dtype={logits_dtype} is wider than the {widest} the loss is"
-      f" computed in for {dtype} inputs; pass float64 inputs for"
-      " float64 logits."
-    )
-  return logits_dtype
 
 
 def _loop_order(rows: Rows, perf: PerfOptions, logits_dtype, layout, *, cpu: bool):

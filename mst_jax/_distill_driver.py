@@ -33,7 +33,7 @@ from jax import lax
 from mst_jax import _matmul, _planning
 from mst_jax._ce_math import at_least_float32
 from mst_jax._distill_math import DistillOptions, chunk_loss
-from mst_jax._options import PerfOptions
+from mst_jax._options import PerfOptions, resolve_logits_dtype
 from mst_jax._rows import (
   Differentiated,
   Permuted,
@@ -266,19 +266,6 @@ row_losses.defvjp(_row_losses_fwd, _row_losses_bwd, symbolic_zeros=True)
 # ---- Planning, at trace time. ----
 
 
-def _logits_dtype(requested, dtype) -> np.dtype:
-  """bfloat16 logits for a bfloat16 head, else at least float32 (as
-  ``linear_cross_entropy`` decides); never wider than the math's dtype."""
-  widest = at_least_float32(dtype)
-  logits_dtype = requested or (dtype if dtype == jnp.bfloat16 else widest)
-  if np.dtype(logits_dtype).itemsize > widest.itemsize:
-    raise ValueError(
-      f"logits_dtype={logits_dtype} is wider than the {widest} the loss is"
-      f" computed in for {dtype} inputs."
-    )
-  return np.dtype(logits_dtype)
-
-
 def plan_rows(n_rows: int, vocab_size: int, bytes_per_logit: int, budget: int) -> int:
   """Rows per chunk whose temporaries (``bytes_per_logit`` per logit) fit
   ``budget``.
@@ -308,8 +295,8 @@ def plan_rows(n_rows: int, vocab_size: int, bytes_per_logit: int, budget: int) -
 def resolve(x: Heads, options: DistillOptions, perf: PerfOptions, layout: str) -> Plan:
   """Every default decided: the plan of the chunked sweep."""
   dtype, teacher_dtype = x.hidden.dtype, x.teacher_hidden.dtype
-  logits_dtype = _logits_dtype(perf.logits_dtype, dtype)
-  teacher_logits_dtype = _logits_dtype(perf.logits_dtype, teacher_dtype)
+  logits_dtype = resolve_logits_dtype(perf.logits_dtype, dtype)
+  teacher_logits_dtype = resolve_logits_dtype(perf.logits_dtype, teacher_dtype)
   cpu = jax.default_backend() == "cpu"
   n_rows, vocab = x.hidden.shape[0], _matmul.vocab_size(x.weight, layout)
   per_logit = (
@@ -321,10 +308,10 @@ def resolve(x: Heads, options: DistillOptions, perf: PerfOptions, layout: str) -
   budget = perf.memory_budget or _planning.DEFAULT_MEMORY_BUDGET
   chunk = perf.chunk_size and min(perf.chunk_size, n_rows)
   chunk = chunk or plan_rows(n_rows, vocab, per_logit, budget)
-  accum = perf.accum_dtype
-  # One chunk writes dweight once: an accumulator would only round the same.
-  if accum is None and chunk < n_rows:
-    accum = at_least_float32(x.weight.dtype)
+  # As linear_cross_entropy's: in place for a few chunks, else float32.
+  accum = perf.accum_dtype or _planning.default_accum_dtype(
+    n_rows, chunk, x.weight.dtype
+  )
   bias_dtype = x.weight.dtype if x.bias is None else x.bias.dtype
   return Plan(
     options=options,

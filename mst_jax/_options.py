@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mst_jax._ce_math import CEOptions
+from mst_jax._ce_math import CEOptions, at_least_float32
 
 REDUCTIONS = ("mean", "sum", "none")
 IMPLEMENTATIONS = (None, "xla", "pallas", "reference")
@@ -183,3 +183,18 @@ class HeadLossOptions(PerfOptions, LossOptions):
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(LossOptions)) + tuple(
   f.name for f in dataclasses.fields(PerfOptions)
 )
+
+
+def resolve_logits_dtype(requested: np.dtype | None, dtype: np.dtype) -> np.dtype:
+  """``logits_dtype`` decided: bfloat16 logits for bfloat16 inputs (as a
+  bfloat16 ``Dense`` head has), else at least float32; never wider than the
+  loss's float32 (float64)."""
+  widest = at_least_float32(dtype)
+  logits_dtype = np.dtype(requested or (dtype if dtype == jnp.bfloat16 else widest))
+  if logits_dtype.itemsize > widest.itemsize:
+    raise ValueError(
+      f"logits_dtype={logits_dtype} is wider than the {widest} the loss is"
+      f" computed in for {dtype} inputs; pass float64 inputs for"
+      " float64 logits."
+    )
+  return logits_dtype
