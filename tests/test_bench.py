@@ -1,24 +1,36 @@
 """The benchmark's measurement plumbing on small CPU shapes.
 
 Speed and memory are measured on the GPU, not asserted here; these check that
-what the benchmark runs computes the right thing and that its bisection finds
-the boundary.
+what the benchmark runs computes the right thing, that its bisection finds
+the boundary, that its time statistic survives a slow round, and what its
+table and plot show.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
+import os
 
 import jax
 import numpy as np
 import pytest
 
 from mst_jax import reference
-from mst_jax.bench import cli, fit, measure
+from mst_jax.bench import cli, fit, measure, options, report
 from mst_jax.bench.cases import CASES, make_inputs, make_loss
 
 SMALL = dict(tokens=300, dim=24, vocab=1031, dtype="float32", seq_len=100)
+
+
+@pytest.fixture(autouse=True)
+def _restore_preallocation(monkeypatch):
+  """``cli.main`` sets XLA_PYTHON_CLIENT_PREALLOCATE; keep it to each test."""
+  monkeypatch.setenv(
+    "XLA_PYTHON_CLIENT_PREALLOCATE",
+    os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "false"),
+  )
 
 
 @pytest.mark.parametrize("case", ["llama", "llama_sft_prefix", "llama_sft_random"])
@@ -83,12 +95,17 @@ def test_fit_rejects_cases_over_several_devices(tmp_path):
 
 def test_cpu_sweep_writes_table_and_json(tmp_path, capsys):
   cli.main(
-    ["--tokens", "256", "--impls", "naive", "mst_jax", "--reps", "1"]
-    + ["--out", str(tmp_path)]
+    ["--tokens", "256", "--impls", "naive", "mst_jax", "tokamax", "--reps", "1"]
+    + ["--rounds", "1", "--out", str(tmp_path)]
   )
   table = capsys.readouterr().out
-  assert "mst_jax" in table and "naive" in table
-  assert (tmp_path / "results.json").exists()
+  assert "cpu@256: a small head for a CPU: N=256 D=128 V=16,384 float32" in table
+  assert "ratios against naive, the faster naive head here" in table
+  if importlib.util.find_spec("tokamax") is None:
+    assert "Not installed, so not measured: tokamax." in table
+    assert "  tokamax" not in table
+  results = json.loads((tmp_path / "results.json").read_text())
+  assert [r["impl"] for r in results["rows"]][:2] == ["naive", "mst_jax"]
 
 
 def test_parallel_cases_skip_without_their_devices():
@@ -139,8 +156,9 @@ def test_confirmation_given_a_size_that_runs_bisects_towards_it(limit):
 
 def test_fit_ran_must_be_below_fit_from():
   with pytest.raises(SystemExit):
-    cli.parse_args(["--fit", "--fit-from", "64", "--fit-ran", "64"])
-  assert cli.parse_args(["--fit", "--fit-from", "64", "--fit-ran", "56"]).fit_ran == 56
+    options.parse_args(["--fit", "--fit-from", "64", "--fit-ran", "64"])
+  args = options.parse_args(["--fit", "--fit-from", "64", "--fit-ran", "56"])
+  assert args.fit_ran == 56
 
 
 def test_fit_from_skips_the_bisection_and_confirms_from_there(tmp_path, monkeypatch):
@@ -167,3 +185,161 @@ def test_isolated_run_that_overruns_its_timeout_is_an_error():
   row = measure.run_isolated("naive", case, "memory", 0, {}, timeout=0.02)
   assert row["error"].startswith("timed out after")
   assert "extra_bytes" not in row
+
+
+def _rows(accuracy=False):
+  """Result rows of a CPU run at two N, as ``cli.run_sweep`` makes them."""
+  rows = []
+  for n, times in ((512, (90.0, 80.0, 85.0)), (1024, (170.0, 160.0, 150.0))):
+    case = CASES["cpu"].with_tokens(n)
+    for impl, ms in zip(("naive", "naive_cast", "mst_jax"), times, strict=True):
+      row = {"case": case.name, "impl": impl, "tokens": n, "time_ms": ms}
+      row.update(spread=1.02, tflops=0.1, extra_bytes=n * 2**16 * (impl != "mst_jax"))
+      row.update(extra_method="compiled temp", **report.problem(case))
+      if accuracy:
+        row.update(dhidden_rel_err=1e-7, dweight_rel_err=2e-7)
+      rows.append(row)
+    rows.append({"case": case.name, "impl": "jax_cce", "tokens": n})
+    rows[-1]["skipped"] = "jax_cce takes no token mask"
+  cli._add_ratios(rows)
+  return rows
+
+
+def test_table_states_the_problem_the_baseline_and_what_is_missing():
+  timing = {"reps": 3, "rounds": 3, "max_rounds": 7}
+  table = report.format_table(
+    _rows(), not_installed=["tokamax"], timing=timing, accuracy=False
+  )
+  lines = table.splitlines()
+  assert lines[0] == (
+    "cpu@512: a small head for a CPU: N=512 D=128 V=16,384 float32, weight [V, D],"
+    " gradients of hidden and weight"
+  )
+  assert "  ratios against naive_cast, the faster naive head here" in lines
+  assert "  ratios against mst_jax" not in table
+  naive = next(line for line in lines if line.startswith("  naive "))
+  assert naive.split()[-2:] == ["1.12", "1.000"]  # 90 / 80 ms; same memory
+  # The 1024 case's baseline is naive_cast too; mst_jax is faster than it.
+  assert "  not run: jax_cce (jax_cce takes no token mask)" in lines
+  assert "Not installed, so not measured: tokamax." in lines
+  assert not any(line.startswith("  tokamax") for line in lines)
+  assert "dh err" not in lines[1] and "run with --accuracy" in table
+  assert "naive (float32 logits" in table and "naive_cast (logits in the input" in table
+  assert "median over rounds of each round's fastest step" in table
+  assert "issue" not in table
+  with_errors = report.format_table(_rows(accuracy=True), accuracy=True)
+  assert "dh err" in with_errors.splitlines()[1]
+  assert "run with --accuracy" not in with_errors
+
+
+def test_help_defines_the_baselines_and_the_statistic(capsys):
+  with pytest.raises(SystemExit):
+    options.parse_args(["--help"])
+  text = capsys.readouterr().out
+  assert "naive       float32 logits" in text and "naive_cast  logits" in text
+  assert "median over rounds of each round's fastest step" in text
+  assert "issue" not in text
+
+
+def test_peers_that_are_not_installed_are_listed(monkeypatch):
+  monkeypatch.setattr(report, "PEERS", {"jax_cce": "no_such_module", "tokamax": "json"})
+  assert cli.not_installed(["naive", "jax_cce:x=1", "tokamax", "mst_jax"]) == [
+    "jax_cce"
+  ]
+
+
+def test_round_statistic_ignores_a_slow_round():
+  # mst_jax is faster; a slow spell covers most of its first round and all of
+  # its second. Every step's median would put it behind naive.
+  naive = [[100, 101, 102], [100, 103, 101], [101, 100, 102]]
+  mst = [[250, 260, 91], [300, 310, 320], [90, 92, 91]]
+  assert measure.round_statistic(mst) == 91 < measure.round_statistic(naive) == 100
+  steps = sorted(t for r in mst for t in r)
+  assert steps[len(steps) // 2] > 100
+
+
+def _fake_steps(durations: dict[str, list[list[float]]]):
+  """Steps that advance a fake clock by the given seconds, round after round."""
+  now = [0.0]
+  queues = {name: [t for r in rounds for t in r] for name, rounds in durations.items()}
+
+  def step(name):
+    now[0] += queues[name].pop(0)
+
+  steps = {name: (lambda name=name: step(name)) for name in durations}
+  return steps, lambda: now[0]
+
+
+def test_timing_adds_rounds_while_they_disagree():
+  slow = [[300, 300], [250, 260], [90, 95], [91, 90], [93, 90], [90, 90], [90, 90]]
+  steady = [[100, 100]] * 7
+  steps, clock = _fake_steps({"naive": steady, "mst_jax": slow})
+  times = measure.time_rounds(steps, 2, 3, 7, clock=clock)
+  # Two slow rounds of three disagree; the fifth round settles it.
+  assert len(times["mst_jax"]) == len(times["naive"]) == 5
+  assert measure.round_statistic(times["mst_jax"]) == 90
+  steps, clock = _fake_steps({"naive": steady, "mst_jax": [[90, 91]] * 7})
+  assert len(measure.time_rounds(steps, 2, 3, 7, clock=clock)["naive"]) == 3
+  steps, clock = _fake_steps({"a": [[100], [300], [100]] * 3})
+  assert len(measure.time_rounds(steps, 1, 3, 4, clock=clock)["a"]) == 3
+
+
+def test_plot_has_both_legends_shapes_in_the_title_and_plain_ticks(tmp_path):
+  matplotlib = pytest.importorskip("matplotlib")
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  rows = _rows()
+  assert report.plot(rows, str(tmp_path / "bench.png"), "cpu") is None
+  assert (tmp_path / "bench.png").stat().st_size > 10_000
+  fig = report.figure(rows, "cpu")
+  fig.canvas.draw()
+  time_ax, memory_ax = fig.axes
+  for ax in (time_ax, memory_ax):
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["naive", "naive_cast", "mst_jax"]
+  # naive and naive_cast coincide in memory: different markers keep both seen.
+  markers = {line.get_marker() for line in memory_ax.get_lines()}
+  assert len(markers) == 3
+  title = fig._suptitle.get_text()
+  assert "D=128, V=16,384, float32" in title and "cpu" in title
+  ticks = [t.get_text() for t in time_ax.get_yticklabels() if t.get_text()]
+  assert ticks and all(t.endswith(" ms") and "10^" not in t for t in ticks)
+  assert [t.get_text() for t in time_ax.get_xticklabels()] == ["512", "1,024"]
+  bars = report.figure([r for r in rows if r["tokens"] == 512], "cpu")
+  assert all(ax.get_legend() is not None for ax in bars.axes)
+  plt.close(fig)
+  plt.close(bars)
+
+
+def test_gpu_default_is_one_case_in_four_processes(tmp_path, monkeypatch, capsys):
+  """The default run on a GPU, with the measuring processes faked: one timing
+  process for the Llama-3 head, one memory process per implementation."""
+  calls = []
+
+  def fake(spec, case, what, reps, env, granularity=8192, timeout=None, rounds=3):
+    calls.append((what, case.name, spec))
+    if what.startswith("time"):
+      rows = [
+        {"case": case.name, "impl": s, "tokens": case.tokens, "time_ms": 40.0 + i}
+        for i, s in enumerate(spec)
+      ]
+      return {"rows": rows}
+    if spec == "naive_cast":
+      return {"what": what, "error": "exit 1: out of memory"}
+    return {"what": what, "extra_bytes": 2**30, "compiled_here": False}
+
+  monkeypatch.setattr(measure, "run_isolated", fake)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  cli.main(["--out", str(tmp_path)])
+  impls = ["naive", "naive_cast", "mst_jax"]
+  assert calls[0] == ("time", "llama", impls)
+  assert calls[1:] == [("memory", "llama", impl) for impl in impls]
+  table = capsys.readouterr().out
+  assert "llama: Llama-3-8B head: N=8,192 D=4,096 V=128,256 bfloat16" in table
+  assert "no memory for naive_cast: memory: exit 1: out of memory" in table
+  calls.clear()
+  cli.main(["--full", "--out", str(tmp_path)])
+  assert [c[1] for c in calls if c[0] == "time"] == options.GPU_CASES
+  assert sum(c[0] == "memory" for c in calls) == 3 * len(options.GPU_CASES)
+  assert sum(c[0] == "first_call" for c in calls) == 3 * len(options.GPU_CASES)

@@ -98,17 +98,17 @@ _LLAMA = dict(dim=4096, vocab=128256)
 CASES = {
   c.name: c
   for c in [
-    Case("cpu", 2048, 128, 16384, "float32", description="CPU default"),
-    Case("llama", 8192, **_LLAMA, description="1: Llama-3-8B head"),
-    Case("gemma", 8192, 2304, 256000, description="2: Gemma-2-2B head"),
-    Case("llama_32k", 32768, **_LLAMA, description="3: Llama-3 head, 32k tokens"),
+    Case("cpu", 2048, 128, 16384, "float32", description="a small head for a CPU"),
+    Case("llama", 8192, **_LLAMA, description="Llama-3-8B head"),
+    Case("gemma", 8192, 2304, 256000, description="Gemma-2-2B head"),
+    Case("llama_32k", 32768, **_LLAMA, description="Llama-3 head, 32k tokens"),
     Case(
       "llama_sft_prefix",
       8192,
       **_LLAMA,
       mask="prefix",
       masked_fraction=0.5,
-      description="4a: half of each sequence masked (prefix)",
+      description="Llama-3 head, SFT (prompts masked)",
     ),
     Case(
       "llama_sft_random",
@@ -116,9 +116,11 @@ CASES = {
       **_LLAMA,
       mask="random",
       masked_fraction=0.4,
-      description="4b: 40% masked at random",
+      description="Llama-3 head, tokens masked at random",
     ),
-    Case("llama_frozen", 8192, **_LLAMA, wrt="hidden", description="5: frozen head"),
+    Case(
+      "llama_frozen", 8192, **_LLAMA, wrt="hidden", description="Llama-3 head, frozen"
+    ),
     Case(
       "llama_distill",
       8192,
@@ -126,24 +128,24 @@ CASES = {
       128256,
       objective="distill",
       teacher_dim=4096,
-      description="distillation: student D=2048, teacher D=4096 (forward KL)",
+      description="distillation into a smaller student",
     ),
     Case(
       "llama_logprobs",
       8192,
       **_LLAMA,
       objective="log_probs",
-      description="Llama-3 head: log-probs and entropy (RL)",
+      description="Llama-3 head, RL (log-probs and entropy)",
     ),
     # One GPU against two, data or vocab parallel.
-    Case("llama_16k", 16384, **_LLAMA, description="Llama-3 head, 16k, one GPU"),
+    Case("llama_16k", 16384, **_LLAMA, description="Llama-3 head, one GPU"),
     Case(
       "llama_16k_dp",
       16384,
       **_LLAMA,
       parallel="data",
       devices=2,
-      description="Llama-3 head, 16k, 2 GPUs data parallel",
+      description="Llama-3 head, data parallel",
     ),
     Case(
       "llama_16k_vp",
@@ -151,7 +153,7 @@ CASES = {
       **_LLAMA,
       parallel="vocab",
       devices=2,
-      description="Llama-3 head, 16k, 2 GPUs vocab parallel",
+      description="Llama-3 head, vocab parallel",
     ),
   ]
 }

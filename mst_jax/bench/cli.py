@@ -1,86 +1,111 @@
-"""``python -m mst_jax.bench``: sweep cases x implementations, report, plot.
+"""The benchmark's sweep (``python -m mst_jax.bench``; ``options`` has its help).
 
-Each row is ``jax.value_and_grad`` of the mean loss with respect to hidden and
-weight (hidden only for a frozen head) under ``jax.jit``. The naive baseline
-(full float32 logits, ``logsumexp`` minus the target logit, masked mean) is
-measured in the same run, and ratios are against it. Writes ``results.json``
-and ``bench.png`` (time and extra memory against tokens) under ``--out``.
-
-Implementations are specs: ``naive``, ``naive_cast``, ``mst_jax`` (options
-after a colon, e.g. ``mst_jax:grad_mode=recompute,chunk_size=1024``), and the
-peers ``jax_cce`` and ``tokamax`` when installed.
+``run_sweep`` measures every case's implementations (``measure``) and ``main``
+prints the table, writes ``results.json`` and draws ``bench.png``
+(``report``); ``--fit`` and ``--kernels`` go to ``run_fit`` and ``kernels``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
 
 import jax
 
-from mst_jax.bench import fit, kernels, measure
-from mst_jax.bench.cases import CASES
-
-GPU_CASES = [
-  "llama",
-  "gemma",
-  "llama_32k",
-  "llama_sft_prefix",
-  "llama_sft_random",
-  "llama_frozen",
-]
-DEFAULT_IMPLS = ["naive", "naive_cast", "mst_jax", "jax_cce", "tokamax"]
+from mst_jax.bench import fit, kernels, measure, report
+from mst_jax.bench.cases import CASES, parse_impl
+from mst_jax.bench.options import parse_args
 
 
-def _progress(items, desc):
+def not_installed(impls: Sequence[str]) -> list[str]:
+  """The peers among ``impls`` whose package is not installed."""
+  names = dict.fromkeys(parse_impl(spec)[0] for spec in impls)
+  return [
+    name
+    for name in names
+    if name in report.PEERS and importlib.util.find_spec(report.PEERS[name]) is None
+  ]
+
+
+@contextlib.contextmanager
+def _progress(total: int):
+  """Yields ``say(text, done=False)``: a progress bar (tqdm) or lines on stderr."""
   try:
     from tqdm import tqdm
   except ImportError:
-    return items
-  return tqdm(items, desc=desc, unit="run", leave=False)
+    yield lambda text, done=False: done or print(text, file=sys.stderr, flush=True)
+    return
+  with tqdm(total=total, unit="case", leave=False) as bar:
+
+    def say(text: str, done: bool = False) -> None:
+      bar.set_description(text)
+      if done:
+        bar.update()
+
+    yield say
 
 
-def run_sweep(args: argparse.Namespace) -> list[dict]:
-  """Measures every (case, tokens, impl); returns the result rows."""
+def run_sweep(args: argparse.Namespace, impls: Sequence[str]) -> list[dict]:
+  """Measures every case's ``impls``; returns the result rows."""
   cases = []
   for name in args.cases:
     base = CASES[name]
     cases += [base.with_tokens(n) for n in args.tokens] if args.tokens else [base]
-  work = [(case, impl) for case in cases for impl in args.impls]
   rows = []
-  for case, impl in _progress(work, "bench"):
-    # A cache per run: its processes share the executable, and no run inherits
-    # another's GEMM autotuning (which would hide the first call's peak).
-    with tempfile.TemporaryDirectory(prefix="mst_jax_bench_cache_") as cache:
-      row = _measure(args, case, impl, measure.isolated_env(cache))
-    row["description"] = case.description
-    rows.append(row)
+  # One compilation cache for the whole run: the memory processes load what
+  # the timing process compiled (see ``measure``).
+  with (
+    tempfile.TemporaryDirectory(prefix="mst_jax_bench_cache_") as cache,
+    _progress(len(cases)) as say,
+  ):
+    for case in cases:
+      case_rows = _measure_case(args, case, impls, cache, say)
+      for row in case_rows:
+        row.update(report.problem(case))
+      rows += case_rows
+      say(case.name, done=True)
   _add_ratios(rows)
   return rows
 
 
-def _measure(args: argparse.Namespace, case, impl: str, env: dict) -> dict:
-  """One (case, impl) row: time, and memory and accuracy where asked for."""
-  if not args.isolate:
-    row = measure.run_here(impl, case, "time", args.reps)
-    # One process measures every run: its lifetime peak is not this run's.
-    row.pop("first_call_extra_bytes", None)
-    if args.accuracy and "median_ms" in row:
-      accuracy = measure.run_here(impl, case, "accuracy")
-      row.update({k: v for k, v in accuracy.items() if "err" in k})
-    return row
-  row = measure.run_isolated(impl, case, "time", args.reps, env)
-  if "median_ms" in row and args.memory:
-    memory = measure.run_isolated(impl, case, "memory", 0, env)
-    row.update({k: v for k, v in memory.items() if k not in row or k == "error"})
-  if args.accuracy and "median_ms" in row:
-    accuracy = measure.run_isolated(impl, case, "accuracy", args.reps, env)
-    row.update({k: v for k, v in accuracy.items() if "err" in k})
-  return row
+def _measure_case(args, case, impls: Sequence[str], cache: str, say) -> list[dict]:
+  """One case: a timing pass over ``impls``, then memory per implementation."""
+  env = measure.isolated_env(cache)
+  what = "time+accuracy" if args.accuracy else "time"
+  say(f"{case.name}: compiling and timing")
+  if args.isolate:
+    result = measure.run_isolated(impls, case, what, args.reps, env, rounds=args.rounds)
+    rows = result.get("rows") or [{**result, "impl": spec} for spec in impls]
+  else:
+    rows = measure.run_here(impls, case, what, args.reps, rounds=args.rounds)["rows"]
+  for row in rows:
+    if "time_ms" not in row:
+      continue
+    if args.memory:
+      say(f"{case.name}: memory of {row['impl']}")
+      _merge(row, measure.run_isolated(row["impl"], case, "memory", 0, env))
+    if args.first_call:
+      say(f"{case.name}: first call of {row['impl']}")
+      own = measure.isolated_env(tempfile.mkdtemp(dir=cache))  # it compiles
+      _merge(row, measure.run_isolated(row["impl"], case, "first_call", 0, own))
+  return rows
+
+
+def _merge(row: dict, result: dict) -> None:
+  """Adds a memory process's fields to a timed row (its failure as a note)."""
+  if "error" in result or "skipped" in result:
+    what = result.get("what", "memory")
+    failure = f"{what}: {result.get('error') or result['skipped']}"
+    row["memory_error"] = "; ".join(filter(None, (row.get("memory_error"), failure)))
+    return
+  row.update({k: v for k, v in result.items() if k not in ("case", "impl", "tokens")})
 
 
 def run_fit(args: argparse.Namespace) -> list[dict]:
@@ -153,208 +178,24 @@ def _add_ratios(rows: list[dict]) -> None:
     naive = [
       r
       for r in rows
-      if r["case"] == row["case"] and r["impl"].startswith("naive") and "median_ms" in r
+      if r["case"] == row["case"]
+      and parse_impl(r["impl"])[0] in ("naive", "naive_cast")
+      and "time_ms" in r
     ]
-    if not naive or "median_ms" not in row:
+    if not naive or "time_ms" not in row:
       continue
-    base = min(naive, key=lambda r: r["median_ms"])
-    row["time_x"] = row["median_ms"] / base["median_ms"]
+    base = min(naive, key=lambda r: r["time_ms"])
+    row["baseline"] = base["impl"]
+    row["time_x"] = row["time_ms"] / base["time_ms"]
     if row.get("extra_bytes") is not None and base.get("extra_bytes"):
       row["mem_x"] = row["extra_bytes"] / base["extra_bytes"]
 
 
-def format_table(rows: Sequence[dict]) -> str:
-  header = (
-    f"{'case':<22} {'impl':<34} {'median ms':>9} {'min ms':>8} {'extra MiB':>9}"
-    f" {'1st MiB':>8} {'TFLOP/s':>7} {'time x':>6} {'mem x':>6} {'dh err':>8}"
-    f" {'dw err':>8}"
-  )
-  lines = [header, "-" * len(header)]
-  fmt = lambda row, key, spec: format(row[key], spec) if key in row else "-"
-  mib = lambda row, key: row[key] / 2**20 if row.get(key) is not None else float("nan")
-  for r in rows:
-    impl = r["impl"][:34]
-    if "median_ms" not in r:
-      reason = r.get("skipped") or r.get("error", "?")
-      lines.append(f"{r['case']:<22} {impl:<34} skipped: {reason[:60]}")
-      continue
-    lines.append(
-      f"{r['case']:<22} {impl:<34} {r['median_ms']:>9.2f} {r['min_ms']:>8.2f}"
-      f" {mib(r, 'extra_bytes'):>9.0f} {mib(r, 'first_call_extra_bytes'):>8.0f}"
-      f" {r['tflops']:>7.1f} {fmt(r, 'time_x', '6.2f'):>6} {fmt(r, 'mem_x', '6.3f'):>6}"
-      f" {fmt(r, 'dhidden_rel_err', '8.1e'):>8} {fmt(r, 'dweight_rel_err', '8.1e'):>8}"
-    )
-  return "\n".join(lines)
-
-
-def plot(rows: Sequence[dict], path: str, title: str | None = None) -> str | None:
-  """Time and extra memory against tokens, log scale; returns why not, or None."""
-  try:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  except ImportError:
-    return "matplotlib is not installed (pip install 'mst_jax[bench]')"
-  fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(11, 4.2))
-  series = {}
-  for r in rows:
-    if "median_ms" in r:
-      key = (r["case"].split("@")[0], r["impl"])
-      series.setdefault(key, []).append(r)
-  for (case, impl), points in sorted(series.items()):
-    points.sort(key=lambda r: r["tokens"])
-    tokens = [r["tokens"] for r in points]
-    label = f"{impl} ({case})"
-    ax_time.plot(tokens, [r["median_ms"] for r in points], "o-", label=label)
-    if all(r.get("extra_bytes") is not None for r in points):
-      gib = [max(r["extra_bytes"], 1) / 2**30 for r in points]
-      ax_mem.plot(tokens, gib, "o-", label=label)
-  for ax, ylabel in (
-    (ax_time, "median step time (ms)"),
-    (ax_mem, "extra memory (GiB)"),
-  ):
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("tokens N")
-    ax.set_ylabel(ylabel)
-    ax.grid(True, which="both", alpha=0.3)
-  ax_time.legend(fontsize=7)
-  device = jax.devices()[0]
-  default = f"value_and_grad of the LM-head loss, {device.device_kind}"
-  fig.suptitle(title or f"{default}, jax {jax.__version__}")
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  return None
-
-
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-  on_gpu = jax.default_backend() == "gpu"
-  parser = argparse.ArgumentParser(
-    prog="python -m mst_jax.bench",
-    description=__doc__,
-    formatter_class=argparse.RawDescriptionHelpFormatter,
-  )
-  parser.add_argument(
-    "--cases",
-    nargs="+",
-    choices=sorted(CASES),
-    default=GPU_CASES if on_gpu else ["cpu"],
-    help="named problem shapes (default: the GPU benchmark cases, or 'cpu' on a CPU)",
-  )
-  parser.add_argument(
-    "--tokens",
-    nargs="+",
-    type=int,
-    default=None if on_gpu else [512, 1024, 2048],
-    help="sweep N over these values for every case (default on a CPU: 512 1024 2048)",
-  )
-  parser.add_argument(
-    "--impls", nargs="+", default=DEFAULT_IMPLS, help="implementation specs"
-  )
-  parser.add_argument("--reps", type=int, default=10, help="timed repetitions")
-  parser.add_argument(
-    "--isolate",
-    action=argparse.BooleanOptionalAction,
-    default=on_gpu,
-    help="measure each run in fresh processes (default on a GPU)",
-  )
-  parser.add_argument(
-    "--memory",
-    action=argparse.BooleanOptionalAction,
-    default=on_gpu,
-    help="peak-memory pass (needs --isolate; default on a GPU)",
-  )
-  parser.add_argument(
-    "--accuracy", action="store_true", help="also measure gradient error"
-  )
-  parser.add_argument("--out", default="bench_out", help="directory for JSON and plot")
-  parser.add_argument(
-    "--kernels",
-    action="store_true",
-    help="time the kernels alone: the CE kernels and the head GEMMs",
-  )
-  parser.add_argument(
-    "--kernel-groups",
-    nargs="+",
-    choices=["ce", "gemm"],
-    default=["ce", "gemm"],
-    help="with --kernels: the CE kernels, the head GEMMs (XLA vs Mosaic GPU)",
-  )
-  parser.add_argument(
-    "--gemm-heads",
-    nargs="+",
-    choices=sorted(kernels.GEMM_HEADS),
-    default=["llama", "gemma"],
-    help="with --kernels: head shapes for the GEMMs (N, D, V)",
-  )
-  parser.add_argument(
-    "--gemm-layouts", nargs="+", choices=["vd", "dv"], default=["vd", "dv"]
-  )
-  parser.add_argument(
-    "--gemm-products",
-    nargs="+",
-    choices=["logits", "dhidden", "dweight"],
-    default=["logits", "dhidden", "dweight"],
-  )
-  parser.add_argument(
-    "--gemm-configs",
-    nargs="*",
-    default=[],
-    help="with --kernels: extra Mosaic GemmConfigs to time, e.g. tile_n=192,stages=3",
-  )
-  parser.add_argument(
-    "--chunk-shapes",
-    nargs="+",
-    default=["1024x128256", "4096x128256", "1024x256000", "4096x256000"],
-    help="with --kernels: chunk shapes ROWSxV",
-  )
-  parser.add_argument(
-    "--blocks",
-    nargs="+",
-    default=["1x2048x4"],
-    help="with --kernels: Pallas KernelBlocks ROWSxBLOCK_VxWARPS[xSTAGES]",
-  )
-  parser.add_argument(
-    "--fit",
-    action="store_true",
-    help="bisect the largest N that fits per case and impl (GPU)",
-  )
-  parser.add_argument(
-    "--fit-granularity", type=int, default=8192, help="with --fit: N's step"
-  )
-  parser.add_argument(
-    "--fit-confirm-attempts",
-    type=int,
-    default=6,
-    help="with --fit: real steps tried (halving from the footprint N, then bisecting)",
-  )
-  parser.add_argument(
-    "--fit-attempt-timeout",
-    type=float,
-    default=300,
-    help="with --fit: seconds before a real step's process is killed (a failure)",
-  )
-  parser.add_argument(
-    "--fit-from",
-    type=int,
-    default=None,
-    help="with --fit: skip the compile-only bisection and confirm from this N",
-  )
-  parser.add_argument(
-    "--fit-ran",
-    type=int,
-    default=0,
-    help="with --fit: an N known to run (a failure then bisects towards it)",
-  )
-  parser.add_argument("--seed", type=int, default=0)
-  args = parser.parse_args(argv)
-  if args.fit_from and args.fit_ran >= args.fit_from:
-    parser.error(f"--fit-ran {args.fit_ran} must be below --fit-from {args.fit_from}")
-  return args
-
-
 def main(argv: Sequence[str] | None = None) -> None:
+  # Before jax starts a GPU client: this process only orchestrates (with
+  # --isolate), and a default client would take 75% of the GPU's memory from
+  # the processes that measure.
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   args = parse_args(argv)
   device = jax.devices()[0]
   print(
@@ -365,28 +206,41 @@ def main(argv: Sequence[str] | None = None) -> None:
       kernels.run_kernels(args)
     if "gemm" in args.kernel_groups:
       rows = kernels.run_gemms(args)
-      os.makedirs(args.out, exist_ok=True)
-      with open(os.path.join(args.out, "gemms.json"), "w") as f:
-        json.dump(
-          {"device": device.device_kind, "jax": jax.__version__, "rows": rows}, f
-        )
+      _write_json(args.out, "gemms.json", rows)
     return
+  missing = not_installed(args.impls)
+  args.impls = [spec for spec in args.impls if parse_impl(spec)[0] not in missing]
   if args.fit:
-    rows = run_fit(args)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "fit.json"), "w") as f:
-      json.dump({"device": device.device_kind, "jax": jax.__version__, "rows": rows}, f)
+    _write_json(args.out, "fit.json", run_fit(args))
     return
-  args.memory = args.memory and args.isolate
-  rows = run_sweep(args)
-  print(format_table(rows))
-  os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, "results.json"), "w") as f:
-    json.dump(
-      {"device": device.device_kind, "jax": jax.__version__, "rows": rows}, f, indent=1
+  start = time.perf_counter()
+  rows = run_sweep(args, args.impls)
+  timing = {
+    "reps": args.reps,
+    "rounds": args.rounds,
+    "max_rounds": measure.max_rounds(args.rounds),
+  }
+  print(
+    report.format_table(
+      rows, not_installed=missing, timing=timing, accuracy=args.accuracy
     )
-  why_not = plot(rows, os.path.join(args.out, "bench.png"))
+  )
+  _write_json(args.out, "results.json", rows, not_installed=missing, timing=timing)
+  title_device = f"{device.device_kind}, jax {jax.__version__}"
+  why_not = report.plot(rows, os.path.join(args.out, "bench.png"), title_device)
   print(
     f"wrote {args.out}/results.json"
     + (f"; no plot: {why_not}" if why_not else f" and {args.out}/bench.png")
+    + f" ({time.perf_counter() - start:.0f} s)"
   )
+
+
+def _write_json(out: str, name: str, rows: list[dict], **extra) -> None:
+  device = jax.devices()[0]
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, name), "w") as f:
+    json.dump(
+      {"device": device.device_kind, "jax": jax.__version__, "rows": rows, **extra},
+      f,
+      indent=1,
+    )
