@@ -139,15 +139,15 @@ def linear_cross_entropy(
       problems). If the Pallas Triton lowering is unavailable, ``"pallas"``
       falls back to ``"xla"`` with one warning.
     accum_dtype: dtype of the ``dweight`` / ``dbias`` accumulators across
-      groups. None (default): with at most 8 groups, ``dweight`` accumulates
+      groups. None (default): with at most 2 groups, ``dweight`` accumulates
       in the weight's dtype, in place in its output, one rounding per group
       (with 2 groups at the Llama-3 head, within 1.1x the error of
-      full-logits autodiff); with more, in float32, whose ``V x D``
-      buffer and traffic cost less than the error of many roundings would.
-      That buffer comes out of ``memory_budget``; when it would take more
-      than half, ``dweight`` stays in place up to 32 groups
-      (``_planning.plan_with_accumulator``). With ``vocab_block_size``,
-      always in the weight's dtype.
+      full-logits autodiff; 4 groups measured 1.9x); with more, in float32,
+      whose ``V x D`` buffer and traffic cost less than the error of many
+      roundings would. That buffer comes out of ``memory_budget``; when it
+      would take more than half, ``dweight`` stays in place up to 32 groups
+      (``_planning.plan_with_accumulator``), with that error. With
+      ``vocab_block_size``, always in the weight's dtype.
     logits_dtype: the dtype the logits matmul writes (it accumulates in
       float32 either way; the cross-entropy math is float32). None (default):
       bfloat16 for bfloat16 inputs, as a bfloat16 ``Dense`` head feeding a

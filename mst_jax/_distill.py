@@ -120,7 +120,7 @@ def linear_distillation_loss(
       at once). None plans it from ``memory_budget``.
     memory_budget: bytes for a chunk's temporaries: both heads' logits, the
       student's ``dlogits`` and two float32 work arrays, per logit (default
-      2.25 GiB, ``mst_jax._api.DEFAULT_MEMORY_BUDGET``). Over more than 8
+      2.25 GiB, ``mst_jax._api.DEFAULT_MEMORY_BUDGET``). Over more than 2
       chunks a float32 ``dweight`` accumulator (``4 V D_s`` bytes) comes on
       top, unless ``accum_dtype`` says otherwise.
     vocab_block_size: not supported (raises ``NotImplementedError``): use
@@ -131,7 +131,7 @@ def linear_distillation_loss(
       ``NotImplementedError``.
     accum_dtype: the ``dweight`` / ``dbias`` accumulators' dtype. None, as
       for ``linear_cross_entropy``: ``dweight`` in the weight's dtype, in
-      place, for at most 8 chunks (one rounding per chunk), else float32;
+      place, for at most 2 chunks (one rounding per chunk), else float32;
       at least float32 for ``dbias``.
     logits_dtype: the dtype both logits matmuls write (they accumulate in
       float32; the divergence math is float32). None: bfloat16 for a
