@@ -24,7 +24,7 @@ at a temperature above 1 its gradients are smaller (about ``1 / T**2``): raise
 the learning rate with it, or stay at ``T = 1`` as the defaults do.
 
 It needs the examples extra (``pip install -e ".[examples]"``, for optax); the
-defaults take about 50 seconds on a two-core CPU.
+defaults take 50 to 60 seconds on a two-core CPU.
 
   pip install -e ".[examples]"
   python examples/distill_tiny_lm.py

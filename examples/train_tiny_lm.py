@@ -9,7 +9,7 @@ line is the verdict: whether the loss fell (exit status 1 if not).
 
 It needs the examples extra (``pip install -e ".[examples]"``: tokenizers,
 optax, tqdm); without it, it says so and exits with status 2. The defaults
-take about 45 seconds on a two-core CPU.
+take 45 to 60 seconds on a two-core CPU.
 
   pip install -e ".[examples]"
   python examples/train_tiny_lm.py
