@@ -38,9 +38,11 @@ from mst_jax._rows import (
   Differentiated,
   Permuted,
   compaction,
+  differentiated,
   gradient_finish,
   stat_dtype,
   sweep_chunks,
+  unwrap_primals,
 )
 
 # Bytes a chunk holds per logit besides both heads' logits and the student's
@@ -187,19 +189,6 @@ def _sweep(plan: Plan, x: Heads, g_loss, diff: Differentiated, *, want_loss=True
 # ---- The custom VJPs. ----
 
 
-def _differentiated(hidden, weight, bias) -> Differentiated:
-  """From the ``CustomVJPPrimal`` inputs of a ``symbolic_zeros`` forward."""
-  return Differentiated(
-    hidden=hidden.perturbed,
-    weight=weight.perturbed,
-    bias=bias is not None and bias.perturbed,  # None has no leaves to wrap
-  )
-
-
-def _unwrap(*primals) -> tuple:
-  return tuple(None if p is None else p.value for p in primals)
-
-
 # Cotangents of the arrays that are never differentiated: the teacher's
 # hidden, weight and bias, the labels and the validity.
 _NO_COTANGENTS = (None,) * 5
@@ -215,8 +204,8 @@ def fused_loss(plan: Plan, *arrays_and_scale):
 
 def _fused_loss_fwd(plan: Plan, *arrays_and_scale):
   *arrays, row_scale = arrays_and_scale
-  diff = _differentiated(*arrays[:3])
-  x, (row_scale,) = Heads(*_unwrap(*arrays)), _unwrap(row_scale)
+  diff = differentiated(*arrays[:3])
+  x, (row_scale,) = Heads(*unwrap_primals(*arrays)), unwrap_primals(row_scale)
   loss, grads = _sweep(plan, x, row_scale, diff)
   return jnp.sum(loss * row_scale.astype(loss.dtype)), grads
 
@@ -246,8 +235,8 @@ def row_losses(plan: Plan, *arrays):
 
 
 def _row_losses_fwd(plan: Plan, *arrays):
-  diff = _differentiated(*arrays[:3])
-  x = Heads(*_unwrap(*arrays))
+  diff = differentiated(*arrays[:3])
+  x = Heads(*unwrap_primals(*arrays))
   loss, _ = _sweep(plan, x, None, diff)
   return loss, (x, diff)
 

@@ -29,6 +29,8 @@ from mst_jax._rows import (
   RowCotangents,
   RowInputs,
   SweepConfig,
+  differentiated,
+  unwrap_primals,
 )
 
 
@@ -60,19 +62,6 @@ class Plan(NamedTuple):
 
   config: SweepConfig
   order: LoopOrder
-
-
-def _differentiated(hidden, weight, bias) -> Differentiated:
-  """From the ``CustomVJPPrimal`` inputs of a ``symbolic_zeros`` forward."""
-  return Differentiated(
-    hidden=hidden.perturbed,
-    weight=weight.perturbed,
-    bias=bias is not None and bias.perturbed,  # None has no leaves to wrap
-  )
-
-
-def _unwrap(*primals) -> tuple:
-  return tuple(None if p is None else p.value for p in primals)
 
 
 def _instantiate(cotangent, like: jax.Array) -> jax.Array:
@@ -110,8 +99,8 @@ def row_losses(plan: Plan, hidden, weight, bias, labels, valid, *classes):
 
 
 def _row_losses_fwd(plan: Plan, hidden, weight, bias, labels, valid, *classes):
-  diff = _differentiated(hidden, weight, bias)
-  x = RowInputs(*_unwrap(hidden, weight, bias, labels, valid, *classes))
+  diff = differentiated(hidden, weight, bias)
+  x = RowInputs(*unwrap_primals(hidden, weight, bias, labels, valid, *classes))
   outputs = plan.order.forward(plan.config, x)
   return outputs, (x, outputs[1], outputs[3], diff, (None,) * len(classes))
 
@@ -154,9 +143,9 @@ def reduced_loss(plan: Plan, hidden, weight, bias, labels, valid, row_scale, *cl
 def _reduced_loss_fwd(
   plan: Plan, hidden, weight, bias, labels, valid, row_scale, *classes
 ):
-  diff = _differentiated(hidden, weight, bias)
-  arrays = _unwrap(hidden, weight, bias, labels, valid, *classes)
-  (row_scale,) = _unwrap(row_scale)
+  diff = differentiated(hidden, weight, bias)
+  arrays = unwrap_primals(hidden, weight, bias, labels, valid, *classes)
+  (row_scale,) = unwrap_primals(row_scale)
   x = RowInputs(*arrays)
   outputs, grads = plan.order.fused(plan.config, x, row_scale, diff)
   return outputs, (grads, (None,) * len(classes))  # a None per class array

@@ -16,21 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mst_jax import _full_logits
-from mst_jax._ce_math import at_least_float32
 from mst_jax._distill_math import DistillOptions
-
-
-def _logits(hidden, weight, bias, valid, weight_layout: str) -> jax.Array:
-  acc = at_least_float32(hidden.dtype)
-  w = weight if weight_layout == "dv" else weight.T
-  # Excluded rows never reach the logits: a NaN there changes nothing.
-  hidden = jnp.where(valid[:, None], hidden, jnp.zeros_like(hidden))
-  logits = jnp.dot(
-    hidden, w, preferred_element_type=acc, precision=lax.Precision.HIGHEST
-  )
-  if bias is not None:
-    logits = logits + bias.astype(acc)[None, :]
-  return logits
 
 
 def row_losses(
@@ -62,8 +48,8 @@ def row_losses(
     ``[N]`` float32 (float64 for float64 inputs).
   """
   teacher = lax.stop_gradient((teacher_hidden, teacher_weight, teacher_bias))
-  student_logits = _logits(hidden, weight, bias, valid, weight_layout)
-  teacher_logits = _logits(*teacher, valid, weight_layout)
+  student_logits = _full_logits.full_logits(hidden, weight, bias, valid, weight_layout)
+  teacher_logits = _full_logits.full_logits(*teacher, valid, weight_layout)
   return losses_from_logits(
     student_logits, teacher_logits.astype(student_logits.dtype), labels, valid, options
   )

@@ -19,6 +19,25 @@ from jax import lax
 from mst_jax._ce_math import CEOptions, at_least_float32
 
 
+def full_logits(hidden, weight, bias, valid, weight_layout: str) -> jax.Array:
+  """``[N, V]`` logits of the valid rows (0 at excluded rows), in at least
+  float32, at the highest matmul precision.
+
+  A plain transpose rather than the fast paths' layout-aware dot: the
+  references share nothing with them but the options.
+  """
+  acc = at_least_float32(hidden.dtype)
+  w = weight if weight_layout == "dv" else weight.T
+  # Excluded rows never reach the logits: a NaN there changes nothing.
+  hidden = jnp.where(valid[:, None], hidden, jnp.zeros_like(hidden))
+  logits = jnp.dot(
+    hidden, w, preferred_element_type=acc, precision=lax.Precision.HIGHEST
+  )
+  if bias is not None:
+    logits = logits + bias.astype(acc)[None, :]
+  return logits
+
+
 def row_losses(
   hidden: jax.Array,
   weight: jax.Array,
@@ -51,17 +70,7 @@ def row_losses(
     entropy of the softmax (with ``options.entropy``, else zeros; 0 at
     invalid rows).
   """
-  acc = at_least_float32(hidden.dtype)
-  # A plain transpose rather than the fast paths' layout-aware dot: the
-  # reference shares nothing with them but the options.
-  w = weight if weight_layout == "dv" else weight.T
-  # Excluded rows never reach the logits: a NaN there changes nothing.
-  hidden = jnp.where(valid[:, None], hidden, jnp.zeros_like(hidden))
-  logits = jnp.dot(
-    hidden, w, preferred_element_type=acc, precision=lax.Precision.HIGHEST
-  )
-  if bias is not None:
-    logits = logits + bias.astype(acc)[None, :]
+  logits = full_logits(hidden, weight, bias, valid, weight_layout)
   return losses_from_logits(
     logits, labels, valid, options=options, class_weights=class_weights
   )

@@ -207,6 +207,20 @@ class Differentiated:
 # ---- Compaction: valid rows first. ----
 
 
+def differentiated(hidden, weight, bias) -> Differentiated:
+  """From the ``CustomVJPPrimal`` inputs of a ``symbolic_zeros`` forward."""
+  return Differentiated(
+    hidden=hidden.perturbed,
+    weight=weight.perturbed,
+    bias=bias is not None and bias.perturbed,  # None has no leaves to wrap
+  )
+
+
+def unwrap_primals(*primals) -> tuple:
+  """The values of ``CustomVJPPrimal`` inputs (None stays None)."""
+  return tuple(None if p is None else p.value for p in primals)
+
+
 class Permuted(NamedTuple):
   """``array`` seen in the row order ``order`` (``view[i] = array[order[i]]``).
 
