@@ -43,7 +43,40 @@ _SEEDS = itertools.count(np.random.SeedSequence().entropy % (2**31))
 collect_ignore = ["multidevice"] if jax.device_count() < 8 else []
 
 
+# Single tests long enough to go with the slow part (see _mark_slow).
+SLOW_TESTS = {
+  "test_random_problems_match_the_oracle",  # hypothesis, many compilations
+  "test_distill_tiny_lm_compares_the_students",
+  "test_long_context_compares_the_heads_speed",
+}
+
+
+def _mark_slow(items) -> None:
+  """Splits the suite into a quick default run and a ``slow`` rest.
+
+  Of each parametrized test, the quick run keeps the first parametrizations
+  (in collection order) that together take every value of every parameter;
+  the rest of its grid is marked ``slow``, as are ``SLOW_TESTS``. So
+  ``pytest`` (``-m "not slow"``, the default) exercises every axis, and
+  ``pytest -m slow`` runs everything else: CI runs both.
+  """
+  seen: dict = {}
+  for item in items:
+    name = getattr(item, "originalname", item.name)
+    callspec = getattr(item, "callspec", None)
+    if name in SLOW_TESTS:
+      item.add_marker(pytest.mark.slow)
+    if callspec is None:
+      continue
+    covered = seen.setdefault((item.module.__name__, name), set())
+    values = {(key, repr(value)) for key, value in callspec.params.items()}
+    if values <= covered:
+      item.add_marker(pytest.mark.slow)
+    covered |= values
+
+
 def pytest_collection_modifyitems(config, items):
+  _mark_slow(items)
   if ON_GPU:
     return
   skip = pytest.mark.skip(reason="needs a CUDA GPU")

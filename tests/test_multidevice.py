@@ -13,17 +13,24 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 HERE = pathlib.Path(__file__).resolve().parent
 
 
-def test_multidevice_suite_on_8_cpu_devices():
+@pytest.mark.parametrize(
+  "part", ["not slow", pytest.param("slow", marks=pytest.mark.slow)]
+)
+def test_multidevice_suite_on_8_cpu_devices(part):
+  """The child runs the same part of its suite as this run (quick or slow)."""
   env = dict(os.environ)
   env["XLA_FLAGS"] = (
     env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
   ).strip()
   env["JAX_PLATFORMS"] = "cpu"
   result = subprocess.run(
-    [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "multidevice"],
+    [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", part]
+    + ["multidevice"],
     env=env,
     capture_output=True,
     text=True,

@@ -239,7 +239,9 @@ def test_log_probs_are_never_above_zero(rng, impl, dtype):
       hidden, weight, jnp.asarray(labels), impl=impl, chunk_size=8, **kwargs
     )
     assert float(jnp.max(log_probs)) <= 0.0
-    assert float(jnp.min(log_probs)) > -1.0  # the dominant class: p near 1
+    # The labels are mostly dominant classes, p near 1 (the float64 argmax;
+    # rounding the inputs may change a few).
+    assert float(jnp.median(log_probs)) > -0.05
 
 
 def test_a_large_common_logit_offset_changes_nothing(rng, impl, loop_order):
