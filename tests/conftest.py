@@ -48,6 +48,7 @@ SLOW_TESTS = {
   "test_random_problems_match_the_oracle",  # hypothesis, many compilations
   "test_distill_tiny_lm_compares_the_students",
   "test_long_context_compares_the_heads_speed",
+  "test_multi_device_layouts_match_one_device",  # the 8-device suite's layouts
 }
 
 

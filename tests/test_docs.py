@@ -21,7 +21,9 @@ def _blocks():
     if not path.exists():  # an installed package without its docs
       continue
     for index, code in enumerate(_BLOCK.findall(path.read_text())):
-      yield pytest.param(code, id=f"{path.name}-{index}")
+      # The README's in the quick run; the reference docs' with -m slow.
+      marks = () if path.name == "README.md" else (pytest.mark.slow,)
+      yield pytest.param(code, id=f"{path.name}-{index}", marks=marks)
 
 
 def test_the_docs_have_python_blocks():
