@@ -49,6 +49,9 @@ GPU_CASES = [
 ]
 CPU_TOKENS = [512, 1024, 2048]
 DEFAULT_IMPLS = ["naive", "naive_cast", "mst_jax", "jax_cce", "tokamax"]
+# The CPU case's logits (at most 128 MiB) fit the default memory budget whole,
+# so the default plans one chunk there; small chunks show what chunking saves.
+CPU_IMPLS = ["naive", "naive_cast", "mst_jax", "mst_jax:chunk_size=256"]
 
 
 def parse_args(
@@ -93,9 +96,12 @@ def parse_args(
   parser.add_argument(
     "--impls",
     nargs="+",
-    default=DEFAULT_IMPLS,
-    help="implementation specs (default: " + " ".join(DEFAULT_IMPLS) + "; peers"
-    " that are not installed are left out and listed)",
+    default=None,
+    help="implementation specs (default on a GPU: "
+    + " ".join(DEFAULT_IMPLS)
+    + "; on a CPU: "
+    + " ".join(CPU_IMPLS)
+    + "; peers that are not installed are left out and listed)",
   )
   parser.add_argument(
     "--reps",
@@ -228,6 +234,8 @@ def _device_defaults(args: argparse.Namespace, on_gpu: bool) -> None:
   """Fills the options left out: a short run by default, all of it with --full."""
   if args.cases is None:
     args.cases = (GPU_CASES if args.full else HEADLINE_CASES) if on_gpu else ["cpu"]
+  if args.impls is None:
+    args.impls = DEFAULT_IMPLS if on_gpu else CPU_IMPLS
   if args.tokens is None and not on_gpu:
     args.tokens = CPU_TOKENS
   if args.reps is None:
