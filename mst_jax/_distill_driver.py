@@ -40,6 +40,7 @@ from mst_jax._rows import (
   compaction,
   differentiated,
   gradient_finish,
+  scale_gradient,
   stat_dtype,
   sweep_chunks,
   unwrap_primals,
@@ -216,11 +217,7 @@ def _fused_loss_bwd(plan: Plan, grads, g_loss):
   if isinstance(g_loss, jax.custom_derivatives.SymbolicZero):
     return (None, None, None, *undifferentiated)
 
-  def scale(grad):  # in float32 (g_loss's dtype), rounded once to grad's
-    if grad is None:
-      return None
-    return (grad.astype(g_loss.dtype) * g_loss).astype(grad.dtype)
-
+  scale = functools.partial(scale_gradient, g_loss=g_loss)
   return (*map(scale, grads), *undifferentiated)
 
 

@@ -30,6 +30,7 @@ from mst_jax._rows import (
   RowInputs,
   SweepConfig,
   differentiated,
+  scale_gradient,
   unwrap_primals,
 )
 
@@ -166,11 +167,7 @@ def _reduced_loss_bwd(plan: Plan, residuals: tuple, cotangents: tuple) -> tuple:
   if isinstance(g_loss, jax.custom_derivatives.SymbolicZero):
     return (None, None, None, *undifferentiated)
 
-  def scale(grad):  # in float32 (g_loss's dtype), rounded once to grad's
-    if grad is None:
-      return None
-    return (grad.astype(g_loss.dtype) * g_loss).astype(grad.dtype)
-
+  scale = functools.partial(scale_gradient, g_loss=g_loss)
   dhidden, dweight, dbias = map(scale, residuals)
   return (dhidden, dweight, dbias, *undifferentiated)
 

@@ -216,6 +216,14 @@ def differentiated(hidden, weight, bias) -> Differentiated:
   )
 
 
+def scale_gradient(grad, g_loss):
+  """A gradient formed for a unit cotangent, times the scalar cotangent
+  ``g_loss``: in float32 (``g_loss``'s dtype), rounded once to ``grad``'s."""
+  if grad is None:
+    return None
+  return (grad.astype(g_loss.dtype) * g_loss).astype(grad.dtype)
+
+
 def unwrap_primals(*primals) -> tuple:
   """The values of ``CustomVJPPrimal`` inputs (None stays None)."""
   return tuple(None if p is None else p.value for p in primals)
