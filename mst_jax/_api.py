@@ -278,6 +278,7 @@ def resolve(
       dataclasses.replace(options.ce, entropy=entropy),
       rows.vocab_size,
       matmul_tile=tile,
+      gemm=_backends.select_gemm(perf.impl, platform),
     ),
     dweight_dtype=accum or rows.weight.dtype,
     dbias_dtype=accum or at_least_float32(bias_dtype),

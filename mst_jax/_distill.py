@@ -244,8 +244,8 @@ def _check_perf(perf: _options.PerfOptions) -> None:
     )
   if perf.impl == "pallas":
     raise NotImplementedError(
-      "linear_distillation_loss has no Pallas kernels; use impl=None or 'xla'"
-      " (or 'reference' for the full-logits oracle)."
+      "linear_distillation_loss has no Pallas kernels; use impl=None, 'xla'"
+      " or 'mosaic' (or 'reference' for the full-logits oracle)."
     )
 
 

@@ -31,6 +31,7 @@ import numpy as np
 from jax import lax
 
 from mst_jax import _matmul, _planning
+from mst_jax._backends import select_gemm
 from mst_jax._ce_math import at_least_float32
 from mst_jax._distill_math import DistillOptions, chunk_loss
 from mst_jax._options import PerfOptions, resolve_logits_dtype
@@ -71,6 +72,7 @@ class Plan:
       ``dweight`` accumulates in place in the output).
     dbias_dtype: the ``dbias`` accumulator's.
     matmul_tile: vocabulary columns per matmul tile (XLA:CPU), or None.
+    gemm: what runs the matmuls, ``"xla"`` or ``"mosaic"`` (``_matmul``).
     compact: move valid rows to the front before chunking.
   """
 
@@ -82,6 +84,7 @@ class Plan:
   dweight_dtype: np.dtype
   dbias_dtype: np.dtype
   matmul_tile: int | None = None
+  gemm: str = "xla"
   compact: bool = True
 
 
@@ -119,13 +122,22 @@ def _accumulate(plan: Plan, grads, chunk, h, dlogits, weight, first: bool):
   """Adds a chunk's ``dlogits`` to ``(dhidden, dweight, dbias)``; ``first``:
   replaces the (never read) zeros of ``dweight`` and ``dbias`` instead."""
   dhidden, dweight, dbias = grads
-  layout, tile = plan.weight_layout, plan.matmul_tile
+  layout, tile, gemm = plan.weight_layout, plan.matmul_tile, plan.gemm
   if dhidden is not None:
-    rows = _matmul.dhidden_matmul(dlogits, weight, layout, dhidden.dtype, tile=tile)
+    rows = _matmul.dhidden_matmul(
+      dlogits, weight, layout, dhidden.dtype, tile=tile, gemm=gemm
+    )
     dhidden = chunk.put(dhidden, rows)
   if dweight is not None:
     dweight = _matmul.dweight_matmul(
-      dlogits, h, layout, dweight.dtype, into=dweight, add=not first, tile=tile
+      dlogits,
+      h,
+      layout,
+      dweight.dtype,
+      into=dweight,
+      add=not first,
+      tile=tile,
+      gemm=gemm,
     )
   if dbias is not None:
     part = jnp.sum(dlogits, axis=0, dtype=dbias.dtype)
@@ -147,13 +159,13 @@ def _sweep(plan: Plan, x: Heads, g_loss, diff: Differentiated, *, want_loss=True
   grads = _gradient_init(plan, x, hidden, diff)
   want_grads = any(g is not None for g in grads)
   loss = jnp.zeros(x.labels.shape, stat_dtype(x.hidden)) if want_loss else None
-  layout, tile = plan.weight_layout, plan.matmul_tile
+  layout, tile, gemm = plan.weight_layout, plan.matmul_tile, plan.gemm
 
   def update(carry, chunk, first=False):
     loss, grads = carry
     h = chunk.hidden(hidden)
     student = _matmul.logits_matmul(
-      h, x.weight, x.bias, layout, plan.logits_dtype, tile=tile
+      h, x.weight, x.bias, layout, plan.logits_dtype, tile=tile, gemm=gemm
     )
     teacher = _matmul.logits_matmul(
       chunk.hidden(teacher_hidden),
@@ -162,6 +174,7 @@ def _sweep(plan: Plan, x: Heads, g_loss, diff: Differentiated, *, want_loss=True
       layout,
       plan.teacher_logits_dtype,
       tile=tile,
+      gemm=gemm,
     )
     g_rows = chunk.take(g_loss) if want_grads else None
     rows, dlogits = chunk_loss(
@@ -308,4 +321,5 @@ def resolve(x: Heads, options: DistillOptions, perf: PerfOptions, layout: str) -
     dweight_dtype=np.dtype(accum or x.weight.dtype),
     dbias_dtype=np.dtype(accum or at_least_float32(bias_dtype)),
     matmul_tile=_planning.MATMUL_TILE if cpu else None,
+    gemm=select_gemm(perf.impl, jax.default_backend()),
   )

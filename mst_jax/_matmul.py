@@ -5,6 +5,13 @@ The weight is ``[V, D]`` (``"vd"``: an embedding table, a torch
 that depends on the layout is here, so the rest of the package never
 transposes (or copies) the weight.
 
+``gemm`` says what runs a product: ``"xla"`` (``lax.dot_general``) or
+``"mosaic"``: the Mosaic GPU kernel (``_mosaic_gemm``, Hopper), for the
+products whose shapes it takes, ``lax.dot_general`` for the others. XLA
+autotunes each GEMM it compiles on fresh buffers of its operands' and
+output's sizes, weight-sized at an LM head; the Mosaic kernel is not
+autotuned, so a step's first call needs no more memory than the next.
+
 With ``tile`` set, each matmul runs over the vocabulary in tiles of that many
 columns. XLA:CPU computes 16-bit matmuls in float32 and converts their
 operands whole: untiled, a ``[V, D]`` bfloat16 weight gets a float32 copy
@@ -21,9 +28,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from mst_jax import _mosaic_gemm
 from mst_jax._ce_math import at_least_float32
 
 WEIGHT_LAYOUTS = ("vd", "dv")
+GEMMS = ("xla", "mosaic")
 
 # lax.dot_general dimension numbers per weight layout.
 _LOGITS_DIMS = {  # hidden [C, D] x weight -> [C, V]
@@ -87,6 +96,15 @@ def over_columns(
   return carry
 
 
+def _dot(lhs, rhs, dims, dtype, gemm: str, accumulate=None) -> jax.Array:
+  """``accumulate + lax.dot_general(lhs, rhs, dims)`` written in ``dtype``
+  (``accumulate`` None: the product alone), run by ``gemm``."""
+  if gemm == "mosaic" and _mosaic_gemm.takes(lhs, rhs, dims, dtype, accumulate):
+    return _mosaic_gemm.matmul(lhs, rhs, dims, dtype, accumulate=accumulate)
+  product = lax.dot_general(lhs, rhs, dims, preferred_element_type=dtype)
+  return product if accumulate is None else accumulate + product
+
+
 def _write_columns(total: jax.Array, part: jax.Array, start, axis: int) -> jax.Array:
   """``total`` with ``part`` written at ``start`` along ``axis``, in place.
 
@@ -111,6 +129,7 @@ def logits_matmul(
   dtype: jnp.dtype | None = None,
   *,
   tile: int | None = None,
+  gemm: str = "xla",
 ) -> jax.Array:
   """``hidden @ weight (+ bias)`` in ``dtype`` (default: at least float32).
 
@@ -138,12 +157,8 @@ def logits_matmul(
   acc = at_least_float32(hidden.dtype)
   dtype = dtype or acc
   if bias is None:
-    return lax.dot_general(
-      hidden, weight, _LOGITS_DIMS[layout], preferred_element_type=dtype
-    )
-  logits = lax.dot_general(
-    hidden, weight, _LOGITS_DIMS[layout], preferred_element_type=acc
-  )
+    return _dot(hidden, weight, _LOGITS_DIMS[layout], dtype, gemm)
+  logits = _dot(hidden, weight, _LOGITS_DIMS[layout], acc, gemm)
   return (logits + bias.astype(acc)[None, :]).astype(dtype)
 
 
@@ -154,6 +169,7 @@ def dhidden_matmul(
   dtype: jnp.dtype,
   *,
   tile: int | None = None,
+  gemm: str = "xla",
 ) -> jax.Array:
   """``dlogits @ weight`` written in ``dtype``.
 
@@ -173,9 +189,7 @@ def dhidden_matmul(
     total = jnp.zeros((dlogits.shape[0], weight.shape[1 - vocab_axis(layout)]), acc)
     width = dlogits.shape[1]
     return over_columns(step, total, (dlogits, weight), width, tile).astype(dtype)
-  return lax.dot_general(
-    dlogits, weight, _DHIDDEN_DIMS[layout], preferred_element_type=dtype
-  )
+  return _dot(dlogits, weight, _DHIDDEN_DIMS[layout], dtype, gemm)
 
 
 def dweight_matmul(
@@ -187,6 +201,7 @@ def dweight_matmul(
   into: jax.Array | None = None,
   add: bool = True,
   tile: int | None = None,
+  gemm: str = "xla",
 ) -> jax.Array:
   """The weight gradient of a block of rows, in the weight's layout, in ``dtype``.
 
@@ -215,7 +230,5 @@ def dweight_matmul(
     return over_columns(step, into, (dlogits, hidden), width, tile)
   # "vd": dlogits^T @ hidden -> [V, D]; "dv": hidden^T @ dlogits -> [D, V].
   operands = (dlogits, hidden) if layout == "vd" else (hidden, dlogits)
-  product = lax.dot_general(*operands, _CONTRACT_ROWS, preferred_element_type=dtype)
-  if into is None or not add:
-    return product
-  return into + product
+  accumulate = into if into is not None and add else None
+  return _dot(*operands, _CONTRACT_ROWS, dtype, gemm, accumulate)

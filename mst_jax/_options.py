@@ -21,7 +21,7 @@ import numpy as np
 from mst_jax._ce_math import CEOptions, at_least_float32
 
 REDUCTIONS = ("mean", "sum", "none")
-IMPLEMENTATIONS = (None, "xla", "pallas", "reference")
+IMPLEMENTATIONS = (None, "xla", "pallas", "mosaic", "reference")
 GRAD_MODES = (None, "fused", "recompute")
 
 

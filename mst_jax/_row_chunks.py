@@ -67,15 +67,24 @@ def _accumulate(
   enclosing group's rows, not all rows.
   """
   dhidden, dweight, dbias = grads
-  layout, tile = config.layout, config.head.matmul_tile
+  layout, tile, gemm = config.layout, config.head.matmul_tile, config.head.gemm
   add = (lambda old, new: new) if first else jnp.add
   if dhidden is not None:
-    dh = _matmul.dhidden_matmul(dlogits, weight, layout, dhidden.dtype, tile=tile)
+    dh = _matmul.dhidden_matmul(
+      dlogits, weight, layout, dhidden.dtype, tile=tile, gemm=gemm
+    )
     dh = config.columns.sum_partial(dh)
     dhidden = group.put(dhidden, dh, local=local)
   if dweight is not None:
     dweight = _matmul.dweight_matmul(
-      dlogits, h, layout, dweight.dtype, into=dweight, add=not first, tile=tile
+      dlogits,
+      h,
+      layout,
+      dweight.dtype,
+      into=dweight,
+      add=not first,
+      tile=tile,
+      gemm=gemm,
     )
   if dbias is not None:
     dbias = add(dbias, jnp.sum(dlogits, axis=0, dtype=dbias.dtype))
@@ -177,8 +186,10 @@ def _whole_groups_in_place(sweep: _Sweep, outputs, grads):
     )
     rows = None
     if want_rows:
-      tile = config.head.matmul_tile
-      rows = _matmul.dhidden_matmul(dlogits, weight, layout, dh_dtype, tile=tile)
+      tile, gemm = config.head.matmul_tile, config.head.gemm
+      rows = _matmul.dhidden_matmul(
+        dlogits, weight, layout, dh_dtype, tile=tile, gemm=gemm
+      )
       rows = config.columns.sum_partial(rows)
     return outputs, rows, dweight, dbias
 

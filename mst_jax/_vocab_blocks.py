@@ -164,7 +164,7 @@ class VocabBlocks:
     """Adds one row chunk's contribution to ``(dhidden, dweight, dbias)``."""
     dhidden, dweight, dbias = grads
     layout, axis = config.layout, _matmul.vocab_axis(config.layout)
-    acc = stat_dtype(x.hidden)
+    acc, gemm = stat_dtype(x.hidden), config.head.gemm
     x = x._replace(labels=relative_labels(x.labels, config.columns.offset()))
 
     def add_block(total, part, start, axis):
@@ -177,9 +177,11 @@ class VocabBlocks:
         block, rows, config.head, x.hidden.dtype, offset=start
       )
       if dh is not None:
-        dh = dh + _matmul.dhidden_matmul(dlogits, block.weight, layout, acc)
+        dh = dh + _matmul.dhidden_matmul(dlogits, block.weight, layout, acc, gemm=gemm)
       if dw is not None:
-        dweight_block = _matmul.dweight_matmul(dlogits, x.hidden, layout, dw.dtype)
+        dweight_block = _matmul.dweight_matmul(
+          dlogits, x.hidden, layout, dw.dtype, gemm=gemm
+        )
         dw = add_block(dw, dweight_block, start, axis)
       if db is not None:
         db = add_block(db, jnp.sum(dlogits, axis=0, dtype=db.dtype), start, 0)

@@ -28,7 +28,9 @@ LAYERS = [
     "mst_jax._ce_math",
     "mst_jax._planning",
     "mst_jax._distill_math",
+    "mst_jax._mosaic_gemm_config",
   ],  # math, heuristics
+  ["mst_jax._mosaic_gemm"],  # the Mosaic GPU GEMM kernel
   [
     "mst_jax._options",
     "mst_jax._matmul",

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from conftest import has_gpu
 
-from mst_jax._backends import mosaic_gemm
-from mst_jax._backends.mosaic_gemm import GemmConfig
+from mst_jax import _mosaic_gemm as mosaic_gemm
+from mst_jax._mosaic_gemm import GemmConfig
 
 # ||out - ref|| / ||ref|| by output dtype: one rounding of the output (half an
 # ulp: 2^-9 bfloat16, 2^-11 float16) with room for summation order, or float32

@@ -1,6 +1,7 @@
 """Per-chunk backends behind one interface (``base.ChunkBackend``).
 
-``select`` is the one place that maps ``impl`` and the platform to a backend.
+``select`` and ``select_gemm`` are the one place that maps ``impl`` and the
+platform to a backend and to what runs the matmuls.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import functools
 import warnings
 
+from mst_jax import _mosaic_gemm
 from mst_jax._backends.base import (
   AllColumns,
   ChunkBackend,
@@ -26,6 +28,7 @@ __all__ = [
   "XlaChunkCE",
   "pallas_unavailable_reason",
   "select",
+  "select_gemm",
 ]
 
 
@@ -52,9 +55,11 @@ def pallas_unavailable_reason(platform: str) -> str | None:
 def select(
   impl: str | None, platform: str, *, xla_only: str | None = None
 ) -> ChunkBackend:
-  """The per-chunk backend for ``impl`` (None, "xla" or "pallas") on ``platform``.
+  """The per-chunk backend for ``impl`` (None, "xla", "pallas" or "mosaic") on
+  ``platform``.
 
-  ``impl=None`` picks the Pallas kernels on a GPU and XLA elsewhere;
+  ``impl=None`` and ``"mosaic"`` pick the Pallas kernels on a GPU and XLA
+  elsewhere;
   ``impl="pallas"`` on a CPU runs the kernels in interpret mode. If the Triton
   lowering is unavailable, a Pallas request falls back to XLA with one warning.
   ``xla_only`` names what the call computes that only the XLA backend does
@@ -64,7 +69,7 @@ def select(
     raise NotImplementedError(
       f"impl='pallas' does not compute {xla_only}; use impl=None or impl='xla'."
     )
-  if impl == "xla" or xla_only or (impl is None and platform != "gpu"):
+  if impl == "xla" or xla_only or (impl in (None, "mosaic") and platform != "gpu"):
     return XlaChunkCE()
   reason = pallas_unavailable_reason(platform)
   if reason is not None:
@@ -75,10 +80,31 @@ def select(
   return pallas_triton.PallasTritonChunkCE(interpret=platform != "gpu")
 
 
+def select_gemm(impl: str | None, platform: str) -> str:
+  """What runs the head's matmuls (``_matmul.GEMMS``) for ``impl``.
+
+  ``impl="mosaic"``: the Mosaic GPU kernel on a Hopper GPU; elsewhere XLA's,
+  with one warning. Every other ``impl``: XLA's.
+  """
+  if impl != "mosaic":
+    return "xla"
+  reason = _mosaic_gemm.unavailable_reason()
+  if platform != "gpu":
+    reason = f"it needs a Hopper GPU, the platform is a {platform}"
+  if reason is not None:
+    _warn_fallback(reason, what="GEMMs")
+    return "xla"
+  return "mosaic"
+
+
+_INSTEAD = {
+  "backend": "the XLA per-chunk backend instead of Pallas",
+  "GEMMs": "XLA's GEMMs instead of Mosaic GPU's",
+}
+
+
 @functools.cache
-def _warn_fallback(reason: str) -> None:
+def _warn_fallback(reason: str, what: str = "backend") -> None:
   warnings.warn(
-    f"mst_jax: using the XLA per-chunk backend instead of Pallas: {reason}.",
-    RuntimeWarning,
-    stacklevel=4,
+    f"mst_jax: using {_INSTEAD[what]}: {reason}.", RuntimeWarning, stacklevel=4
   )

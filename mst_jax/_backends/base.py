@@ -39,6 +39,7 @@ class HeadSpec:
       over all of it, also when a weight holds only some columns).
     matmul_tile: None, or the vocabulary columns each matmul takes at a time
       (``_matmul``: for XLA:CPU, which converts 16-bit operands whole).
+    gemm: what runs the matmuls, ``"xla"`` or ``"mosaic"`` (``_matmul``).
   """
 
   weight_layout: str
@@ -46,6 +47,7 @@ class HeadSpec:
   options: CEOptions
   vocab_size: int
   matmul_tile: int | None = None
+  gemm: str = "xla"
 
 
 class Columns(Protocol):
@@ -192,6 +194,7 @@ class MatmulThenCE:
       head.weight_layout,
       head.logits_dtype,
       tile=head.matmul_tile,
+      gemm=head.gemm,
     )
 
   def chunk_forward(self, x, head, *, offset=0):

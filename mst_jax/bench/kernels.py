@@ -10,7 +10,7 @@ bandwidth measured in the same run.
 ``run_gemms``: for each head shape and weight layout, times the logits,
 ``dhidden`` and ``dweight`` GEMMs (bfloat16 operands, float32 accumulation)
 through XLA (``lax.dot_general`` with ``preferred_element_type``) and through
-the Mosaic GPU kernel (``_backends.mosaic_gemm``), side by side in TFLOP/s.
+the Mosaic GPU kernel (``mst_jax._mosaic_gemm``), side by side in TFLOP/s.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from jax import lax
 
 from mst_jax import _backends as backends
 from mst_jax import _ce_math as ce_math
-from mst_jax._backends import mosaic_gemm
+from mst_jax import _mosaic_gemm as mosaic_gemm
 from mst_jax._backends.pallas_triton import KernelBlocks, PallasTritonChunkCE
 
 

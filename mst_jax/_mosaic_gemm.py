@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mst_jax._backends.mosaic_gemm_config import (
+from mst_jax._mosaic_gemm_config import (
   GemmConfig,
   default_config,
   epilogue_slots,
@@ -320,6 +320,7 @@ def _gemm(lhs, rhs, accumulate, problem: _Problem, config: GemmConfig):
 _STATIC_ARGS = ("dimension_numbers", "out_dtype", "config")
 
 
+@functools.cache
 def unavailable_reason() -> str | None:
   """Why the kernel cannot run on the default device, or None."""
   if _IMPORT_ERROR is not None:
@@ -331,6 +332,19 @@ def unavailable_reason() -> str | None:
   if capability != "9.0":
     return f"it needs a Hopper GPU (compute capability 9.0), got {capability}"
   return None
+
+
+def takes(lhs, rhs, dimension_numbers, out_dtype, accumulate=None) -> bool:
+  """Whether ``matmul`` runs these arguments here (a Hopper GPU, bf16/f16
+  operands, arrays of whole TMA tiles); ``mst_jax._matmul`` uses
+  ``lax.dot_general`` for the rest."""
+  if unavailable_reason() is not None:
+    return False
+  try:
+    _check(lhs, rhs, dimension_numbers, out_dtype, accumulate)
+  except (NotImplementedError, TypeError, ValueError):
+    return False
+  return True
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC_ARGS)

@@ -1,0 +1,130 @@
+"""``impl="mosaic"``: the head's matmuls as Mosaic GPU kernels (Hopper).
+
+On a Hopper GPU the three products run in ``mst_jax._mosaic_gemm`` where
+their arrays are whole TMA tiles and in ``lax.dot_general`` otherwise; each
+case checks the lowered step really calls the Mosaic kernel, then compares
+loss and gradients with the float64 oracle. Elsewhere the option falls back
+to XLA's GEMMs with one warning and computes what ``impl=None`` computes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import (
+  ALL_OPTIONS,
+  check_against_oracle,
+  has_gpu,
+  make_problem,
+  value_and_grads,
+)
+
+import mst_jax
+from mst_jax import _backends, _mosaic_gemm
+
+
+def _lowered_text(problem, **kwargs) -> str:
+  def loss(hidden, weight, bias):
+    return mst_jax.linear_cross_entropy(
+      hidden, weight, problem.labels, bias, where=problem.where, **kwargs
+    )
+
+  args = (problem.hidden, problem.weight, problem.bias)
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).as_text()
+
+
+@pytest.mark.skipif(
+  _mosaic_gemm.unavailable_reason() is None, reason="checks the fallback"
+)
+def test_falls_back_to_xla_gemms_with_one_warning(rng):
+  problem = make_problem(rng, (37,), dim=64, vocab=1031, dtype="bfloat16")
+  _backends._warn_fallback.cache_clear()
+  with pytest.warns(RuntimeWarning, match="XLA's GEMMs instead of Mosaic GPU's"):
+    loss, grads = value_and_grads(
+      mst_jax.linear_cross_entropy, problem, impl="mosaic", chunk_size=16
+    )
+  want_loss, want_grads = value_and_grads(
+    mst_jax.linear_cross_entropy, problem, chunk_size=16
+  )
+  np.testing.assert_array_equal(loss, want_loss)
+  for got, want in zip(grads, want_grads, strict=True):
+    np.testing.assert_array_equal(got, want)
+  assert "mosaic_gpu" not in _lowered_text(problem, impl="mosaic", chunk_size=16)
+
+
+def test_the_flax_options_take_mosaic():
+  options = mst_jax.HeadLossOptions(impl="mosaic", chunk_size=256)
+  assert options.impl == "mosaic"
+
+
+# (dtype, weight layout, V, options): TMA-aligned vocabularies (every product
+# on the Mosaic kernel), GPT-2's 50257 (the products touching V on XLA), both
+# gradient modes, the loss options, the bf16 accumulator, vocabulary blocks.
+CASES = [
+  ("bfloat16", "vd", 32000, dict(chunk_size=256)),
+  ("bfloat16", "dv", 32000, dict(chunk_size=256, grad_mode="recompute")),
+  ("float16", "vd", 128256, dict(chunk_size=512, **ALL_OPTIONS)),
+  ("bfloat16", "dv", 128256, dict(chunk_size=256, accum_dtype=jnp.bfloat16)),
+  ("bfloat16", "vd", 128256, dict(chunk_size=512, vocab_block_size=8192)),
+  ("bfloat16", "vd", 50257, dict(chunk_size=256, label_smoothing=0.1)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, layout, vocab, kwargs", CASES, ids=str)
+def test_mosaic_matches_the_oracle(rng, dtype, layout, vocab, kwargs):
+  assert has_gpu()
+  if (reason := _mosaic_gemm.unavailable_reason()) is not None:
+    pytest.skip(reason)
+  # 1041 rows: a masked prefix per sequence (skipped chunks) and a tail.
+  problem = make_problem(
+    rng,
+    (3, 347),
+    dim=320,
+    vocab=vocab,
+    dtype=dtype,
+    weight_layout=layout,
+    mask="prefix",
+    bias=False,
+  )
+  kwargs = dict(kwargs, impl="mosaic", weight_layout=layout)
+  assert "mosaic_gpu" in _lowered_text(problem, **kwargs)
+  check_against_oracle(problem, dtype, **kwargs)
+
+
+# bfloat16 heads with bfloat16 logits: each logit rounds by up to 2^-9 of
+# itself, a fraction of a percent of the loss and of the gradients.
+DISTILL_RTOL = {"loss": 1e-2, "grads": 3e-2}
+
+
+@pytest.mark.gpu
+def test_mosaic_distillation_matches_the_oracle(rng):
+  if (reason := _mosaic_gemm.unavailable_reason()) is not None:
+    pytest.skip(reason)
+  n, d_s, d_t, vocab = 1000, 256, 512, 32000
+  teacher = rng.standard_normal((n, d_t))
+  student = teacher @ rng.standard_normal((d_t, d_s)) / np.sqrt(d_t)
+  w_s = rng.standard_normal((vocab, d_s)) * 3 / np.sqrt(d_s)
+  w_t = rng.standard_normal((vocab, d_t)) * 3 / np.sqrt(d_t)
+  arrays = [jnp.asarray(x, jnp.bfloat16) for x in (student, w_s, teacher, w_t)]
+
+  def value_and_grad(fn, h, w, t, wt, **kwargs):
+    loss = lambda h, w: fn(h, w, t, wt, temperature=2.0, **kwargs)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(h, w, t, wt)
+
+  lowered = value_and_grad(
+    mst_jax.linear_distillation_loss, *arrays, impl="mosaic", chunk_size=256
+  )
+  assert "mosaic_gpu" in lowered.as_text()
+  loss, grads = lowered.compile()(*arrays)
+  with jax.enable_x64(True):
+    arrays64 = [jnp.asarray(np.asarray(x, np.float64)) for x in arrays]
+    ref_loss, ref_grads = value_and_grad(
+      mst_jax.reference.linear_distillation_loss, *arrays64
+    ).compile()(*arrays64)
+  assert abs(float(loss) - float(ref_loss)) <= DISTILL_RTOL["loss"] * abs(ref_loss)
+  for got, ref in zip(grads, ref_grads, strict=True):
+    got, ref = np.asarray(got, np.float64), np.asarray(ref)
+    assert np.linalg.norm(got - ref) <= DISTILL_RTOL["grads"] * np.linalg.norm(ref)
