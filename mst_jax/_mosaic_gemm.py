@@ -153,14 +153,17 @@ def _operand_specs(problem: _Problem, config: GemmConfig) -> list:
 
 
 def _gemm_kernel(a_gmem, b_gmem, out_gmem, *, problem: _Problem, config: GemmConfig):
-  """One block: a persistent walk over ``[block_m, block_n]`` output tiles."""
+  """One block: a persistent walk over ``[block_m, block_n]`` output tiles
+  (and with split-K, over the contraction's parts: ``out_gmem`` is then
+  ``[k_splits, m, n]``, one partial product per part)."""
   p, c = problem, config
   m_iters, n_iters = pl.cdiv(p.m, c.block_m), pl.cdiv(p.n, c.block_n)
+  split_steps = pl.cdiv(pl.cdiv(p.k, c.tile_k), c.k_splits)  # tile_k steps
 
   def pipeline(body, compute_context):
     return plgpu.emit_pipeline_warp_specialized(
       body,
-      grid=(pl.cdiv(p.k, c.tile_k),),
+      grid=(split_steps,),
       memory_registers=40,
       in_specs=_operand_specs(p, c),
       wg_axis="wg",
@@ -188,14 +191,19 @@ def _gemm_kernel(a_gmem, b_gmem, out_gmem, *, problem: _Problem, config: GemmCon
     wg_m = pl.ds(wg * c.tile_m, c.tile_m) if c.split == "m" else slice(None)
     wg_n = pl.ds(wg * c.tile_n, c.tile_n) if c.split == "n" else slice(None)
 
-    @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+    @plgpu.nd_loop((m_iters * n_iters * c.k_splits,), collective_axes="sm")
     def _tile(loop_info):
-      (tile_index,) = loop_info.index
+      (index,) = loop_info.index
+      # Neighbouring blocks take the parts of one tile, then the next tile.
+      tile_index, part = index // c.k_splits, index % c.k_splits
       minor = 0 if c.grid_minor == "m" else 1
       grid = (m_iters, n_iters)
       m_index, n_index = plgpu.planar_snake(tile_index, grid, minor, c.grid_tile_width)
       rows = pl.ds(m_index * c.block_m, c.block_m)
       cols = pl.ds(n_index * c.block_n, c.block_n)
+      # The last part may run past K: TMA reads zeros there.
+      ks = pl.ds(part * split_steps * c.tile_k, split_steps * c.tile_k)
+      out = out_gmem.at[part] if c.k_splits > 1 else out_gmem
 
       def mma(_, a_smem, b_smem, acc_ref):
         if p.lhs_transposed:  # [tile_k, block_m] as stored
@@ -211,7 +219,7 @@ def _gemm_kernel(a_gmem, b_gmem, out_gmem, *, problem: _Problem, config: GemmCon
         return acc_ref
 
       def compute_context(run_pipeline):
-        out_tile = out_gmem.at[rows, cols].at[wg_m, wg_n]
+        out_tile = out.at[rows, cols].at[wg_m, wg_n]
         store = _TileStore(out_tile, out_smem.at[wg], load_barrier, wg, p, c)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores
         if p.accumulate:  # the first pieces of the addend arrive during the loop
@@ -226,8 +234,8 @@ def _gemm_kernel(a_gmem, b_gmem, out_gmem, *, problem: _Problem, config: GemmCon
           store.store(acc_ref[...])
 
       pipeline(mma, compute_context)(
-        a_gmem.at[:, rows] if p.lhs_transposed else a_gmem.at[rows, :],
-        b_gmem.at[cols, :] if p.rhs_transposed else b_gmem.at[:, cols],
+        a_gmem.at[ks, rows] if p.lhs_transposed else a_gmem.at[rows, ks],
+        b_gmem.at[cols, ks] if p.rhs_transposed else b_gmem.at[ks, cols],
         allocations=allocations,
       )
 
@@ -296,19 +304,31 @@ def _num_sms() -> int:
 
 
 def _gemm(lhs, rhs, accumulate, problem: _Problem, config: GemmConfig):
-  """Launches the kernel; ``accumulate`` (or None) is updated through a Ref."""
+  """Launches the kernel; ``accumulate`` (or None) is updated through a Ref.
+
+  Split along K, the blocks write float32 partial products, summed here.
+  """
+  if config.k_splits > 1 and accumulate is not None:
+    raise ValueError("split-K (k_splits > 1) does not accumulate")
+  kernel_problem = problem
+  if config.k_splits > 1:
+    kernel_problem = dataclasses.replace(problem, out_dtype=jnp.dtype(jnp.float32))
   mesh = plgpu.Mesh(
     grid=(_num_sms(),), grid_names=("sm",), num_threads=3, thread_name="wg"
   )
   kernel = functools.partial(
     pl.kernel,
-    functools.partial(_gemm_kernel, problem=problem, config=config),
+    functools.partial(_gemm_kernel, problem=kernel_problem, config=config),
     mesh=mesh,
     compiler_params=plgpu.CompilerParams(
       lowering_semantics=plgpu.LoweringSemantics.Warpgroup
     ),
     name="mst_jax_mosaic_gemm",
   )
+  if config.k_splits > 1:
+    shape = (config.k_splits, problem.m, problem.n)
+    parts = kernel(out_type=jax.ShapeDtypeStruct(shape, jnp.float32))(lhs, rhs)
+    return jnp.sum(parts, axis=0).astype(problem.out_dtype)
   if accumulate is None:
     out_type = jax.ShapeDtypeStruct((problem.m, problem.n), problem.out_dtype)
     return kernel(out_type=out_type)(lhs, rhs)
@@ -404,5 +424,7 @@ def matmul(
   if (reason := unavailable_reason()) is not None:
     raise NotImplementedError(f"mosaic_gemm.matmul: {reason}; use lax.dot_general.")
   p = problem
-  config = config or default_config(p.m, p.n, p.k, p.out_dtype, p.accumulate)
+  config = config or default_config(
+    p.m, p.n, p.k, p.out_dtype, p.accumulate, _num_sms()
+  )
   return _gemm(lhs, rhs, accumulate, problem, config)

@@ -33,6 +33,10 @@ class GemmConfig:
     grid_tile_width: output tiles per band of the snake along ``grid_minor``.
     epilogue_m: rows of each epilogue store, divides ``tile_m``.
     epilogue_n: columns of each epilogue store, divides ``tile_n``.
+    k_splits: contiguous parts of the contraction computed by separate
+      blocks into float32 partial outputs that are then summed (split-K: a
+      small output over a long contraction, e.g. ``dhidden`` of a few hundred
+      rows, keeps every SM busy).
   """
 
   tile_m: int = 128
@@ -44,6 +48,7 @@ class GemmConfig:
   grid_tile_width: int = 8
   epilogue_m: int = 64
   epilogue_n: int = 64
+  k_splits: int = 1
 
   def __post_init__(self) -> None:
     def check(ok: bool, name: str, what: str) -> None:
@@ -64,6 +69,7 @@ class GemmConfig:
     check(self.grid_minor in ("m", "n"), "grid_minor", "'m' or 'n'")
     check(self.stages >= 1, "stages", ">= 1")
     check(self.grid_tile_width >= 1, "grid_tile_width", ">= 1")
+    check(self.k_splits >= 1, "k_splits", ">= 1")
 
   @property
   def block_m(self) -> int:
@@ -100,11 +106,26 @@ _TUNED: tuple[tuple[tuple[bool, int, int, int], GemmConfig], ...] = (
 )
 
 
-def default_config(m: int, n: int, k: int, out_dtype, accumulate: bool) -> GemmConfig:
+# A split of the contraction takes at least this many tile_k steps.
+_MIN_SPLIT_STEPS = 16
+
+
+def _k_splits(m: int, n: int, k: int, config: GemmConfig, num_sms: int) -> int:
+  """Split-K factor: enough parts for the output tiles to fill the SMs."""
+  tiles = -(-m // config.block_m) * -(-n // config.block_n)
+  steps = -(-k // config.tile_k)
+  return max(1, min(num_sms // tiles, steps // _MIN_SPLIT_STEPS))
+
+
+def default_config(
+  m: int, n: int, k: int, out_dtype, accumulate: bool, num_sms: int = 132
+) -> GemmConfig:
   """The config for an ``[m, k] x [k, n]`` product, fitted to shared memory.
 
   A float32 output's epilogue slots are narrowed to 32 columns, then stages
-  dropped (to no fewer than 2), until they fit beside the operand ring.
+  dropped (to no fewer than 2), until they fit beside the operand ring. An
+  output of fewer tiles than ``num_sms`` over a long contraction (not
+  accumulated) is split along K.
   """
   config = next(
     (
@@ -114,6 +135,10 @@ def default_config(m: int, n: int, k: int, out_dtype, accumulate: bool) -> GemmC
     ),
     GemmConfig(),
   )
+  if not accumulate:
+    config = dataclasses.replace(config, k_splits=_k_splits(m, n, k, config, num_sms))
+  if config.k_splits > 1:  # the blocks write float32 partial outputs
+    out_dtype = jnp.float32
   fits = lambda c: c.smem_bytes(jnp.bfloat16, out_dtype, accumulate) <= SMEM_BYTES
   if not fits(config) and config.epilogue_n > 32:
     config = dataclasses.replace(config, epilogue_n=32)

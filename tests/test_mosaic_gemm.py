@@ -40,8 +40,10 @@ PRODUCTS = {
   ("dweight", "vd"): ("dlogits", "hidden", _dims(0, 0)),
   ("dweight", "dv"): ("hidden", "dlogits", _dims(0, 0)),
 }
-# (N, D, V): unaligned rows, and a 65 x 64-column vocabulary.
-SHAPES = [(1000, 512, 4160), (8000, 256, 32000)]
+# (N, D, V): unaligned rows, and a 65 x 64-column vocabulary; 264 rows make
+# dhidden six output tiles over V, which the default config splits along K
+# (22 parts of 23 steps: the last one runs past V).
+SHAPES = [(1000, 512, 4160), (8000, 256, 32000), (264, 320, 32000)]
 
 
 def _operands(rng, n, d, v, layout, dtype):
@@ -100,6 +102,7 @@ def test_dweight_accumulates(rng, layout, out_dtype):
     GemmConfig(tile_n=192, stages=3, grid_minor="m", grid_tile_width=4),
     GemmConfig(tile_m=64, tile_n=256),
     GemmConfig(tile_k=128, stages=2),
+    GemmConfig(k_splits=3),
   ],
   ids=str,
 )
@@ -155,7 +158,9 @@ def test_default_config_fits_shared_memory(out_dtype, accumulate):
     assert smem <= 227 * 1024
 
 
-@pytest.mark.parametrize("n,d,v", [(1000, 256, 4160), (8192, 4096, 128256)])
+@pytest.mark.parametrize(
+  "n,d,v", [(1000, 256, 4160), (8192, 4096, 128256), (264, 320, 32000)]
+)
 @pytest.mark.parametrize("product,layout", list(PRODUCTS))
 def test_lowers_for_hopper(product, layout, n, d, v):
   """Each product lowers to a Mosaic GPU kernel (Python passes only; no GPU),
@@ -168,6 +173,10 @@ def test_lowers_for_hopper(product, layout, n, d, v):
   out_dtype = jnp.dtype(jnp.float32 if product == "dweight" else jnp.bfloat16)
   problem = mosaic_gemm._check(lhs, rhs, dims, out_dtype, None)
   config = mosaic_gemm.default_config(problem.m, problem.n, problem.k, out_dtype, False)
+  if n == 8192:  # the Llama-3 head's outputs fill the SMs
+    assert config.k_splits == 1
+  elif (n, product) == (264, "dhidden"):
+    assert config.k_splits == 22
   fn = jax.jit(lambda a, b: mosaic_gemm._gemm(a, b, None, problem, config))
   text = fn.trace(lhs, rhs).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
