@@ -80,7 +80,10 @@ class GemmConfig:
     return self.tile_n * (2 if self.split == "n" else 1)
 
   def smem_bytes(self, in_dtype, out_dtype, accumulate: bool) -> int:
-    """Shared memory the kernel allocates (operand ring + epilogue slots)."""
+    """Shared memory the kernel allocates (operand ring + epilogue slots;
+    split along K, the slots hold float32 partial products)."""
+    if self.k_splits > 1:
+      out_dtype = jnp.float32
     ring = self.stages * self.tile_k * (self.block_m + self.block_n)
     slots = 2 * epilogue_slots(self) * self.epilogue_m * self.epilogue_n
     barriers = 8 * (2 * self.stages + 4 * accumulate)
@@ -137,8 +140,6 @@ def default_config(
   )
   if not accumulate:
     config = dataclasses.replace(config, k_splits=_k_splits(m, n, k, config, num_sms))
-  if config.k_splits > 1:  # the blocks write float32 partial outputs
-    out_dtype = jnp.float32
   fits = lambda c: c.smem_bytes(jnp.bfloat16, out_dtype, accumulate) <= SMEM_BYTES
   if not fits(config) and config.epilogue_n > 32:
     config = dataclasses.replace(config, epilogue_n=32)

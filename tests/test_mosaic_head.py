@@ -92,7 +92,8 @@ def test_mosaic_matches_the_oracle(rng, dtype, layout, vocab, kwargs):
     bias=False,
   )
   kwargs = dict(kwargs, impl="mosaic", weight_layout=layout)
-  assert "mosaic_gpu" in _lowered_text(problem, **kwargs)
+  # Every product touches V: none of 50257 columns is whole TMA tiles.
+  assert ("mosaic_gpu" in _lowered_text(problem, **kwargs)) == (vocab % 64 == 0)
   check_against_oracle(problem, dtype, **kwargs)
 
 
@@ -113,7 +114,7 @@ def test_mosaic_distillation_matches_the_oracle(rng):
   arrays = [jnp.asarray(x, jnp.bfloat16) for x in (student, w_s, teacher, w_t)]
 
   def value_and_grad(fn, h, w, t, wt, **kwargs):
-    loss = lambda h, w: fn(h, w, t, wt, temperature=2.0, **kwargs)
+    loss = lambda h, w, t, wt: fn(h, w, t, wt, temperature=2.0, **kwargs)
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(h, w, t, wt)
 
   lowered = value_and_grad(

@@ -59,7 +59,7 @@ def select(
   ``platform``.
 
   ``impl=None`` and ``"mosaic"`` pick the Pallas kernels on a GPU and XLA
-  elsewhere;
+  elsewhere (``select_gemm`` picks what runs their matmuls);
   ``impl="pallas"`` on a CPU runs the kernels in interpret mode. If the Triton
   lowering is unavailable, a Pallas request falls back to XLA with one warning.
   ``xla_only`` names what the call computes that only the XLA backend does
@@ -83,18 +83,21 @@ def select(
 def select_gemm(impl: str | None, platform: str) -> str:
   """What runs the head's matmuls (``_matmul.GEMMS``) for ``impl``.
 
-  ``impl="mosaic"``: the Mosaic GPU kernel on a Hopper GPU; elsewhere XLA's,
-  with one warning. Every other ``impl``: XLA's.
+  ``impl=None``: the Mosaic GPU kernel on a Hopper GPU (as fast as XLA's
+  GEMMs at the head's shapes, and never autotuned: the first call needs no
+  more memory than the next), else XLA's. ``impl="mosaic"``: the same, with
+  one warning where the kernel cannot run. ``"xla"`` and ``"pallas"``: XLA's.
   """
-  if impl != "mosaic":
+  if impl not in (None, "mosaic"):
     return "xla"
   reason = _mosaic_gemm.unavailable_reason()
   if platform != "gpu":
     reason = f"it needs a Hopper GPU, the platform is a {platform}"
-  if reason is not None:
+  if reason is None:
+    return "mosaic"
+  if impl == "mosaic":
     _warn_fallback(reason, what="GEMMs")
-    return "xla"
-  return "mosaic"
+  return "xla"
 
 
 _INSTEAD = {
