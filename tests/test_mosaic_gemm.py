@@ -112,6 +112,16 @@ def test_configs(rng, product, layout, config):
 
 
 @pytest.mark.gpu
+def test_dhidden_split_to_fill_the_last_wave(rng):
+  """288 output tiles (Gemma-2's D) on 132 SMs: the default config splits K
+  in 3 parts so the last wave is not mostly idle."""
+  shape = (4096, 2304, 4096)
+  config = mosaic_gemm.default_config(4096, 2304, 4096, jnp.dtype(jnp.bfloat16), False)
+  assert config.k_splits == 3
+  _run(rng, "dhidden", "vd", shape, "bfloat16", "bfloat16")
+
+
+@pytest.mark.gpu
 def test_logits_in_float32(rng):
   _run(rng, "logits", "dv", (1000, 512, 4160), "bfloat16", "float32")
 
