@@ -321,7 +321,5 @@ def resolve(x: Heads, options: DistillOptions, perf: PerfOptions, layout: str) -
     dweight_dtype=np.dtype(accum or x.weight.dtype),
     dbias_dtype=np.dtype(accum or at_least_float32(bias_dtype)),
     matmul_tile=_planning.MATMUL_TILE if cpu else None,
-    # Mosaic GEMMs only when asked: at the distillation benchmark's shapes
-    # (D = 2048 and 4096) they measured 7% slower than XLA's.
-    gemm=select_gemm(perf.impl, jax.default_backend()) if perf.impl else "xla",
+    gemm=select_gemm(perf.impl, jax.default_backend()),
   )
