@@ -343,3 +343,36 @@ def test_gpu_default_is_one_case_in_four_processes(tmp_path, monkeypatch, capsys
   assert [c[1] for c in calls if c[0] == "time"] == options.GPU_CASES
   assert sum(c[0] == "memory" for c in calls) == 3 * len(options.GPU_CASES)
   assert sum(c[0] == "first_call" for c in calls) == 3 * len(options.GPU_CASES)
+
+
+def test_frontier_plot_takes_each_settings_last_run(tmp_path):
+  """scripts/frontier_plot.py: ratios against naive_cast of the same run, the
+  last run given wins, impl=pallas is the GPU default; it writes a PNG."""
+  path = os.path.join(os.path.dirname(__file__), "..", "scripts", "frontier_plot.py")
+  spec = importlib.util.spec_from_file_location("frontier_plot", path)
+  frontier = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(frontier)
+  mib = 2**20
+
+  def row(impl, ms, extra, first=None):
+    return dict(
+      case="llama",
+      impl=impl,
+      time_ms=ms,
+      extra_bytes=extra * mib,
+      first_call_extra_bytes=None if first is None else first * mib,
+    )
+
+  runs = {
+    "a": {"rows": [row("naive_cast", 40.0, 6000), row("mst_jax", 44.0, 2000, 4000)]},
+    "b": {
+      "rows": [row("naive_cast", 50.0, 6000), row("mst_jax:impl=pallas", 45.0, 1000)]
+    },
+  }
+  found = frontier.points(runs, "llama")
+  assert found["mst_jax"] == ("b", 0.9, 1000.0, None)
+  assert found["naive_cast"] == ("b", 1.0, 6000.0, None)
+  found = frontier.points({"a": runs["a"]}, "llama")
+  assert found["mst_jax"] == ("a", 1.1, 2000.0, 4000.0)
+  frontier.plot(found, "test", tmp_path / "f.png")
+  assert (tmp_path / "f.png").stat().st_size > 0
