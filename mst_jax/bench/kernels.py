@@ -145,8 +145,15 @@ def run_kernels(args: argparse.Namespace) -> list[dict]:
   return rows
 
 
-# (N, D, V) of the heads the GEMM report times.
-GEMM_HEADS = {"llama": (8192, 4096, 128256), "gemma": (8192, 2304, 256000)}
+# (N, D, V) of the heads the GEMM report times: whole heads, and the products
+# of one chunk or group as the low-memory settings and Gemma-2's plan form them.
+GEMM_HEADS = {
+  "llama": (8192, 4096, 128256),
+  "gemma": (8192, 2304, 256000),
+  "llama_384": (384, 4096, 128256),
+  "llama_512": (512, 4096, 128256),
+  "gemma_4096": (4096, 2304, 256000),
+}
 
 
 def _dims(lhs_dim: int, rhs_dim: int):
