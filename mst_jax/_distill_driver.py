@@ -122,23 +122,19 @@ def _accumulate(plan: Plan, grads, chunk, h, dlogits, weight, first: bool):
   """Adds a chunk's ``dlogits`` to ``(dhidden, dweight, dbias)``; ``first``:
   replaces the (never read) zeros of ``dweight`` and ``dbias`` instead."""
   dhidden, dweight, dbias = grads
-  layout, tile, gemm = plan.weight_layout, plan.matmul_tile, plan.gemm
+  rows, dweight = _matmul.row_gradients(
+    dlogits,
+    h,
+    weight,
+    plan.weight_layout,
+    dhidden_dtype=None if dhidden is None else dhidden.dtype,
+    dweight=dweight,
+    first=first,
+    tile=plan.matmul_tile,
+    gemm=plan.gemm,
+  )
   if dhidden is not None:
-    rows = _matmul.dhidden_matmul(
-      dlogits, weight, layout, dhidden.dtype, tile=tile, gemm=gemm
-    )
     dhidden = chunk.put(dhidden, rows)
-  if dweight is not None:
-    dweight = _matmul.dweight_matmul(
-      dlogits,
-      h,
-      layout,
-      dweight.dtype,
-      into=dweight,
-      add=not first,
-      tile=tile,
-      gemm=gemm,
-    )
   if dbias is not None:
     part = jnp.sum(dlogits, axis=0, dtype=dbias.dtype)
     dbias = part if first else dbias + part

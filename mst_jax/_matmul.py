@@ -232,3 +232,38 @@ def dweight_matmul(
   operands = (dlogits, hidden) if layout == "vd" else (hidden, dlogits)
   accumulate = into if into is not None and add else None
   return _dot(*operands, _CONTRACT_ROWS, dtype, gemm, accumulate)
+
+
+def row_gradients(
+  dlogits: jax.Array,
+  hidden: jax.Array,
+  weight: jax.Array,
+  layout: str,
+  *,
+  dhidden_dtype: jnp.dtype | None,
+  dweight: jax.Array | None,
+  first: bool = False,
+  tile: int | None = None,
+  gemm: str = "xla",
+) -> tuple[jax.Array | None, jax.Array | None]:
+  """A block of rows' ``(dhidden rows, dweight)`` from its ``dlogits``.
+
+  The rows are ``dlogits @ weight`` in ``dhidden_dtype`` (None: not formed);
+  ``dweight`` gets the rows' weight gradient added (``first``: written in
+  place of its values, which are never read), or stays None.
+  """
+  rows = None
+  if dhidden_dtype is not None:
+    rows = dhidden_matmul(dlogits, weight, layout, dhidden_dtype, tile=tile, gemm=gemm)
+  if dweight is not None:
+    dweight = dweight_matmul(
+      dlogits,
+      hidden,
+      layout,
+      dweight.dtype,
+      into=dweight,
+      add=not first,
+      tile=tile,
+      gemm=gemm,
+    )
+  return rows, dweight

@@ -67,25 +67,21 @@ def _accumulate(
   enclosing group's rows, not all rows.
   """
   dhidden, dweight, dbias = grads
-  layout, tile, gemm = config.layout, config.head.matmul_tile, config.head.gemm
   add = (lambda old, new: new) if first else jnp.add
+  dh, dweight = _matmul.row_gradients(
+    dlogits,
+    h,
+    weight,
+    config.layout,
+    dhidden_dtype=None if dhidden is None else dhidden.dtype,
+    dweight=dweight,
+    first=first,
+    tile=config.head.matmul_tile,
+    gemm=config.head.gemm,
+  )
   if dhidden is not None:
-    dh = _matmul.dhidden_matmul(
-      dlogits, weight, layout, dhidden.dtype, tile=tile, gemm=gemm
-    )
     dh = config.columns.sum_partial(dh)
     dhidden = group.put(dhidden, dh, local=local)
-  if dweight is not None:
-    dweight = _matmul.dweight_matmul(
-      dlogits,
-      h,
-      layout,
-      dweight.dtype,
-      into=dweight,
-      add=not first,
-      tile=tile,
-      gemm=gemm,
-    )
   if dbias is not None:
     dbias = add(dbias, jnp.sum(dlogits, axis=0, dtype=dbias.dtype))
   return dhidden, dweight, dbias
