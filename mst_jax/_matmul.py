@@ -32,7 +32,6 @@ from mst_jax import _mosaic_gemm
 from mst_jax._ce_math import at_least_float32
 
 WEIGHT_LAYOUTS = ("vd", "dv")
-GEMMS = ("xla", "mosaic")
 
 # lax.dot_general dimension numbers per weight layout.
 _LOGITS_DIMS = {  # hidden [C, D] x weight -> [C, V]

@@ -10,7 +10,11 @@ never transposed or copied in device memory.
 The kernel, read top to bottom:
 
 1. A persistent grid, one block per SM, walks the output tiles in a planar
-   snake (neighbouring blocks share operand tiles in L2).
+   snake (neighbouring blocks share operand tiles in L2). With
+   ``GemmConfig.k_splits`` > 1 it walks each tile's parts of the contraction
+   too, writing float32 partial products that ``_gemm`` sums (split-K: an
+   output of few tiles over a long contraction, such as a small chunk's
+   ``dhidden``, still keeps every SM busy).
 2. Per output tile, a warp-specialized pipeline: one warpgroup issues TMA
    copies of the operands' ``[tile, tile_k]`` tiles into a ring of
    ``stages`` shared-memory slots; two compute warpgroups each own half the

@@ -81,7 +81,8 @@ def select(
 
 
 def select_gemm(impl: str | None, platform: str) -> str:
-  """What runs the head's matmuls (``_matmul.GEMMS``) for ``impl``.
+  """What runs the head's matmuls (``_matmul``'s ``gemm``: "xla" or "mosaic")
+  for ``impl``.
 
   ``impl="mosaic"``: the Mosaic GPU kernel on a Hopper GPU, which is never
   autotuned (a step's first call needs no more memory than the next) but
