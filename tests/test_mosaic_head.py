@@ -22,7 +22,7 @@ from conftest import (
 )
 
 import mst_jax
-from mst_jax import _backends, _mosaic_gemm
+from mst_jax import _api, _backends, _mosaic_gemm
 
 
 def _lowered_text(problem, **kwargs) -> str:
@@ -57,6 +57,53 @@ def test_falls_back_to_xla_gemms_with_one_warning(rng):
 def test_the_flax_options_take_mosaic():
   options = mst_jax.HeadLossOptions(impl="mosaic", chunk_size=256)
   assert options.impl == "mosaic"
+
+
+@pytest.fixture
+def as_if_on_hopper(monkeypatch):
+  """Plans for a Hopper GPU on any host, for lowering to CUDA: what CI
+  without a GPU can check of the GPU program (the Mosaic and Triton kernels'
+  Python lowering). Clears JAX's caches after, so no other test meets a
+  program traced under these patches."""
+  monkeypatch.setattr(_mosaic_gemm, "unavailable_reason", lambda: None)
+  monkeypatch.setattr(_backends, "pallas_unavailable_reason", lambda platform: None)
+  monkeypatch.setattr(_api, "_platform", lambda layout: "gpu")
+  yield
+  jax.clear_caches()
+
+
+@pytest.mark.parametrize(
+  "kwargs",
+  [
+    dict(),
+    dict(weight_layout="dv", grad_mode="recompute"),
+    dict(vocab_block_size=8192),
+    dict(accum_dtype=jnp.bfloat16, **ALL_OPTIONS),
+    dict(log_probs=True),
+  ],
+  ids=str,
+)
+def test_the_gpu_program_lowers_for_cuda(as_if_on_hopper, kwargs):
+  """impl="mosaic" lowers to Mosaic GEMMs around the Triton kernels (or the
+  XLA per-chunk math for the entropy), chunks of 256 rows of 1000."""
+  n, d, v = 1000, 320, 32000
+  layout = kwargs.pop("weight_layout", "vd")
+  log_probs = kwargs.pop("log_probs", False)
+  h = jax.ShapeDtypeStruct((n, d), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((v, d) if layout == "vd" else (d, v), jnp.bfloat16)
+  y = jax.ShapeDtypeStruct((n,), jnp.int32)
+  options = dict(impl="mosaic", chunk_size=256, weight_layout=layout, **kwargs)
+
+  def loss(h, w, y):
+    if log_probs:
+      lp, entropy = mst_jax.linear_log_probs(h, w, y, return_entropy=True, **options)
+      return jnp.sum(lp) + jnp.sum(entropy)
+    return mst_jax.linear_cross_entropy(h, w, y, **options)
+
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+  text = step.trace(h, w, y).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+  assert ("triton" in text) != log_probs  # the entropy is XLA's
 
 
 # (dtype, weight layout, V, options): TMA-aligned vocabularies (every product
