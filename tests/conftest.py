@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import mst_jax
+from mst_jax import _api, _backends, _mosaic_gemm
 
 
 def has_gpu() -> bool:
@@ -116,6 +117,19 @@ def grad_mode(request):
 def loop_order(request):
   """Extra keyword arguments of ``linear_cross_entropy`` selecting a loop order."""
   return LOOP_ORDERS[request.param]
+
+
+@pytest.fixture
+def as_if_on_hopper(monkeypatch):
+  """Plans for a Hopper GPU on any host, for lowering to CUDA: what CI
+  without a GPU can check of the GPU program (the Mosaic and Triton kernels'
+  Python lowering). Clears JAX's caches after, so no other test meets a
+  program traced under these patches."""
+  monkeypatch.setattr(_mosaic_gemm, "unavailable_reason", lambda: None)
+  monkeypatch.setattr(_backends, "pallas_unavailable_reason", lambda platform: None)
+  monkeypatch.setattr(_api, "_platform", lambda layout: "gpu")
+  yield
+  jax.clear_caches()
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from conftest import (
 )
 
 import mst_jax
-from mst_jax import _api, _backends, _mosaic_gemm
+from mst_jax import _backends, _mosaic_gemm
 
 
 def _lowered_text(problem, **kwargs) -> str:
@@ -57,19 +57,6 @@ def test_falls_back_to_xla_gemms_with_one_warning(rng):
 def test_the_flax_options_take_mosaic():
   options = mst_jax.HeadLossOptions(impl="mosaic", chunk_size=256)
   assert options.impl == "mosaic"
-
-
-@pytest.fixture
-def as_if_on_hopper(monkeypatch):
-  """Plans for a Hopper GPU on any host, for lowering to CUDA: what CI
-  without a GPU can check of the GPU program (the Mosaic and Triton kernels'
-  Python lowering). Clears JAX's caches after, so no other test meets a
-  program traced under these patches."""
-  monkeypatch.setattr(_mosaic_gemm, "unavailable_reason", lambda: None)
-  monkeypatch.setattr(_backends, "pallas_unavailable_reason", lambda platform: None)
-  monkeypatch.setattr(_api, "_platform", lambda layout: "gpu")
-  yield
-  jax.clear_caches()
 
 
 @pytest.mark.parametrize(

@@ -140,6 +140,34 @@ def test_no_weight_all_gather_and_no_full_logits(rng):
   assert "1032]" not in text
 
 
+@pytest.mark.parametrize("grad_mode", ["fused", "recompute"])
+def test_the_gpu_program_lowers_for_cuda_on_a_mesh(as_if_on_hopper, grad_mode):
+  """impl="mosaic" in each shard of a 2 x 4 mesh lowers for CUDA: the Mosaic
+  GEMMs and the Triton kernels inside ``shard_map`` (32 rows and 512 columns
+  of a 2048-column vocabulary per device, whole TMA tiles)."""
+  mesh = _mesh((2, 4))
+  h = jax.ShapeDtypeStruct((64, 64), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((2048, 64), jnp.bfloat16)
+  y = jax.ShapeDtypeStruct((64,), jnp.int32)
+
+  def loss(hidden, weight, labels):
+    return mst_jax.linear_cross_entropy(
+      hidden,
+      weight,
+      labels,
+      mesh=mesh,
+      batch_axis="data",
+      vocab_axis="model",
+      impl="mosaic",
+      chunk_size=16,
+      grad_mode=grad_mode,
+    )
+
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+  text = step.trace(h, w, y).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text and "triton" in text
+
+
 @pytest.mark.parametrize("vocab_block_size", [None, 50], ids=["rows", "vocab_blocks"])
 def test_token_and_class_weights_on_a_mesh(rng, vocab_block_size):
   """Class weights are sharded with the vocabulary (their weighted mean
