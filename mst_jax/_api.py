@@ -135,7 +135,11 @@ def linear_cross_entropy(
     impl: None (automatic: ``"pallas"`` on a GPU, ``"xla"`` elsewhere),
       ``"xla"`` (chunked, per-chunk math in XLA), ``"pallas"`` (chunked,
       per-chunk math in Pallas kernels; on a CPU they run in interpret mode,
-      slowly: for tests) or ``"reference"`` (full logits; for tests and small
+      slowly: for tests), ``"mosaic"`` (as ``"pallas"``, with the matmuls as
+      Mosaic GPU kernels on a Hopper GPU where the arrays are whole TMA
+      tiles: not autotuned, so the first call peaks like later ones, at a
+      few percent more time; XLA's matmuls elsewhere, with one warning off
+      Hopper) or ``"reference"`` (full logits; for tests and small
       problems). If the Pallas Triton lowering is unavailable, ``"pallas"``
       falls back to ``"xla"`` with one warning.
     accum_dtype: dtype of the ``dweight`` / ``dbias`` accumulators across
