@@ -274,7 +274,7 @@ def resolve(
   order, accum = _loop_order(rows, perf, logits_dtype, layout, cpu=platform == "cpu")
   config = SweepConfig(
     backend=_backends.select(
-      perf.impl, platform, xla_only=_xla_only(entropy, rows.class_weights)
+      perf.impl, platform, xla_only=_xla_only(rows.class_weights)
     ),
     head=_backends.HeadSpec(
       weight_layout,
@@ -312,13 +312,9 @@ def _grad_mode(rows: Rows, options: LossOptions, perf: PerfOptions, layout) -> s
   return "recompute" if options.reduction == "none" or few_rows else "fused"
 
 
-def _xla_only(entropy: bool, class_weights) -> str | None:
+def _xla_only(class_weights) -> str | None:
   """What only the XLA per-chunk backend computes here, if anything."""
-  if entropy:
-    return "the entropy"
-  if class_weights is not None:
-    return "class weights"
-  return None
+  return None if class_weights is None else "class weights"
 
 
 def _loop_order(rows: Rows, perf: PerfOptions, logits_dtype, layout, *, cpu: bool):

@@ -67,8 +67,7 @@ def linear_log_probs(
     return_entropy: if True, also return each token's entropy.
     chunk_size, memory_budget, vocab_block_size, impl, accum_dtype,
       logits_dtype, mesh, batch_axis, vocab_axis: the performance options of
-      ``linear_cross_entropy``. The entropy is computed by the XLA per-chunk
-      backend (``impl="pallas"`` raises with ``return_entropy``).
+      ``linear_cross_entropy``.
     grad_mode: None or ``"recompute"`` (per-token outputs; ``"fused"`` needs a
       scalar loss and raises).
 
@@ -80,8 +79,7 @@ def linear_log_probs(
 
   Raises:
     ValueError, TypeError: as ``linear_cross_entropy`` for bad inputs.
-    NotImplementedError: ``grad_mode="fused"``, or ``impl="pallas"`` with
-      ``return_entropy``.
+    NotImplementedError: ``grad_mode="fused"``.
 
   Example:
 

@@ -63,7 +63,7 @@ def select(
   ``impl="pallas"`` on a CPU runs the kernels in interpret mode. If the Triton
   lowering is unavailable, a Pallas request falls back to XLA with one warning.
   ``xla_only`` names what the call computes that only the XLA backend does
-  (the entropy, class weights): then XLA, or for ``impl="pallas"`` an error.
+  (class weights): then XLA, or for ``impl="pallas"`` an error.
   """
   if xla_only and impl == "pallas":
     raise NotImplementedError(

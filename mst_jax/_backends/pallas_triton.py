@@ -1,28 +1,19 @@
 """Per-chunk cross-entropy as Pallas kernels lowered through Triton.
 
-Three kernels over a chunk's logits ``[R, V]`` (float32, or bfloat16 that they
-read into float32; all math is float32), read top to bottom:
+Three kernels over a chunk's logits ``[R, V]`` (float32, or bfloat16 read into
+float32; all math is float32 and ``ce_math``'s, as in the XLA backend):
 
-1. ``_stats_kernel``: one pass over each row with an online max / sum-exp,
-   producing lse, the target logit, the mean logit and the argmax
-   (``ce_math.RowStats``). One read of the logits.
-2. ``_dlogits_kernel``: elementwise ``dlogits`` from the saved lse and per-row
-   coefficients (``ce_math.dlogits_block``). One read, one write, in place
-   when the logits are in the dtype of ``dlogits``.
-3. ``_fused_kernel``: both in one launch, for when the gradient is formed in
-   the same sweep as the loss: a first pass for the statistics, then a second
-   that writes ``dlogits``. Two reads, one write. When the logits are in the
-   dtype of ``dlogits`` (bfloat16 logits), ``dlogits`` overwrite them in
-   place: each program reads a block before it writes it, and owns its rows.
+1. ``_stats_kernel``: ``ce_math.RowStats`` (lse, target, mean logit, argmax,
+   and the expected score for the entropy) in one online pass over each row.
+2. ``_dlogits_kernel``: elementwise ``dlogits`` (``ce_math.dlogits_block``)
+   from the saved per-row coefficients; one read and one write, in place when
+   the logits are in the dtype of ``dlogits``.
+3. ``_fused_kernel``: both in one launch, for a gradient formed in the same
+   sweep as the loss: two reads, one write, ``dlogits`` over bfloat16 logits
+   in place (each program reads a block before it writes it, and owns its rows).
 
-The math on each block is ``ce_math``'s: the same functions the XLA backend
-applies to whole rows. Every ``pallas_call`` takes ``interpret`` from the
-backend; on a CPU the kernels run in interpret mode.
-
-The Triton lowering is deprecated from jax 0.11 in favour of Mosaic GPU. The
-backend is selected in one place (``mst_jax._backends.select``), so a Mosaic
-GPU version can sit beside this one; the deprecation warning is shown once per
-process rather than on every trace.
+On a CPU the kernels run in interpret mode. The Triton lowering is deprecated
+from jax 0.11 in favour of Mosaic GPU; its warning is shown once per process.
 """
 
 from __future__ import annotations
@@ -70,25 +61,22 @@ class KernelBlocks:
   num_stages: int = 2
 
   def __post_init__(self) -> None:
-    for name in ("block_rows", "block_v", "num_warps"):
-      value = getattr(self, name)
-      if not _is_power_of_2(value):
-        raise ValueError(f"KernelBlocks.{name} must be a power of 2, got {value!r}.")
-    if not (isinstance(self.num_stages, int) and self.num_stages >= 1):
-      raise ValueError(
-        f"KernelBlocks.num_stages must be >= 1, got {self.num_stages!r}."
-      )
+    power_of_2, at_least_1 = _is_power_of_2, lambda v: isinstance(v, int) and v >= 1
+    checks = {"block_rows": power_of_2, "block_v": power_of_2}
+    checks.update(num_warps=power_of_2, num_stages=at_least_1)
+    for name, ok in checks.items():
+      what = ">= 1" if ok is at_least_1 else "a power of 2"
+      if not ok(value := getattr(self, name)):
+        raise ValueError(f"KernelBlocks.{name} must be {what}, got {value!r}.")
 
 
 def default_kernel_blocks(vocab_size: int) -> KernelBlocks:
   """Heuristic kernel blocks for a vocabulary of ``vocab_size``.
 
-  One row per program gives a chunk of ``R`` rows ``R`` independent programs
-  (enough to fill the GPU at the chunk sizes we use) and keeps each program's
-  reductions in registers. On the H200, 1 row x 2048 columns x 4 warps was the
-  fastest statistics kernel in 3 of 4 chunk shapes (docs/benchmarks.md). The
-  vocabulary step is capped by the (power-of-2) vocabulary so that small
-  vocabularies do not load mostly padding.
+  One row per program: a chunk of ``R`` rows makes ``R`` programs, each with
+  its reductions in registers; 1 row x 2048 columns x 4 warps was the fastest
+  statistics kernel in 3 of 4 chunk shapes on the H200 (docs/benchmarks.md).
+  Small vocabularies take a smaller (power-of-2) step, not mostly padding.
   """
   block_v = min(2048, max(128, 1 << max(vocab_size - 1, 1).bit_length()))
   return KernelBlocks(block_rows=1, block_v=block_v, num_warps=4)
@@ -115,22 +103,28 @@ def _load_logits(logits_ref, row_slice, row_mask, col_block_index, block_v):
     mask=mask,
     other=0.0,
   )
-  return block.astype(_stat_dtype(logits_ref.dtype)), cols, col_mask
+  return block.astype(ce_math.at_least_float32(logits_ref.dtype)), cols, col_mask
 
 
-def _stat_dtype(logits_dtype):
-  """float32, or float64 for float64 logits: the dtype all math runs in."""
-  return ce_math.at_least_float32(logits_dtype)
+def _row_scalar(values, row):
+  """Element ``row`` of a program's ``[block_rows]`` vector, as a scalar."""
+  return jnp.sum(jnp.where(jnp.arange(values.shape[0]) == row, values, 0))
 
 
 def _row_stats(logits_ref, labels, row_slice, row_mask, *, options, block_v):
-  """One pass over a row block: ``RowStats`` with an online max / sum-exp."""
+  """``RowStats`` of a row block: one pass with an online max / sum-exp.
+
+  The pass keeps only running sums and, per row, the first vocabulary block
+  whose max beats every earlier one; the target score and the argmax within
+  that block are read after it, row by row (one logit, one block): a
+  comparison and a reduction per block less than finding them in the pass.
+  """
   n_cols = logits_ref.shape[1]
   block_rows = labels.shape[0]
   smoothing = bool(options.label_smoothing)
 
   def body(col_block_index, carry):
-    row_max, sum_exp, target, total, best, best_index = carry
+    row_max, sum_exp, total, weighted, best_block = carry
     z, cols, col_mask = _load_logits(
       logits_ref, row_slice, row_mask, col_block_index, block_v
     )
@@ -141,41 +135,56 @@ def _row_stats(logits_ref, labels, row_slice, row_mask, *, options, block_v):
     # Rescaled to the new max, or to 0 while every score so far is -inf
     # (banned tokens): no mass, not exp(-inf - -inf) = NaN.
     shift = jnp.where(new_max > -jnp.inf, new_max, 0.0)
-    sum_exp = sum_exp * jnp.exp(row_max - shift) + jnp.sum(
-      jnp.exp(live - shift[:, None]), axis=1
-    )
-    is_label = cols[None, :] == labels[:, None]
-    target = target + jnp.sum(jnp.where(is_label, capped, 0.0), axis=1)
+    rescale = jnp.exp(row_max - shift)
+    unnormalized = jnp.exp(live - shift[:, None])
+    sum_exp = sum_exp * rescale + jnp.sum(unnormalized, axis=1)
     if smoothing:
       total = total + jnp.sum(jnp.where(col_mask[None, :], capped, 0.0), axis=1)
-    # First index of the block's max; a later block wins only if strictly
-    # larger, so ties resolve to the first index like jnp.argmax.
-    first = jnp.min(
-      jnp.where(live == block_max[:, None], cols[None, :], n_cols), axis=1
-    )
-    better = block_max > best
-    best_index = jnp.where(better, first, best_index)
-    best = jnp.where(better, block_max, best)
-    return new_max, sum_exp, target, total, best, best_index
+    if options.entropy:  # sum_j exp(s_j - shift) s_j; a -inf score adds 0
+      spread = jnp.where(unnormalized > 0, unnormalized * capped, 0.0)
+      weighted = weighted * rescale + jnp.sum(spread, axis=1)
+    # A later block holds the first maximum only if strictly larger.
+    best_block = jnp.where(block_max > row_max, col_block_index, best_block)
+    return new_max, sum_exp, total, weighted, best_block
 
-  dtype = _stat_dtype(logits_ref.dtype)
+  dtype = ce_math.at_least_float32(logits_ref.dtype)
   zeros = jnp.zeros((block_rows,), dtype)
-  neg_inf = jnp.full((block_rows,), -jnp.inf, dtype)
-  init = (neg_inf, zeros, zeros, zeros, neg_inf, jnp.zeros((block_rows,), jnp.int32))
-  row_max, sum_exp, target, total, _, best_index = lax.fori_loop(
+  indices = jnp.zeros((block_rows,), jnp.int32)
+  init = (jnp.full((block_rows,), -jnp.inf, dtype), zeros, zeros, zeros, indices)
+  row_max, sum_exp, total, weighted, best_block = lax.fori_loop(
     0, pl.cdiv(n_cols, block_v), body, init
   )
+  target, argmax = zeros, indices
+  row_ids = jnp.arange(block_rows)
+  for row in range(block_rows):
+    one_row = pl.ds(row_slice.start + row, 1)
+    row_ok = _row_scalar(row_mask.astype(jnp.int32), row) != 0
+    # The label's score; any value where the label is outside [0, V).
+    label = jnp.clip(_row_scalar(labels, row), 0, n_cols - 1)
+    mask = jnp.full((1, 1), row_ok)
+    z = plgpu.load(logits_ref.at[one_row, pl.ds(label, 1)], mask=mask, other=0.0)
+    score = jnp.sum(ce_math.scores(z.astype(dtype), options))
+    target = jnp.where(row_ids == row, score, target)
+    # The first index of the row's max, in the block that holds it.
+    z, cols, col_mask = _load_logits(
+      logits_ref, one_row, row_ok[None], _row_scalar(best_block, row), block_v
+    )
+    live = jnp.where(col_mask[None, :], ce_math.scores(z, options), -jnp.inf)
+    is_max = live == jnp.max(live, axis=1, keepdims=True)
+    first = jnp.min(jnp.where(is_max, cols[None, :], n_cols))
+    argmax = jnp.where(row_ids == row, first, argmax)
   return ce_math.RowStats(
     row_max=row_max,
     log_sum_exp=jnp.log(sum_exp),
     target=target,
     mean_logit=total / n_cols,
-    argmax=best_index,
+    argmax=argmax,
+    expected_score=weighted / sum_exp if options.entropy else None,
   )
 
 
 def _store_stats(stats, refs, row_slice, row_mask):
-  values = [value for value in stats if value is not None]  # no entropy here
+  values = [value for value in stats if value is not None]
   for value, ref in zip(values, refs, strict=True):
     plgpu.store(ref.at[row_slice], value.astype(ref.dtype), mask=row_mask)
 
@@ -229,13 +238,13 @@ def _dlogits_kernel(
   lse_ref,
   coef_softmax_ref,
   coef_target_ref,  # each [R] float32, see ce_math.BackwardRows
-  dlogits_ref,  # [R, V] out dtype
-  *,
+  *refs,  # [coef_entropy, expected_score (each [R] float32),] dlogits [R, V]
   options: ce_math.CEOptions,
   block_rows: int,
   block_v: int,
   vocab_total: int,
 ):
+  *entropy_refs, dlogits_ref = refs
   row_slice, row_mask = _row_block(pl.program_id(0), block_rows, logits_ref.shape[0])
   labels = _load_rows(labels_ref, row_slice, row_mask, 0)
   rows = ce_math.BackwardRows(
@@ -244,6 +253,11 @@ def _dlogits_kernel(
     coef_softmax=_load_rows(coef_softmax_ref, row_slice, row_mask, 0.0),
     coef_target=_load_rows(coef_target_ref, row_slice, row_mask, 0.0),
   )
+  if entropy_refs:
+    coef_entropy, expected = (
+      _load_rows(ref, row_slice, row_mask, 0.0) for ref in entropy_refs
+    )
+    rows = rows._replace(coef_entropy=coef_entropy, expected_score=expected)
   _write_dlogits(
     (logits_ref, dlogits_ref),
     (row_slice, row_mask, labels, rows),
@@ -299,13 +313,12 @@ def _fused_kernel(
     )
 
 
-def _row_shapes(logits):
-  """Output shapes of ``RowStats`` for ``logits``: four float rows, an int row."""
-  n_rows = logits.shape[0]
-  return (
-    *(jax.ShapeDtypeStruct((n_rows,), _stat_dtype(logits.dtype)) for _ in range(4)),
-    jax.ShapeDtypeStruct((n_rows,), jnp.int32),
-  )
+def _row_shapes(logits, options):
+  """Output shapes of ``RowStats`` for ``logits``: four float rows, an int row,
+  and with ``options.entropy`` a float row (``expected_score``)."""
+  row = jax.ShapeDtypeStruct((logits.shape[0],), ce_math.at_least_float32(logits.dtype))
+  index = jax.ShapeDtypeStruct((logits.shape[0],), jnp.int32)
+  return (row, row, row, row, index, *[row] * options.entropy)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,7 +373,7 @@ class PallasTritonChunkCE(base.MatmulThenCE):
       _stats_kernel,
       "mst_ce_stats",
       lambda b: (pl.cdiv(n_rows, b.block_rows),),
-      _row_shapes(logits),
+      _row_shapes(logits, options),
       vocab_size,
       options,
       n_inputs=2,
@@ -379,17 +392,22 @@ class PallasTritonChunkCE(base.MatmulThenCE):
       jax.ShapeDtypeStruct(logits.shape, out_dtype),
       n_cols,
       options,
-      n_inputs=5,
+      n_inputs=7 if options.entropy else 5,
       aliases={0: 0} if in_place else None,
       vocab_total=vocab_size or n_cols,
     )
-    return call(logits, labels, rows.lse, rows.coef_softmax, rows.coef_target)
+    entropy_rows = (rows.coef_entropy, rows.expected_score) if options.entropy else ()
+    return call(
+      logits, labels, rows.lse, rows.coef_softmax, rows.coef_target, *entropy_rows
+    )
 
   def forward_backward(
     self, logits, labels, valid, g_loss, options, out_dtype, *, into=None
   ):
+    if options.entropy:  # linear_log_probs: per-token outputs, never fused
+      raise NotImplementedError("the fused sweep has no entropy cotangent")
     n_rows, vocab_size = logits.shape
-    n_outputs = len(_row_shapes(logits)) + 1
+    n_outputs = len(_row_shapes(logits, options)) + 1
     if into is None:
       dlogits_shape = jax.ShapeDtypeStruct(logits.shape, out_dtype)
       offset, extra = jnp.zeros((1,), jnp.int32), ()
@@ -405,7 +423,7 @@ class PallasTritonChunkCE(base.MatmulThenCE):
       _fused_kernel,
       "mst_ce_fused",
       lambda b: (pl.cdiv(n_rows, b.block_rows),),
-      (*_row_shapes(logits), dlogits_shape),
+      (*_row_shapes(logits, options), dlogits_shape),
       vocab_size,
       options,
       n_inputs=5 + len(extra),
