@@ -293,23 +293,38 @@ def resolve(
       shard = _mesh.VocabShard(layout.vocab_axis, shard_size, rows.vocab_size)
       config = dataclasses.replace(config, columns=shard)
     order = _mesh.Sharded(order, layout)
-  return Plan(config, order), _grad_mode(rows, options, perf, layout) == "fused"
+  mode = _grad_mode(rows, options, perf, layout)
+  keep = mode == "keep" and _one_group_in_place(rows, order, logits_dtype)
+  return Plan(config, order, keep_logits=keep), mode == "fused"
+
+
+def _one_group_in_place(rows: Rows, order, logits_dtype) -> bool:
+  """Whether the planner's group holds every row (unsharded) and ``dlogits``
+  overwrite logits of their dtype: then the logits the forward keeps
+  (``Plan.keep_logits``) are the buffer the recompute backward would form."""
+  return (
+    isinstance(order, RowChunks)
+    and order.rows_per_group >= rows.hidden.shape[0]
+    and _planning.dlogits_in_place(logits_dtype, rows.hidden.dtype)
+  )
 
 
 def _grad_mode(rows: Rows, options: LossOptions, perf: PerfOptions, layout) -> str:
   """The requested mode, else: the gradient in the forward pass for a scalar
-  loss, recompute per token.
+  loss; per token, "keep" (the forward's logits, where they fit as one group,
+  else recompute).
 
-  Also recompute when a device holds fewer rows than D: the fused mode's
-  residual is the whole ``dweight`` (V x D), more than the naive head's
-  logits (N x V) then, and a ``lax.scan`` over micro-batches differentiated
-  from outside stacks one per step.
+  Recompute when a device holds fewer rows than D: the fused mode's residual
+  is the whole ``dweight`` (V x D), more than the naive head's logits (N x V)
+  then, and a ``lax.scan`` over micro-batches differentiated from outside
+  stacks one per step (kept logits too: a step that small is likely one).
   """
   if perf.grad_mode is not None:
     return perf.grad_mode
   row_devices = 1 if layout is None else layout.axis_size(layout.batch_axis)
-  few_rows = rows.hidden.shape[0] // row_devices < rows.hidden.shape[1]
-  return "recompute" if options.reduction == "none" or few_rows else "fused"
+  if rows.hidden.shape[0] // row_devices < rows.hidden.shape[1]:
+    return "recompute"
+  return "keep" if options.reduction == "none" else "fused"
 
 
 def _xla_only(class_weights) -> str | None:

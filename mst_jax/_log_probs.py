@@ -59,7 +59,9 @@ def linear_log_probs(
 
   in row chunks like ``linear_cross_entropy`` (never ``[N, V]``), and
   differentiable with respect to ``hidden``, ``weight`` and ``bias`` for any
-  cotangent on either output (the backward recomputes each chunk's logits).
+  cotangent on either output: by default the forward keeps the logits when
+  all rows' fit the memory budget as one group (the backward writes
+  ``dlogits`` over them), else the backward recomputes each chunk's.
 
   Args:
     hidden, weight, labels, bias, ignore_index, where, logit_scale,
@@ -68,8 +70,9 @@ def linear_log_probs(
     chunk_size, memory_budget, vocab_block_size, impl, accum_dtype,
       logits_dtype, mesh, batch_axis, vocab_axis: the performance options of
       ``linear_cross_entropy``.
-    grad_mode: None or ``"recompute"`` (per-token outputs; ``"fused"`` needs a
-      scalar loss and raises).
+    grad_mode: None (keep the logits where they fit, see above) or
+      ``"recompute"`` (always recompute them; ``"fused"`` needs a scalar loss
+      and raises).
 
   Returns:
     ``log_probs``, float32 (float64 for float64 inputs) with the shape of

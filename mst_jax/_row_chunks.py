@@ -9,6 +9,9 @@ the front). Each chunk's ``[rows, V]`` logits are formed by the backend (in
 * ``backward``: recomputes each chunk's logits, forms ``dlogits`` from the
   saved lse, writes the chunk's ``dhidden`` rows and accumulates ``dweight``
   and ``dbias``: 8 N·D·V FLOPs with the forward.
+* ``forward_keeping`` and ``backward_kept``: per-row outputs of one group of
+  all rows whose logits fit the budget: the forward keeps the logits and the
+  backward writes ``dlogits`` over them, 6 N·D·V FLOPs.
 * ``fused``: for a scalar loss the cotangent of each row is known up to one
   scalar factor, so ``dlogits`` are formed in the same sweep as the loss, and
   the gradients with them: 6 N·D·V FLOPs, like full-logits autodiff.
@@ -343,6 +346,37 @@ class RowChunks:
     init = output_init(x.hidden.shape[0], stat_dtype(x.hidden))
     outputs = sweep_chunks(self.rows_per_chunk, x.valid, update, init)
     return tuple(map(scatter, outputs))
+
+  def forward_keeping(self, config, x):
+    """``(forward, logits)``: all rows as one chunk, and its logits, which
+    ``backward_kept`` forms ``dlogits`` over instead of recomputing them."""
+    chunk = chunk_of(x.hidden.shape[0], x.valid, 0)
+    config.announce("forward", chunk.start)
+    rows = x.chunk(chunk)
+    logits = config.backend.chunk_logits(rows, config.head)
+    stats = config.whole_row_stats(rows, logits)
+    outputs = config.row_outputs(stats, rows.labels, chunk.valid, rows.classes)
+    return outputs, logits
+
+  def backward_kept(self, config, x, cot, diff, logits):
+    """``backward`` from ``forward_keeping``'s logits (in place where the
+    backend can): the dlogits, dhidden and dweight of one chunk of all rows."""
+    chunk = chunk_of(x.hidden.shape[0], x.valid, 0)
+    rows = x.chunk(chunk)
+    coefficients = config.backward_rows(cot, rows.labels, chunk.valid, rows.classes)
+    dlogits = config.backend.chunk_backward(
+      rows,
+      coefficients,
+      config.head,
+      x.hidden.dtype,
+      offset=config.columns.offset(),
+      logits=logits,
+    )
+    grads = gradient_init(config, x, diff)
+    grads = _accumulate(
+      config, grads, chunk, rows.hidden, dlogits, x.weight, first=True
+    )
+    return gradient_finish(grads, x)
 
   def backward(self, config, x, cot, diff):
     """``(dhidden, dweight, dbias)`` by recomputing each chunk's logits."""

@@ -99,10 +99,11 @@ class SweepConfig:
       classes=classes,
     )
 
-  def whole_row_stats(self, x: ChunkInputs) -> _ce_math.RowStats:
-    """A chunk's statistics over the whole vocabulary, combined across shards."""
+  def whole_row_stats(self, x: ChunkInputs, logits=None) -> _ce_math.RowStats:
+    """A chunk's statistics over the whole vocabulary, combined across shards
+    (of ``logits`` when given, else of logits formed here)."""
     offset = self.columns.offset()
-    stats = self.backend.chunk_forward(x, self.head, offset=offset)
+    stats = self.backend.chunk_forward(x, self.head, offset=offset, logits=logits)
     return self.columns.combine(stats, x.labels)
 
 

@@ -165,6 +165,58 @@ def test_log_probs_alone_on_every_backend(rng, impl):
     assert _rel(g, ref) < 2e-4
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize(
+  "mask, bias, dtype, weight_layout",
+  [("scattered", True, "float32", "vd"), ("prefix", False, "bfloat16", "dv")],
+)
+def test_kept_logits_match_the_oracle(rng, impl, mask, bias, dtype, weight_layout):
+  """By default all rows' logits fit one group here: the forward keeps them
+  and the backward has no logits matmul of its own (3 matmuls in the
+  program: logits, dhidden, dweight), with the oracle's gradients."""
+  problem = make_problem(
+    rng, (3, 29), dtype=dtype, mask=mask, bias=bias, weight_layout=weight_layout
+  )
+  g_lp = rng.standard_normal(problem.labels.shape)
+  g_h = rng.standard_normal(problem.labels.shape)
+  options = dict(weight_layout=weight_layout, impl=impl, logits_dtype=jnp.float32)
+  if dtype == "bfloat16":  # bf16 logits: dlogits overwrite them
+    options["logits_dtype"] = None
+  (lp, h), grads = _run(problem, g_lp, g_h, True, **options)
+  ref_lp, ref_h, ref_grads = _oracle(
+    problem,
+    g_lp,
+    g_h,
+    weight_layout=weight_layout,
+    shift=False,
+    scale=None,
+    softcap=None,
+  )
+  tol = 2e-5 if options["logits_dtype"] else 2e-2
+  assert _rel(lp, ref_lp) < tol and _rel(h, ref_h) < tol
+  for g, ref in zip(grads, ref_grads, strict=True):
+    assert _rel(g, ref) < _GRAD_TOL[dtype], _rel(g, ref)
+
+  def matmuls(**kwargs):
+    def total(hidden, weight):
+      lp, h = mst_jax.linear_log_probs(
+        hidden,
+        weight,
+        problem.labels,
+        where=problem.where,
+        return_entropy=True,
+        **options,
+        **kwargs,
+      )
+      return jnp.sum(lp) + jnp.sum(h)
+
+    jaxpr = jax.make_jaxpr(jax.grad(total, (0, 1)))(problem.hidden, problem.weight)
+    return str(jaxpr).count("dot_general")
+
+  # The recompute program has its logits matmul in every chunk's branch.
+  assert matmuls() == 3 and matmuls(grad_mode="recompute") > 3
+
+
 def test_default_bf16_logits_round_like_a_bf16_head(rng):
   """Default bfloat16 logits: each output moves by at most the rounding of
   the row's largest logit (twice: lse and the label's score)."""
@@ -227,21 +279,23 @@ def test_bad_arguments_raise(rng):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-  "return_entropy, dtype, vocab, tol",
+  "return_entropy, dtype, vocab, tol, chunk_size",
   [
-    (False, "float32", 5003, 3e-3),
-    (True, "float32", 5003, 3e-3),
-    # bfloat16 logits (the default): dlogits overwrite them in the backward.
-    (True, "bfloat16", 50257, 2e-2),
+    (False, "float32", 5003, 3e-3, 256),
+    (True, "float32", 5003, 3e-3, 256),
+    # bfloat16 logits (the default): dlogits overwrite them in the backward,
+    # recomputed in chunks, or (the default plan here) kept from the forward.
+    (True, "bfloat16", 50257, 2e-2, 256),
+    (True, "bfloat16", 50257, 2e-2, None),
   ],
 )
-def test_log_probs_on_the_gpu(rng, return_entropy, dtype, vocab, tol):
+def test_log_probs_on_the_gpu(rng, return_entropy, dtype, vocab, tol, chunk_size):
   """The default backend (the Pallas kernels, the entropy included),
   unaligned sizes, against the float64 oracle at the GPU's matmul precision."""
   problem = make_problem(rng, (4, 301), dim=72, vocab=vocab, dtype=dtype, bias=True)
   g_lp = rng.standard_normal(problem.labels.shape)
   g_h = rng.standard_normal(problem.labels.shape) if return_entropy else 0 * g_lp
-  out, grads = _run(problem, g_lp, g_h, return_entropy, chunk_size=256)
+  out, grads = _run(problem, g_lp, g_h, return_entropy, chunk_size=chunk_size)
   lp, h = out if return_entropy else (out, None)
   ref_lp, ref_h, ref_grads = _oracle(
     problem, g_lp, g_h, weight_layout="vd", shift=False, scale=None, softcap=None

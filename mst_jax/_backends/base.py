@@ -122,14 +122,29 @@ class ChunkBackend(Protocol):
   in at least float32 and return float32 statistics.
   """
 
-  def chunk_forward(self, x: ChunkInputs, head: HeadSpec, *, offset=0) -> RowStats:
-    """The ``RowStats`` of the weight's columns (relative to ``offset``)."""
+  def chunk_logits(self, x: ChunkInputs, head: HeadSpec) -> jax.Array:
+    """The chunk's logits ``[rows, columns]`` in ``head.logits_dtype``."""
+    ...
+
+  def chunk_forward(
+    self, x: ChunkInputs, head: HeadSpec, *, offset=0, logits=None
+  ) -> RowStats:
+    """The ``RowStats`` of the weight's columns (relative to ``offset``), of
+    ``logits`` (from ``chunk_logits``) when given, else formed here."""
     ...
 
   def chunk_backward(
-    self, x: ChunkInputs, rows: BackwardRows, head: HeadSpec, out_dtype, *, offset=0
+    self,
+    x: ChunkInputs,
+    rows: BackwardRows,
+    head: HeadSpec,
+    out_dtype,
+    *,
+    offset=0,
+    logits=None,
   ) -> jax.Array:
-    """``dloss/dlogits`` of the weight's columns (``[rows, columns]``)."""
+    """``dloss/dlogits`` of the weight's columns (``[rows, columns]``), over
+    ``logits`` when given (in place where the backend can), else recomputed."""
     ...
 
   def chunk_forward_backward(
@@ -186,7 +201,7 @@ class MatmulThenCE:
   ``forward_backward`` it calls on the GEMM's output).
   """
 
-  def _logits(self, x: ChunkInputs, head: HeadSpec) -> jax.Array:
+  def chunk_logits(self, x: ChunkInputs, head: HeadSpec) -> jax.Array:
     return _matmul.logits_matmul(
       x.hidden,
       x.weight,
@@ -197,18 +212,20 @@ class MatmulThenCE:
       gemm=head.gemm,
     )
 
-  def chunk_forward(self, x, head, *, offset=0):
+  def chunk_forward(self, x, head, *, offset=0, logits=None):
+    logits = self.chunk_logits(x, head) if logits is None else logits
     labels = relative_labels(x.labels, offset)
-    return self.forward(self._logits(x, head), labels, head.options, **_weights(x))
+    return self.forward(logits, labels, head.options, **_weights(x))
 
-  def chunk_backward(self, x, rows, head, out_dtype, *, offset=0):
-    logits, labels = self._logits(x, head), relative_labels(x.labels, offset)
+  def chunk_backward(self, x, rows, head, out_dtype, *, offset=0, logits=None):
+    logits = self.chunk_logits(x, head) if logits is None else logits
+    labels = relative_labels(x.labels, offset)
     return self.backward(
       logits, labels, rows, head.options, out_dtype, head.vocab_size, **_weights(x)
     )
 
   def chunk_forward_backward(self, x, g_loss, head, out_dtype, *, valid, columns, into):
-    logits = self._logits(x, head)
+    logits = self.chunk_logits(x, head)
     if not columns.split and x.class_weights is None:
       options = head.options
       return self.forward_backward(
