@@ -1,12 +1,10 @@
 """The chunked sweep of both heads behind ``linear_distillation_loss``, and its VJPs.
 
-Rows are walked in groups of chunks (``_rows.sweep_chunks``, valid rows
-compacted to the front, chunks without a valid row skipped by ``lax.cond``);
-per chunk both heads' logits are formed (``_matmul.logits_matmul``, the
-teacher's under ``lax.stop_gradient``) and ``_distill_math.chunk_loss`` scores
-them; the student's ``dlogits`` fill the group's buffer, which then goes into
-its ``dhidden`` rows, ``dweight`` and ``dbias`` (two matmuls per group: fewer
-passes over ``dweight`` than one per chunk).
+Rows are walked in chunks (``_rows.sweep_chunks``, valid rows compacted to the
+front, chunks without a valid row skipped by ``lax.cond``); per chunk both
+heads' logits are formed (``_matmul.logits_matmul``, the teacher's under
+``lax.stop_gradient``), ``_distill_math.chunk_loss`` scores them, and the
+student's ``dlogits`` go into its ``dhidden`` rows, ``dweight`` and ``dbias``.
 Two custom VJPs:
 
 * ``fused_loss`` (a scalar reduction): the gradients are formed in the same
@@ -68,8 +66,6 @@ class Plan:
     options: the loss options.
     weight_layout: ``"vd"`` or ``"dv"`` (both heads).
     rows_per_chunk: rows whose logits (of both heads) exist at once.
-    rows_per_group: rows whose ``dlogits`` (the student's) exist at once and
-      go into the gradients together, at least ``rows_per_chunk``.
     logits_dtype: the dtype the student's logits matmul writes.
     teacher_logits_dtype: the teacher's.
     dweight_dtype: the ``dweight`` accumulator's dtype (the weight's own:
@@ -83,7 +79,6 @@ class Plan:
   options: DistillOptions
   weight_layout: str
   rows_per_chunk: int
-  rows_per_group: int
   logits_dtype: np.dtype
   teacher_logits_dtype: np.dtype
   dweight_dtype: np.dtype
@@ -162,8 +157,8 @@ def _sweep(plan: Plan, x: Heads, g_loss, diff: Differentiated, *, want_loss=True
   loss = jnp.zeros(x.labels.shape, stat_dtype(x.hidden)) if want_loss else None
   layout, tile, gemm = plan.weight_layout, plan.matmul_tile, plan.gemm
 
-  def chunk_dlogits(loss, chunk):
-    """The chunk's losses written into ``loss``, and its ``dlogits``."""
+  def update(carry, chunk, first=False):
+    loss, grads = carry
     h = chunk.hidden(hidden)
     student = _matmul.logits_matmul(
       h, x.weight, x.bias, layout, plan.logits_dtype, tile=tile, gemm=gemm
@@ -188,35 +183,15 @@ def _sweep(plan: Plan, x: Heads, g_loss, diff: Differentiated, *, want_loss=True
     )
     if loss is not None:
       loss = chunk.put(loss, rows.astype(loss.dtype))
-    return loss, None if dlogits is None else dlogits.astype(h.dtype)
-
-  def update(carry, group, first=False):
-    loss, grads = carry
-    if plan.rows_per_group == plan.rows_per_chunk:
-      loss, dlogits = chunk_dlogits(loss, group)
-    else:  # the chunks' dlogits fill the group's buffer (skipped ones: zeros)
-
-      def fill(inner, chunk):
-        loss, buffer = inner
-        loss, dlogits = chunk_dlogits(loss, chunk)
-        if dlogits is not None:
-          buffer = chunk.put(buffer, dlogits, local=True)
-        return loss, buffer
-
-      width = _matmul.vocab_size(x.weight, layout)
-      buffer = jnp.zeros((group.size, width), x.hidden.dtype) if want_grads else None
-      loss, dlogits = sweep_chunks(
-        plan.rows_per_chunk, group.valid, fill, (loss, buffer), group=group
-      )
     if want_grads:
-      h = group.hidden(hidden)
-      grads = _accumulate(plan, grads, group, h, dlogits, x.weight, first)
+      dlogits = dlogits.astype(h.dtype)
+      grads = _accumulate(plan, grads, chunk, h, dlogits, x.weight, first)
     return loss, grads
 
-  # Compacted, group 0 holds a valid row unless none does: it starts dweight.
+  # Compacted, chunk 0 holds a valid row unless none does: it starts dweight.
   first = functools.partial(update, first=True) if plan.compact else None
   loss, grads = sweep_chunks(
-    plan.rows_per_group, valid, update, (loss, grads), first=first
+    plan.rows_per_chunk, valid, update, (loss, grads), first=first
   )
   return None if loss is None else scatter(loss), gradient_finish(grads, x)
 
@@ -319,26 +294,24 @@ def resolve(x: Heads, options: DistillOptions, perf: PerfOptions, layout: str) -
   teacher_logits_dtype = resolve_logits_dtype(perf.logits_dtype, teacher_dtype)
   cpu = jax.default_backend() == "cpu"
   n_rows, vocab = x.hidden.shape[0], _matmul.vocab_size(x.weight, layout)
-  chunk_bytes = logits_dtype.itemsize + teacher_logits_dtype.itemsize + _WORK_BYTES
-  dlogits_bytes = np.dtype(dtype).itemsize
+  per_logit = (
+    logits_dtype.itemsize
+    + teacher_logits_dtype.itemsize
+    + np.dtype(dtype).itemsize  # dlogits
+    + _WORK_BYTES
+  )
   budget = perf.memory_budget or _planning.DEFAULT_MEMORY_BUDGET
-  if perf.chunk_size:  # groups of one chunk
-    chunk = group = min(perf.chunk_size, n_rows)
-  elif plan_rows(n_rows, vocab, chunk_bytes + dlogits_bytes, budget) == n_rows:
-    chunk = group = n_rows
-  else:  # the group's dlogits take half the budget, a chunk's logits the rest
-    group = plan_rows(n_rows, vocab, dlogits_bytes, budget // 2)
-    chunk = plan_rows(group, vocab, chunk_bytes, budget // 2)
-  # As linear_cross_entropy's: in place for a few groups, else float32.
+  chunk = perf.chunk_size and min(perf.chunk_size, n_rows)
+  chunk = chunk or plan_rows(n_rows, vocab, per_logit, budget)
+  # As linear_cross_entropy's: in place for a few chunks, else float32.
   accum = perf.accum_dtype or _planning.default_accum_dtype(
-    n_rows, group, x.weight.dtype
+    n_rows, chunk, x.weight.dtype
   )
   bias_dtype = x.weight.dtype if x.bias is None else x.bias.dtype
   return Plan(
     options=options,
     weight_layout=layout,
     rows_per_chunk=chunk,
-    rows_per_group=group,
     logits_dtype=logits_dtype,
     teacher_logits_dtype=teacher_logits_dtype,
     dweight_dtype=np.dtype(accum or x.weight.dtype),

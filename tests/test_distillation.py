@@ -287,40 +287,6 @@ def test_matches_the_float64_oracle(
   )
 
 
-@pytest.mark.parametrize(
-  "divergence, reduction, layout, grad_mode",
-  [
-    ("forward_kl", "mean", "vd", None),
-    ("jsd", "none", "dv", None),
-    ("reverse_kl", "sum", "vd", "recompute"),
-  ],
-)
-def test_groups_of_chunks_match_the_oracle(
-  rng, monkeypatch, divergence, reduction, layout, grad_mode
-):
-  """A budget that plans several groups of several chunks (the student's
-  dlogits of a group's chunks in one buffer, then its two gradient matmuls),
-  a masked prefix (skipped chunks), an unaligned last chunk and group."""
-  pair = make_pair(rng, (7, 43), layout=layout, mask="prefix", bias="finite")
-  plans = []
-  resolve = _distill_driver.resolve
-  monkeypatch.setattr(
-    _distill_driver, "resolve", lambda *a: plans.append(resolve(*a)) or plans[-1]
-  )
-  check(
-    pair,
-    "float32",
-    reduction,
-    divergence=divergence,
-    weight_layout=layout,
-    memory_budget=832 * V,  # groups of 104 rows, chunks of 16
-    grad_mode=grad_mode,
-  )
-  plan = plans[-1]
-  assert 301 > plan.rows_per_group > plan.rows_per_chunk, plan
-  assert plan.rows_per_group % plan.rows_per_chunk, plan
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("divergence", ["forward_kl", "jsd"])
 def test_gpu_llama_vocabulary(rng, divergence):
