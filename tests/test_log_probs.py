@@ -279,26 +279,66 @@ def test_bad_arguments_raise(rng):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-  "return_entropy, dtype, vocab, tol, chunk_size",
+  "return_entropy, dtype, vocab, tol, chunk_size, options",
   [
-    (False, "float32", 5003, 3e-3, 256),
-    (True, "float32", 5003, 3e-3, 256),
+    (False, "float32", 5003, 3e-3, 256, {}),
+    (True, "float32", 5003, 3e-3, 256, {}),
     # bfloat16 logits (the default): dlogits overwrite them in the backward,
     # recomputed in chunks, or (the default plan here) kept from the forward.
-    (True, "bfloat16", 50257, 2e-2, 256),
-    (True, "bfloat16", 50257, 2e-2, None),
+    (True, "bfloat16", 50257, 2e-2, 256, {}),
+    (True, "bfloat16", 50257, 2e-2, None, {}),
+    # Every option of linear_log_probs, kept logits, a masked prefix.
+    (
+      True,
+      "bfloat16",
+      32000,
+      2e-2,
+      None,
+      dict(shift=True, scale=0.7, softcap=30.0, weight_layout="dv", mask="prefix"),
+    ),
   ],
 )
-def test_log_probs_on_the_gpu(rng, return_entropy, dtype, vocab, tol, chunk_size):
+def test_log_probs_on_the_gpu(
+  rng, return_entropy, dtype, vocab, tol, chunk_size, options
+):
   """The default backend (the Pallas kernels, the entropy included),
   unaligned sizes, against the float64 oracle at the GPU's matmul precision."""
-  problem = make_problem(rng, (4, 301), dim=72, vocab=vocab, dtype=dtype, bias=True)
+  options = dict(options)
+  layout, mask = options.pop("weight_layout", "vd"), options.pop("mask", "scattered")
+  shift, scale = options.pop("shift", False), options.pop("scale", None)
+  softcap = options.pop("softcap", None)
+  problem = make_problem(
+    rng,
+    (4, 301),
+    dim=72,
+    vocab=vocab,
+    dtype=dtype,
+    bias=True,
+    weight_layout=layout,
+    mask=mask,
+  )
   g_lp = rng.standard_normal(problem.labels.shape)
   g_h = rng.standard_normal(problem.labels.shape) if return_entropy else 0 * g_lp
-  out, grads = _run(problem, g_lp, g_h, return_entropy, chunk_size=chunk_size)
+  out, grads = _run(
+    problem,
+    g_lp,
+    g_h,
+    return_entropy,
+    chunk_size=chunk_size,
+    weight_layout=layout,
+    shift=shift,
+    logit_scale=scale,
+    logit_softcap=softcap,
+  )
   lp, h = out if return_entropy else (out, None)
   ref_lp, ref_h, ref_grads = _oracle(
-    problem, g_lp, g_h, weight_layout="vd", shift=False, scale=None, softcap=None
+    problem,
+    g_lp,
+    g_h,
+    weight_layout=layout,
+    shift=shift,
+    scale=scale,
+    softcap=softcap,
   )
   assert _rel(lp, ref_lp) < tol
   if return_entropy:

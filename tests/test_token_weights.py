@@ -118,6 +118,24 @@ def test_token_weights_match_the_oracle(
     assert_close(g, r, GRAD_RTOL["float32"], "grad")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("reduction, grad_mode", MODES)
+def test_token_weights_on_the_gpu(rng, reduction, grad_mode):
+  """The default GPU backend (Pallas kernels) with token weights, every loss
+  option and a logit scale, shifted labels, unaligned sizes; float32 inputs
+  at the GPU's matmul precision. ``"none"`` keeps the forward's logits."""
+  problem = make_problem(rng, (4, 301), dim=72, vocab=5003, bias=True)
+  weights = jnp.asarray(rng.random((4, 301)) * 2.0, jnp.float32)
+  options = dict(ALL_OPTIONS, logit_scale=0.8)
+  value, grads = _run(
+    problem, weights, reduction, grad_mode=grad_mode, shift=True, **options
+  )
+  ref_value, ref_grads = _oracle(problem, weights, reduction, True, **options)
+  assert_close(value, ref_value, 3e-3, "loss", atol=1e-6)
+  for g, r in zip(grads, ref_grads, strict=True):
+    assert_close(g, r, 3e-3, "grad")
+
+
 @pytest.mark.parametrize("weight_layout", ["vd", "dv"])
 def test_token_weights_with_either_layout(rng, impl, weight_layout):
   problem = make_problem(rng, (29,), weight_layout=weight_layout, mask="none")
