@@ -9,6 +9,7 @@ table and plot show.
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import importlib.util
 import json
 import os
@@ -376,3 +377,30 @@ def test_frontier_plot_takes_each_settings_last_run(tmp_path):
   assert found["mst_jax"] == ("a", 1.1, 2000.0, 4000.0)
   frontier.plot(found, "test", tmp_path / "f.png")
   assert (tmp_path / "f.png").stat().st_size > 0
+
+
+def test_profile_step_sums_device_kernels_per_step(tmp_path):
+  """scripts/profile_step.py: device kernels summed by name and divided by
+  the steps (host events left out); a traced CPU step runs end to end."""
+  path = os.path.join(os.path.dirname(__file__), "..", "scripts", "profile_step.py")
+  spec = importlib.util.spec_from_file_location("profile_step", path)
+  profile_step = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(profile_step)
+  meta = lambda pid, name: dict(
+    ph="M", name="process_name", pid=pid, args={"name": name}
+  )
+  kernel = lambda pid, name, dur: dict(ph="X", pid=pid, name=name, dur=dur, ts=0)
+  events = [
+    meta(1, "/host:CPU"),
+    meta(2, "/device:GPU:0"),
+    kernel(1, "host_op", 9000.0),
+    kernel(2, "gemm", 3000.0),
+    kernel(2, "gemm", 5000.0),
+    kernel(2, "ce", 500.0),
+  ]
+  trace = tmp_path / "trace.json.gz"
+  with gzip.open(trace, "wt") as f:
+    json.dump({"traceEvents": events}, f)
+  assert profile_step.kernel_times(str(trace), steps=2) == {"gemm": 4.0, "ce": 0.25}
+  result = profile_step.profile("cpu", "mst_jax", steps=1, warm_up=0)
+  assert result["kernel_ms_per_step"] == sum(result["kernels"].values())
