@@ -3,7 +3,9 @@
 * ``SweepConfig``: the static configuration every loop order reads.
 * ``Chunk`` / ``chunk_of`` / ``sweep_chunks``: walking the rows in chunks
   with ``lax.scan``, skipping chunks without a valid row by ``lax.cond`` on a
-  device-side predicate (no host sync). ``N`` need not be a multiple of the
+  device-side predicate (nothing like ``.item()``; XLA:GPU copies each
+  conditional's predicate to the host to launch its branch, a short wait per
+  chunk that could be skipped). ``N`` need not be a multiple of the
   chunk: the last chunk is clamped to end at row ``N`` (it overlaps the
   previous one) and rows it does not own are excluded and never written.
 * ``compaction``: valid rows stably moved to the front (a device-side
