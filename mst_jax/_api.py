@@ -294,17 +294,20 @@ def resolve(
       config = dataclasses.replace(config, columns=shard)
     order = _mesh.Sharded(order, layout)
   mode = _grad_mode(rows, options, perf, layout)
-  keep = mode == "keep" and _one_group_in_place(rows, order, logits_dtype)
+  keep = mode == "keep" and _one_group_in_place(rows, order, logits_dtype, layout)
   return Plan(config, order, keep_logits=keep), mode == "fused"
 
 
-def _one_group_in_place(rows: Rows, order, logits_dtype) -> bool:
-  """Whether the planner's group holds every row (unsharded) and ``dlogits``
+def _one_group_in_place(rows: Rows, order, logits_dtype, layout) -> bool:
+  """Whether the planner's group holds every row of a device and ``dlogits``
   overwrite logits of their dtype: then the logits the forward keeps
   (``Plan.keep_logits``) are the buffer the recompute backward would form."""
+  row_devices = 1
+  if layout is not None:
+    order, row_devices = order.inner, layout.axis_size(layout.batch_axis)
   return (
     isinstance(order, RowChunks)
-    and order.rows_per_group >= rows.hidden.shape[0]
+    and order.rows_per_group >= rows.hidden.shape[0] // row_devices
     and _planning.dlogits_in_place(logits_dtype, rows.hidden.dtype)
   )
 

@@ -63,11 +63,12 @@ class LoopOrder(Protocol):
 class Plan(NamedTuple):
   """A loop order and its configuration (a static, hashable value).
 
-  ``keep_logits``: ``row_losses``' forward keeps the logits of all rows (one
-  ``[N, V]`` buffer of the compute dtype, which the planner fitted to the
-  memory budget as a group) for the backward, which writes ``dlogits`` over
-  them: 6 N·D·V FLOPs instead of 8. Needs an order with ``forward_keeping``
-  and ``backward_kept`` (``RowChunks``).
+  ``keep_logits``: ``row_losses``' forward keeps the logits of all rows (per
+  device, one ``[rows, columns]`` buffer of the compute dtype, which the
+  planner fitted to the memory budget as a group) for the backward, which
+  writes ``dlogits`` over them: 6 N·D·V FLOPs instead of 8. Needs an order
+  with ``forward_keeping`` and ``backward_kept`` (``RowChunks``, on a mesh
+  or not).
   """
 
   config: SweepConfig

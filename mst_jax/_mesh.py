@@ -151,12 +151,20 @@ class Layout:
       self.bias if diff.bias else None,
     )
 
-  def per_device(self, fn: Callable, x: RowInputs, extra: tuple, out_specs):
+  @property
+  def logits(self) -> P:
+    """A ``[N, V]`` array's shards: rows over the batch axis, columns over
+    the vocabulary axis."""
+    return P(self.batch_axis, self.vocab_axis)
+
+  def per_device(
+    self, fn: Callable, x: RowInputs, extra: tuple, out_specs, extra_specs=None
+  ):
     """``fn(x, *extra)`` on each device's shards.
 
-    ``extra`` are ``[N]`` arrays split like the rows. Fields of ``x`` that
-    are None (no bias, no class weights) are not passed through
-    ``shard_map`` (which takes arrays only).
+    ``extra`` are ``[N]`` arrays split like the rows, unless ``extra_specs``
+    says otherwise. Fields of ``x`` that are None (no bias, no class weights)
+    are not passed through ``shard_map`` (which takes arrays only).
     """
     present = [a is not None for a in x]
     field_specs = RowInputs(
@@ -171,7 +179,7 @@ class Layout:
     )
     arrays = [a for a in x if a is not None] + list(extra)
     specs = [s for s, p in zip(field_specs, present, strict=True) if p]
-    specs += [self.rows] * len(extra)
+    specs += list(extra_specs or [self.rows] * len(extra))
 
     def body(*arrays):
       given = iter(arrays)
@@ -208,6 +216,21 @@ class Sharded:
       return self.layout.reduce_grads(grads)
 
     return self.layout.per_device(body, x, tuple(cot), self.layout.grad_specs(diff))
+
+  def forward_keeping(self, config, x):
+    forward = functools.partial(self.inner.forward_keeping, config)
+    out_specs = ((self.layout.rows,) * 4, self.layout.logits)
+    return self.layout.per_device(forward, x, (), out_specs)
+
+  def backward_kept(self, config, x, cot, diff, logits):
+    def body(x, logits, *cot):
+      grads = self.inner.backward_kept(config, x, RowCotangents(*cot), diff, logits)
+      return self.layout.reduce_grads(grads)
+
+    layout = self.layout
+    extra_specs = (layout.logits, *(layout.rows,) * len(cot))
+    out_specs = layout.grad_specs(diff)
+    return layout.per_device(body, x, (logits, *cot), out_specs, extra_specs)
 
   def fused(self, config, x, row_scale, diff):
     layout = self.layout
