@@ -35,12 +35,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from mst_jax import _ce_math
-from mst_jax._ce_math import CEOptions, RowStats, at_least_float32
+from mst_jax._ce_math import CEOptions, at_least_float32
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 
@@ -85,69 +86,278 @@ class DistillOptions:
       raise ValueError("scores holds only the logit scale and softcap.")
 
 
-def _log_softmax(u: jax.Array) -> jax.Array:
-  """``log_softmax`` over the last axis, from the row's max (a row of -inf
-  scores shifts by 0, not by -inf)."""
-  row_max = jnp.max(u, axis=-1, keepdims=True)
-  shifted = u - jnp.where(row_max > -jnp.inf, row_max, 0.0)
-  return shifted - jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True))
+class DistillStats(NamedTuple):
+  """Per-row sums over the columns seen so far, each ``[rows]``.
+
+  Blocks of columns merge with ``combine`` (an online max / sum-exp, as the
+  cross-entropy's statistics). With ``u = s_s / T`` and ``v = s_t / T`` (the
+  tempered scores of ``tempered``):
+
+  Attributes:
+    max_q: ``max_j u_j``.
+    sum_q: ``sum_j exp(u_j - max_q)``.
+    max_p: ``max_j v_j``.
+    sum_p: ``sum_j exp(v_j - max_p)``.
+    cross: ``"forward_kl"``: ``sum_j exp(v_j - max_p) (v_j - u_j)``;
+      ``"reverse_kl"``: ``sum_j exp(u_j - max_q) (u_j - v_j)``; ``"jsd"``: 0
+      (its sums need both lse first: ``jsd_sums``). A class of probability 0
+      adds 0.
+    max_s, sum_s: the same as ``max_q, sum_q`` for the untempered student
+      scores, for the hard-label term at ``T != 1``; else None.
+  """
+
+  max_q: jax.Array
+  sum_q: jax.Array
+  max_p: jax.Array
+  sum_p: jax.Array
+  cross: jax.Array
+  max_s: jax.Array | None = None
+  sum_s: jax.Array | None = None
 
 
-def _kl_rows(p: jax.Array, log_p: jax.Array, log_other: jax.Array) -> jax.Array:
-  """``sum_j p_j (log p_j - log other_j)`` per row; classes with ``p = 0`` add 0."""
-  return jnp.sum(jnp.where(p > 0, p * (log_p - log_other), 0.0), axis=-1)
+class DistillRows(NamedTuple):
+  """Per-row inputs of ``dlogits_block``, each ``[rows]`` (from ``finish``).
+
+  Attributes:
+    lse_q, lse_p: the tempered student's and teacher's log-sum-exp; +inf at
+      excluded rows, whose probabilities are then exactly 0.
+    kl: ``KL(Q || P)`` (``"reverse_kl"``), ``KL(Q || M)`` (``"jsd"``) or 0.
+    coef: ``g_loss / T``; 0 at excluded rows.
+    valid: bool; excluded rows get exactly 0 whatever their logits.
+    hard: the hard-label term's ``_ce_math.BackwardRows`` (on the untempered
+      scores), or None without that term.
+  """
+
+  lse_q: jax.Array
+  lse_p: jax.Array
+  kl: jax.Array
+  coef: jax.Array
+  valid: jax.Array
+  hard: _ce_math.BackwardRows | None = None
 
 
-def _divergence(
-  log_q: jax.Array, log_p: jax.Array, options: DistillOptions, grad: bool
-) -> tuple[jax.Array, jax.Array | None]:
-  """Per-row divergence ``[rows]`` and, with ``grad``, its gradient with
-  respect to the student's tempered scores ``u`` (``[rows, V]``)."""
-  q, p = jnp.exp(log_q), jnp.exp(log_p)
+_PLAIN = CEOptions()  # the hard-label term sees scores already scaled and capped
+
+
+def tempered(
+  student_logits: jax.Array, teacher_logits: jax.Array, options: DistillOptions
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(s_s, u, v)`` of raw float logits: the student's scores, and both heads'
+  scores divided by the temperature."""
+  scores = _ce_math.scores(student_logits, options.scores)
+  teacher = _ce_math.scores(teacher_logits, options.scores)
+  if options.temperature == 1.0:
+    return scores, scores, teacher
+  return scores, scores / options.temperature, teacher / options.temperature
+
+
+def _own_stats(options: DistillOptions) -> bool:
+  """Whether the hard-label term needs sums of the untempered scores."""
+  return bool(options.hard_label_weight) and options.temperature != 1.0
+
+
+def _shift(row_max: jax.Array) -> jax.Array:
+  """The row's max, or 0 where every score is -inf (no mass, not NaN)."""
+  return jnp.where(row_max > -jnp.inf, row_max, 0.0)
+
+
+def _max_and_exp(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  row_max = jnp.max(x, axis=-1)
+  return row_max, jnp.exp(x - _shift(row_max)[..., None])
+
+
+def _weighted_sum(weights: jax.Array, values: jax.Array) -> jax.Array:
+  """``sum_j w_j x_j`` over the last axis; a weight of 0 adds 0 (not 0 * inf)."""
+  return jnp.sum(jnp.where(weights > 0, weights * values, 0.0), axis=-1)
+
+
+def _logaddexp(a: jax.Array, b: jax.Array) -> jax.Array:
+  """``log(exp(a) + exp(b))``; -inf where both are."""
+  shift = _shift(jnp.maximum(a, b))
+  return shift + jnp.log(jnp.exp(a - shift) + jnp.exp(b - shift))
+
+
+def block_stats(
+  scores: jax.Array, u: jax.Array, v: jax.Array, options: DistillOptions
+) -> DistillStats:
+  """``DistillStats`` of a block of columns: ``[rows, block]`` arrays from
+  ``tempered``, with columns outside the vocabulary at -inf in all three."""
+  max_q, exp_q = _max_and_exp(u)
+  max_p, exp_p = _max_and_exp(v)
   if options.divergence == "forward_kl":
-    return _kl_rows(p, log_p, log_q), (q - p) if grad else None
-  if options.divergence == "reverse_kl":
-    log_ref, weight = log_p, 1.0
-    divergence = kl_q = _kl_rows(q, log_q, log_p)
+    cross = _weighted_sum(exp_p, v - u)
+  elif options.divergence == "reverse_kl":
+    cross = _weighted_sum(exp_q, u - v)
   else:
-    beta = options.beta
-    log_ref = jnp.logaddexp(math.log(beta) + log_p, math.log1p(-beta) + log_q)
-    kl_q = _kl_rows(q, log_q, log_ref)
-    divergence = beta * _kl_rows(p, log_p, log_ref) + (1.0 - beta) * kl_q
-    weight = 1.0 - beta
-  if not grad:
-    return divergence, None
-  # Q_j (log Q_j - log ref_j - KL(Q || ref)): the softmax's Jacobian applied to
-  # dJ/dQ; 0 where Q_j is 0 (its log-ratio may be -inf - -inf there).
-  spread = jnp.where(q > 0, q * (log_q - log_ref - kl_q[:, None]), 0.0)
-  return divergence, weight * spread if weight != 1.0 else spread
+    cross = jnp.zeros_like(max_q)
+  max_s = sum_s = None
+  if _own_stats(options):
+    max_s, exp_s = _max_and_exp(scores)
+    sum_s = jnp.sum(exp_s, axis=-1)
+  sum_q, sum_p = jnp.sum(exp_q, axis=-1), jnp.sum(exp_p, axis=-1)
+  return DistillStats(max_q, sum_q, max_p, sum_p, cross, max_s, sum_s)
 
 
-def _hard_label(
-  scores: jax.Array,
+def empty_stats(shape, dtype, options: DistillOptions) -> DistillStats:
+  """The ``DistillStats`` of no columns (``combine``'s identity)."""
+  low, zero = jnp.full(shape, -jnp.inf, dtype), jnp.zeros(shape, dtype)
+  own = (low, zero) if _own_stats(options) else (None, None)
+  return DistillStats(low, zero, low, zero, zero, *own)
+
+
+def _rescaled(max_a, max_b, *pairs):
+  """The larger max, and each ``(a, b)`` pair of sums rescaled to it and added."""
+  new_max = jnp.maximum(max_a, max_b)
+  shift = _shift(new_max)
+  scale_a, scale_b = jnp.exp(max_a - shift), jnp.exp(max_b - shift)
+  return new_max, *(a * scale_a + b * scale_b for a, b in pairs)
+
+
+def combine(a: DistillStats, b: DistillStats, options: DistillOptions) -> DistillStats:
+  """The ``DistillStats`` of two disjoint sets of columns together."""
+  # cross is weighted by the teacher's exp for the forward KL, else the student's.
+  cross = [(a.cross, b.cross)]
+  forward = options.divergence == "forward_kl"
+  q_sums = [(a.sum_q, b.sum_q)] + ([] if forward else cross)
+  p_sums = [(a.sum_p, b.sum_p)] + (cross if forward else [])
+  max_q, sum_q, *cross_q = _rescaled(a.max_q, b.max_q, *q_sums)
+  max_p, sum_p, *cross_p = _rescaled(a.max_p, b.max_p, *p_sums)
+  own = (None, None)
+  if a.max_s is not None:
+    own = _rescaled(a.max_s, b.max_s, (a.sum_s, b.sum_s))
+  return DistillStats(max_q, sum_q, max_p, sum_p, *cross_q, *cross_p, *own)
+
+
+def lse(stats: DistillStats) -> tuple[jax.Array, jax.Array]:
+  """``(lse_q, lse_p)``: both heads' tempered log-sum-exp."""
+  return stats.max_q + jnp.log(stats.sum_q), stats.max_p + jnp.log(stats.sum_p)
+
+
+def jsd_sums(
+  u: jax.Array, v: jax.Array, lses: tuple[jax.Array, jax.Array], beta: float
+) -> tuple[jax.Array, jax.Array]:
+  """``(KL(P || M), KL(Q || M))`` over a block of columns (block sums add up):
+  ``[rows, block]`` tempered scores and ``lse``'s ``[rows]``."""
+  log_q, log_p = u - lses[0][:, None], v - lses[1][:, None]
+  log_m = _logaddexp(math.log(beta) + log_p, math.log1p(-beta) + log_q)
+  kl_p = _weighted_sum(jnp.exp(log_p), log_p - log_m)
+  return kl_p, _weighted_sum(jnp.exp(log_q), log_q - log_m)
+
+
+def finish(
+  stats: DistillStats,
+  sums: tuple[jax.Array, jax.Array] | None,
+  target: jax.Array | None,
   labels: jax.Array,
   valid: jax.Array,
   g_loss: jax.Array | None,
-) -> tuple[jax.Array, jax.Array | None]:
-  """The cross-entropy of ``scores`` ``[rows, V]`` at the labels, per row, and
-  with ``g_loss`` its gradient ``g_loss * (softmax - onehot)``, by
-  ``_ce_math``'s formulas (NaN at a valid row whose label is outside ``[0, V)``)."""
-  vocab_size = scores.shape[-1]
-  row_max = jnp.max(scores, axis=-1)
-  shift = jnp.where(row_max > -jnp.inf, row_max, 0.0)
-  log_sum_exp = jnp.log(jnp.sum(jnp.exp(scores - shift[:, None]), axis=-1))
-  safe = jnp.clip(labels, 0, vocab_size - 1)
-  target = jnp.take_along_axis(scores, safe[:, None], axis=-1)[:, 0]
-  zeros = jnp.zeros_like(shift)
-  stats = RowStats(shift, log_sum_exp, target, zeros, jnp.zeros_like(labels))
-  plain = CEOptions()  # the scores are already scaled and softcapped
-  loss, lse, _, _ = _ce_math.row_outputs(stats, labels, valid, plain, vocab_size)
+  options: DistillOptions,
+  vocab_size: int,
+) -> tuple[jax.Array, DistillRows | None]:
+  """Per-row loss ``[rows]`` and, with ``g_loss``, the ``DistillRows`` of its
+  gradient.
+
+  Args:
+    stats: the whole rows' ``DistillStats``.
+    sums: ``jsd_sums`` over the whole rows (``"jsd"``), else None.
+    target: the untempered student score at each label (any value where the
+      label is outside ``[0, V)``), with a hard-label term; else None.
+    labels: int32 ``[rows]``.
+    valid: bool ``[rows]``; excluded rows give exactly 0.
+    g_loss: float ``[rows]``, each row's cotangent, or None.
+    options: the loss options.
+    vocab_size: ``V``.
+  """
+  lse_q, lse_p = lse(stats)
+  log_ratio = stats.max_q - stats.max_p + jnp.log(stats.sum_q / stats.sum_p)
+  kl = jnp.zeros_like(lse_q)
+  if options.divergence == "forward_kl":  # sum P (v - u) - lse_p + lse_q
+    loss = stats.cross / stats.sum_p + log_ratio
+  elif options.divergence == "reverse_kl":
+    loss = kl = stats.cross / stats.sum_q - log_ratio
+  else:
+    kl_p, kl = sums
+    loss = options.beta * kl_p + (1.0 - options.beta) * kl
+  weight, hard = options.hard_label_weight, None
+  if weight:
+    own = stats.max_s is not None
+    ce_stats = _ce_math.RowStats(
+      row_max=stats.max_s if own else stats.max_q,
+      log_sum_exp=jnp.log(stats.sum_s if own else stats.sum_q),
+      target=target,
+      mean_logit=jnp.zeros_like(lse_q),
+      argmax=jnp.zeros_like(labels),
+    )
+    hard_loss, hard_lse, _, _ = _ce_math.row_outputs(
+      ce_stats, labels, valid, _PLAIN, vocab_size
+    )
+    loss = loss + weight * hard_loss
+  loss = jnp.where(valid, loss, jnp.zeros_like(loss))
   if g_loss is None:
     return loss, None
-  rows = _ce_math.backward_rows(g_loss, zeros, lse, labels, valid, plain, vocab_size)
-  cols = jnp.arange(vocab_size, dtype=jnp.int32)
-  grad = _ce_math.dlogits_block(scores, cols, labels, rows, plain, vocab_size)
-  return loss, grad
+  coef = jnp.where(valid, g_loss.astype(lse_q.dtype), 0.0)
+  if weight:
+    zeros = jnp.zeros_like(coef)
+    hard = _ce_math.backward_rows(
+      weight * coef, zeros, hard_lse, labels, valid, _PLAIN, vocab_size
+    )
+  far = jnp.full_like(lse_q, jnp.inf)
+  return loss, DistillRows(
+    lse_q=jnp.where(valid, lse_q, far),
+    lse_p=jnp.where(valid, lse_p, far),
+    kl=jnp.where(valid, kl, 0.0),
+    coef=coef / options.temperature,
+    valid=valid,
+    hard=hard,
+  )
+
+
+def dlogits_block(
+  student_logits: jax.Array,
+  teacher_logits: jax.Array,
+  cols: jax.Array,
+  labels: jax.Array,
+  rows: DistillRows,
+  options: DistillOptions,
+  vocab_size: int,
+) -> jax.Array:
+  """The gradient with respect to a block of the student's raw logits.
+
+  Args:
+    student_logits, teacher_logits: float ``[rows, block]`` raw logits.
+    cols: int32 ``[block]``, each column's vocabulary index.
+    labels: int32 ``[rows]``.
+    rows: the block's rows of ``finish``'s ``DistillRows``.
+    options: the loss options.
+    vocab_size: ``V``.
+
+  Returns:
+    ``[rows, block]`` in the logits' dtype.
+  """
+  scores, u, v = tempered(student_logits, teacher_logits, options)
+  log_q = u - rows.lse_q[:, None]
+  q = jnp.exp(log_q)
+  if options.divergence == "forward_kl":
+    grad = q - jnp.exp(v - rows.lse_p[:, None])
+  else:
+    log_ref = v - rows.lse_p[:, None]  # log P
+    if options.divergence == "jsd":  # log M
+      beta = options.beta
+      log_ref = _logaddexp(math.log(beta) + log_ref, math.log1p(-beta) + log_q)
+    # The softmax's Jacobian applied to dJ/dQ = log Q - log ref (times 1 - beta
+    # for the JSD); 0 where Q is 0 (its log-ratio may be -inf - -inf there).
+    spread = q * (log_q - log_ref - rows.kl[:, None])
+    grad = jnp.where(q > 0, spread, 0.0)
+    if options.divergence == "jsd":
+      grad = (1.0 - options.beta) * grad
+  grad = grad * rows.coef[:, None]
+  if rows.hard is not None:
+    hard = _ce_math.dlogits_block(scores, cols, labels, rows.hard, _PLAIN, vocab_size)
+    grad = grad + hard
+  head = options.scores
+  if head.logit_softcap is not None or head.logit_scale != 1.0:
+    grad = grad * _ce_math.scores_grad(student_logits, head)
+  return jnp.where(rows.valid[:, None], grad, 0.0)
 
 
 def chunk_loss(
@@ -158,7 +368,9 @@ def chunk_loss(
   g_loss: jax.Array | None,
   options: DistillOptions,
 ) -> tuple[jax.Array, jax.Array | None]:
-  """Per-row loss of a chunk and, with ``g_loss``, its gradient.
+  """Per-row loss of a chunk and, with ``g_loss``, its gradient (in XLA).
+
+  The whole rows are one block of ``block_stats`` and ``dlogits_block``.
 
   Args:
     student_logits: ``[rows, V]`` raw logits (not scaled or softcapped), any
@@ -176,29 +388,18 @@ def chunk_loss(
     (None without ``g_loss``).
   """
   dtype = at_least_float32(student_logits.dtype)
-  raw = student_logits.astype(dtype)
-  scores = _ce_math.scores(raw, options.scores)  # [rows, V]
-  teacher = _ce_math.scores(teacher_logits.astype(dtype), options.scores)
-  student, temperature = scores, options.temperature
-  if temperature != 1.0:
-    student, teacher = scores / temperature, teacher / temperature
-  log_q, log_p = _log_softmax(student), _log_softmax(teacher)  # [rows, V]
-  grad = g_loss is not None
-  loss, dscores = _divergence(log_q, log_p, options, grad)
-  if grad:
-    coef = jnp.where(valid, g_loss.astype(dtype), 0.0)
-    dscores = dscores * (coef / temperature)[:, None]
-  weight = options.hard_label_weight
-  if weight:
-    g_hard = None if not grad else weight * coef
-    hard, dhard = _hard_label(scores, labels, valid, g_hard)
-    loss = loss + weight * hard
-    if grad:
-      dscores = dscores + dhard
-  loss = jnp.where(valid, loss, jnp.zeros_like(loss))
-  if not grad:
+  raw, teacher = student_logits.astype(dtype), teacher_logits.astype(dtype)
+  vocab_size = raw.shape[-1]
+  scores, u, v = tempered(raw, teacher, options)
+  stats = block_stats(scores, u, v, options)
+  sums = target = None
+  if options.divergence == "jsd":
+    sums = jsd_sums(u, v, lse(stats), options.beta)
+  if options.hard_label_weight:
+    safe = jnp.clip(labels, 0, vocab_size - 1)
+    target = jnp.take_along_axis(scores, safe[:, None], axis=-1)[:, 0]
+  loss, rows = finish(stats, sums, target, labels, valid, g_loss, options, vocab_size)
+  if rows is None:
     return loss, None
-  head = options.scores
-  if head.logit_softcap is not None or head.logit_scale != 1.0:
-    dscores = dscores * _ce_math.scores_grad(raw, head)
-  return loss, jnp.where(valid[:, None], dscores, 0.0)
+  cols = jnp.arange(vocab_size, dtype=jnp.int32)
+  return loss, dlogits_block(raw, teacher, cols, labels, rows, options, vocab_size)

@@ -12,15 +12,13 @@ float32; all math is float32 and ``ce_math``'s, as in the XLA backend):
    sweep as the loss: two reads, one write, ``dlogits`` over bfloat16 logits
    in place (each program reads a block before it writes it, and owns its rows).
 
-On a CPU the kernels run in interpret mode. The Triton lowering is deprecated
-from jax 0.11 in favour of Mosaic GPU; its warning is shown once per process.
+On a CPU the kernels run in interpret mode (``triton_common``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -30,85 +28,16 @@ from jax.experimental.pallas import triton as plgpu
 
 from mst_jax import _ce_math as ce_math
 from mst_jax._backends import base
-
-warnings.filterwarnings(
-  "once", message=".*Pallas Triton backend is deprecated.*", category=DeprecationWarning
+from mst_jax._backends.triton_common import (
+  KernelBlocks,
+  call,
+  default_kernel_blocks,
+  label_logits,
+  load_logits,
+  load_rows,
+  row_block,
+  row_scalar,
 )
-
-
-def _is_power_of_2(value: int) -> bool:
-  return isinstance(value, int) and value > 0 and value & (value - 1) == 0
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelBlocks:
-  """Block sizes of the Pallas cross-entropy kernels.
-
-  Each program of the row-reduction kernels owns ``block_rows`` rows and walks
-  the vocabulary ``block_v`` columns at a time; the elementwise ``dlogits``
-  kernel tiles ``[block_rows, block_v]``.
-
-  Attributes:
-    block_rows: rows per program, a power of 2.
-    block_v: vocabulary columns per step, a power of 2.
-    num_warps: warps per program (Triton), a power of 2.
-    num_stages: software-pipelining depth of the vocabulary loop (Triton).
-  """
-
-  block_rows: int = 1
-  block_v: int = 2048
-  num_warps: int = 4
-  num_stages: int = 2
-
-  def __post_init__(self) -> None:
-    power_of_2, at_least_1 = _is_power_of_2, lambda v: isinstance(v, int) and v >= 1
-    checks = {"block_rows": power_of_2, "block_v": power_of_2}
-    checks.update(num_warps=power_of_2, num_stages=at_least_1)
-    for name, ok in checks.items():
-      what = ">= 1" if ok is at_least_1 else "a power of 2"
-      if not ok(value := getattr(self, name)):
-        raise ValueError(f"KernelBlocks.{name} must be {what}, got {value!r}.")
-
-
-def default_kernel_blocks(vocab_size: int) -> KernelBlocks:
-  """Heuristic kernel blocks for a vocabulary of ``vocab_size``.
-
-  One row per program: a chunk of ``R`` rows makes ``R`` programs, each with
-  its reductions in registers; 1 row x 2048 columns x 4 warps was the fastest
-  statistics kernel in 3 of 4 chunk shapes on the H200 (docs/benchmarks.md).
-  Small vocabularies take a smaller (power-of-2) step, not mostly padding.
-  """
-  block_v = min(2048, max(128, 1 << max(vocab_size - 1, 1).bit_length()))
-  return KernelBlocks(block_rows=1, block_v=block_v, num_warps=4)
-
-
-def _row_block(row_block_index, block_rows, n_rows):
-  rows = row_block_index * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
-  return pl.ds(row_block_index * block_rows, block_rows), rows < n_rows
-
-
-def _load_rows(ref, row_slice, row_mask, other):
-  return plgpu.load(ref.at[row_slice], mask=row_mask, other=other)
-
-
-def _load_logits(logits_ref, row_slice, row_mask, col_block_index, block_v):
-  """Block ``[block_rows, block_v]`` of logits, its columns and their mask."""
-  n_cols = logits_ref.shape[1]
-  col_block_index = jnp.asarray(col_block_index, jnp.int32)  # int64 loops under x64
-  cols = col_block_index * block_v + jnp.arange(block_v, dtype=jnp.int32)
-  col_mask = cols < n_cols
-  mask = row_mask[:, None] & col_mask[None, :]
-  block = plgpu.load(
-    logits_ref.at[row_slice, pl.ds(col_block_index * block_v, block_v)],
-    mask=mask,
-    other=0.0,
-  )
-  return block.astype(ce_math.at_least_float32(logits_ref.dtype)), cols, col_mask
-
-
-def _row_scalar(values, row):
-  """Element ``row`` of a program's ``[block_rows]`` vector, as a scalar."""
-  return jnp.sum(jnp.where(jnp.arange(values.shape[0]) == row, values, 0))
 
 
 def _row_stats(logits_ref, labels, row_slice, row_mask, *, options, block_v):
@@ -125,7 +54,7 @@ def _row_stats(logits_ref, labels, row_slice, row_mask, *, options, block_v):
 
   def body(col_block_index, carry):
     row_max, sum_exp, total, weighted, best_block = carry
-    z, cols, col_mask = _load_logits(
+    z, cols, col_mask = load_logits(
       logits_ref, row_slice, row_mask, col_block_index, block_v
     )
     capped = ce_math.scores(z, options)  # [block_rows, block_v]
@@ -154,20 +83,15 @@ def _row_stats(logits_ref, labels, row_slice, row_mask, *, options, block_v):
   row_max, sum_exp, total, weighted, best_block = lax.fori_loop(
     0, pl.cdiv(n_cols, block_v), body, init
   )
-  target, argmax = zeros, indices
-  row_ids = jnp.arange(block_rows)
-  for row in range(block_rows):
+  target = ce_math.scores(
+    label_logits(logits_ref, labels, row_slice, row_mask), options
+  )
+  argmax, row_ids = indices, jnp.arange(block_rows)
+  for row in range(block_rows):  # the first index of the row's max, in its block
     one_row = pl.ds(row_slice.start + row, 1)
-    row_ok = _row_scalar(row_mask.astype(jnp.int32), row) != 0
-    # The label's score; any value where the label is outside [0, V).
-    label = jnp.clip(_row_scalar(labels, row), 0, n_cols - 1)
-    mask = jnp.full((1, 1), row_ok)
-    z = plgpu.load(logits_ref.at[one_row, pl.ds(label, 1)], mask=mask, other=0.0)
-    score = jnp.sum(ce_math.scores(z.astype(dtype), options))
-    target = jnp.where(row_ids == row, score, target)
-    # The first index of the row's max, in the block that holds it.
-    z, cols, col_mask = _load_logits(
-      logits_ref, one_row, row_ok[None], _row_scalar(best_block, row), block_v
+    row_ok = row_scalar(row_mask.astype(jnp.int32), row) != 0
+    z, cols, col_mask = load_logits(
+      logits_ref, one_row, row_ok[None], row_scalar(best_block, row), block_v
     )
     live = jnp.where(col_mask[None, :], ce_math.scores(z, options), -jnp.inf)
     is_max = live == jnp.max(live, axis=1, keepdims=True)
@@ -197,8 +121,8 @@ def _stats_kernel(
   block_rows: int,
   block_v: int,
 ):
-  row_slice, row_mask = _row_block(pl.program_id(0), block_rows, logits_ref.shape[0])
-  labels = _load_rows(labels_ref, row_slice, row_mask, 0)
+  row_slice, row_mask = row_block(pl.program_id(0), block_rows, logits_ref.shape[0])
+  labels = load_rows(labels_ref, row_slice, row_mask, 0)
   stats = _row_stats(
     logits_ref, labels, row_slice, row_mask, options=options, block_v=block_v
   )
@@ -220,7 +144,7 @@ def _write_dlogits(
   row_slice, row_mask, labels, rows = block
   n_cols = logits_ref.shape[1]
   col_block_index = jnp.asarray(col_block_index, jnp.int32)  # int64 loops under x64
-  z, cols, col_mask = _load_logits(
+  z, cols, col_mask = load_logits(
     logits_ref, row_slice, row_mask, col_block_index, block_v
   )
   grad = ce_math.dlogits_block(z, cols, labels, rows, options, vocab_total or n_cols)
@@ -245,17 +169,17 @@ def _dlogits_kernel(
   vocab_total: int,
 ):
   *entropy_refs, dlogits_ref = refs
-  row_slice, row_mask = _row_block(pl.program_id(0), block_rows, logits_ref.shape[0])
-  labels = _load_rows(labels_ref, row_slice, row_mask, 0)
+  row_slice, row_mask = row_block(pl.program_id(0), block_rows, logits_ref.shape[0])
+  labels = load_rows(labels_ref, row_slice, row_mask, 0)
   rows = ce_math.BackwardRows(
     # Padded rows: lse=+inf and zero coefficients give exactly 0, never NaN.
-    lse=_load_rows(lse_ref, row_slice, row_mask, jnp.inf),
-    coef_softmax=_load_rows(coef_softmax_ref, row_slice, row_mask, 0.0),
-    coef_target=_load_rows(coef_target_ref, row_slice, row_mask, 0.0),
+    lse=load_rows(lse_ref, row_slice, row_mask, jnp.inf),
+    coef_softmax=load_rows(coef_softmax_ref, row_slice, row_mask, 0.0),
+    coef_target=load_rows(coef_target_ref, row_slice, row_mask, 0.0),
   )
   if entropy_refs:
     coef_entropy, expected = (
-      _load_rows(ref, row_slice, row_mask, 0.0) for ref in entropy_refs
+      load_rows(ref, row_slice, row_mask, 0.0) for ref in entropy_refs
     )
     rows = rows._replace(coef_entropy=coef_entropy, expected_score=expected)
   _write_dlogits(
@@ -285,18 +209,18 @@ def _fused_kernel(
   *stats_refs, dlogits_ref = refs
   row_offset = offset_ref[0]
   n_rows, n_cols = logits_ref.shape
-  row_slice, row_mask = _row_block(pl.program_id(0), block_rows, n_rows)
-  labels = _load_rows(labels_ref, row_slice, row_mask, 0)
+  row_slice, row_mask = row_block(pl.program_id(0), block_rows, n_rows)
+  labels = load_rows(labels_ref, row_slice, row_mask, 0)
   stats = _row_stats(
     logits_ref, labels, row_slice, row_mask, options=options, block_v=block_v
   )
   _store_stats(stats, stats_refs, row_slice, row_mask)
   rows = ce_math.backward_rows(
-    _load_rows(g_loss_ref, row_slice, row_mask, 0.0),
+    load_rows(g_loss_ref, row_slice, row_mask, 0.0),
     jnp.zeros_like(stats.lse),
     stats.lse,
     labels,
-    _load_rows(valid_ref, row_slice, row_mask, 0) != 0,
+    load_rows(valid_ref, row_slice, row_mask, 0) != 0,
     options,
     n_cols,
   )
@@ -347,24 +271,16 @@ class PallasTritonChunkCE(base.MatmulThenCE):
     **static,
   ):
     blocks = self.blocks or default_kernel_blocks(vocab_size)
-    return pl.pallas_call(
-      functools.partial(
-        kernel,
-        options=options,
-        block_rows=blocks.block_rows,
-        block_v=blocks.block_v,
-        **static,
-      ),
-      out_shape=out_shape,
-      input_output_aliases=aliases or {},
-      grid=grid(blocks),
-      in_specs=[pl.no_block_spec] * n_inputs,
-      out_specs=jax.tree.map(lambda _: pl.no_block_spec, out_shape),
-      compiler_params=plgpu.CompilerParams(
-        num_warps=blocks.num_warps, num_stages=blocks.num_stages
-      ),
+    kernel = functools.partial(kernel, options=options, **static)
+    return call(
+      kernel,
+      name,
+      grid(blocks),
+      out_shape,
+      blocks,
+      n_inputs,
       interpret=self.interpret,
-      name=name,
+      aliases=aliases,
     )
 
   def forward(self, logits, labels, options):
