@@ -118,17 +118,20 @@ def linear_distillation_loss(
       both heads before the temperature.
     chunk_size: rows per chunk (both heads' logits exist for that many rows
       at once). None plans it from ``memory_budget``.
-    memory_budget: bytes for a chunk's temporaries: both heads' logits, the
-      student's ``dlogits`` and two float32 work arrays, per logit (default
-      2.25 GiB, ``mst_jax._api.DEFAULT_MEMORY_BUDGET``). Over more than 2
-      chunks a float32 ``dweight`` accumulator (``4 V D_s`` bytes) comes on
-      top, unless ``accum_dtype`` says otherwise.
+    memory_budget: bytes for a chunk's temporaries, per logit: both heads'
+      logits; with the Pallas kernel, ``dlogits`` unless they overwrite the
+      student's logits (the same dtype); in XLA, ``dlogits`` and two float32
+      work arrays (default 2.25 GiB, ``mst_jax._api.DEFAULT_MEMORY_BUDGET``).
+      Over more than 2 chunks a float32 ``dweight`` accumulator (``4 V D_s``
+      bytes) comes on top, unless ``accum_dtype`` says otherwise.
     vocab_block_size: not supported (raises ``NotImplementedError``): use
       ``chunk_size`` or ``memory_budget`` to bound the memory.
-    impl: None or ``"xla"`` (chunked, per-chunk math in XLA), or
+    impl: None (chunked; on a GPU each chunk's loss and ``dlogits`` in one
+      Pallas kernel, elsewhere in XLA), ``"pallas"`` (the kernel everywhere;
+      interpret mode off a GPU, slow), ``"xla"`` (the per-chunk math in XLA),
+      ``"mosaic"`` (as None, with Mosaic GPU GEMMs on a Hopper GPU), or
       ``"reference"`` (both heads' full logits, differentiated by autodiff;
-      for tests and small problems). ``"pallas"`` raises
-      ``NotImplementedError``.
+      for tests and small problems).
     accum_dtype: the ``dweight`` / ``dbias`` accumulators' dtype. None, as
       for ``linear_cross_entropy``: ``dweight`` in the weight's dtype, in
       place, for at most 2 chunks (one rounding per chunk), else float32;
@@ -158,8 +161,8 @@ def linear_distillation_loss(
       or ``> 0`` without ``labels``.
     TypeError: non-float hidden states, weights or biases, non-integer
       labels, a non-bool ``where``, or options of the wrong type.
-    NotImplementedError: ``vocab_block_size``, ``impl="pallas"``, or
-      ``grad_mode="fused"`` with ``reduction="none"``.
+    NotImplementedError: ``vocab_block_size``, or ``grad_mode="fused"`` with
+      ``reduction="none"``.
 
   Example:
 
@@ -241,11 +244,6 @@ def _check_perf(perf: _options.PerfOptions) -> None:
       "linear_distillation_loss walks whole-vocabulary row chunks;"
       " vocab_block_size is not supported. Bound the memory with chunk_size"
       " or memory_budget instead."
-    )
-  if perf.impl == "pallas":
-    raise NotImplementedError(
-      "linear_distillation_loss has no Pallas kernels; use impl=None, 'xla'"
-      " or 'mosaic' (or 'reference' for the full-logits oracle)."
     )
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +31,7 @@ import numpy as np
 from jax import lax
 
 from mst_jax import _matmul, _planning
-from mst_jax._backends import select_gemm
+from mst_jax._backends import select_distill, select_gemm
 from mst_jax._ce_math import at_least_float32
 from mst_jax._distill_math import DistillOptions, chunk_loss
 from mst_jax._options import PerfOptions, resolve_logits_dtype
@@ -74,6 +74,8 @@ class Plan:
     matmul_tile: vocabulary columns per matmul tile (XLA:CPU), or None.
     gemm: what runs the matmuls, ``"xla"`` or ``"mosaic"`` (``_matmul``).
     compact: move valid rows to the front before chunking.
+    kernel: the per-chunk Pallas kernel (``_backends.select_distill``), or
+      None for the XLA chunk (``_distill_math.chunk_loss``).
   """
 
   options: DistillOptions
@@ -86,6 +88,7 @@ class Plan:
   matmul_tile: int | None = None
   gemm: str = "xla"
   compact: bool = True
+  kernel: Any = None
 
 
 class Heads(NamedTuple):
@@ -173,14 +176,11 @@ def _sweep(plan: Plan, x: Heads, g_loss, diff: Differentiated, *, want_loss=True
       gemm=gemm,
     )
     g_rows = chunk.take(g_loss) if want_grads else None
-    rows, dlogits = chunk_loss(
-      student,
-      lax.stop_gradient(teacher),
-      chunk.take(labels),
-      chunk.valid,
-      g_rows,
-      plan.options,
-    )
+    inputs = (student, lax.stop_gradient(teacher), chunk.take(labels), chunk.valid)
+    if plan.kernel is None:
+      rows, dlogits = chunk_loss(*inputs, g_rows, plan.options)
+    else:
+      rows, dlogits = plan.kernel.chunk_loss(*inputs, g_rows, plan.options, h.dtype)
     if loss is not None:
       loss = chunk.put(loss, rows.astype(loss.dtype))
     if want_grads:
@@ -292,14 +292,14 @@ def resolve(x: Heads, options: DistillOptions, perf: PerfOptions, layout: str) -
   dtype, teacher_dtype = x.hidden.dtype, x.teacher_hidden.dtype
   logits_dtype = resolve_logits_dtype(perf.logits_dtype, dtype)
   teacher_logits_dtype = resolve_logits_dtype(perf.logits_dtype, teacher_dtype)
-  cpu = jax.default_backend() == "cpu"
+  platform = jax.default_backend()
+  kernel = select_distill(perf.impl, platform)
   n_rows, vocab = x.hidden.shape[0], _matmul.vocab_size(x.weight, layout)
-  per_logit = (
-    logits_dtype.itemsize
-    + teacher_logits_dtype.itemsize
-    + np.dtype(dtype).itemsize  # dlogits
-    + _WORK_BYTES
-  )
+  per_logit = logits_dtype.itemsize + teacher_logits_dtype.itemsize
+  if kernel is None:
+    per_logit += np.dtype(dtype).itemsize + _WORK_BYTES  # dlogits, XLA's passes
+  elif not kernel.in_place(logits_dtype, dtype):
+    per_logit += np.dtype(dtype).itemsize
   budget = perf.memory_budget or _planning.DEFAULT_MEMORY_BUDGET
   chunk = perf.chunk_size and min(perf.chunk_size, n_rows)
   chunk = chunk or plan_rows(n_rows, vocab, per_logit, budget)
@@ -316,6 +316,7 @@ def resolve(x: Heads, options: DistillOptions, perf: PerfOptions, layout: str) -
     teacher_logits_dtype=teacher_logits_dtype,
     dweight_dtype=np.dtype(accum or x.weight.dtype),
     dbias_dtype=np.dtype(accum or at_least_float32(bias_dtype)),
-    matmul_tile=_planning.MATMUL_TILE if cpu else None,
-    gemm=select_gemm(perf.impl, jax.default_backend()),
+    matmul_tile=_planning.MATMUL_TILE if platform == "cpu" else None,
+    gemm=select_gemm(perf.impl, platform),
+    kernel=kernel,
   )

@@ -118,9 +118,15 @@ class DistillStats(NamedTuple):
 class DistillRows(NamedTuple):
   """Per-row inputs of ``dlogits_block``, each ``[rows]`` (from ``finish``).
 
+  ``log Q = u - shift_q - log_sum_q`` (likewise ``log P``): the max and
+  the log-sum-exp apart, as in ``_ce_math.RowStats``, so that scores of large
+  magnitude (a low temperature) lose no digits to the rounding of their sum.
+
   Attributes:
-    lse_q, lse_p: the tempered student's and teacher's log-sum-exp; +inf at
-      excluded rows, whose probabilities are then exactly 0.
+    shift_q, log_sum_q: the tempered student's row max (0 where all scores
+      are -inf; +inf at excluded rows, whose probabilities are then exactly
+      0) and ``log sum_j exp(u_j - shift_q)``.
+    shift_p, log_sum_p: the same for the teacher.
     kl: ``KL(Q || P)`` (``"reverse_kl"``), ``KL(Q || M)`` (``"jsd"``) or 0.
     coef: ``g_loss / T``; 0 at excluded rows.
     valid: bool; excluded rows get exactly 0 whatever their logits.
@@ -128,8 +134,10 @@ class DistillRows(NamedTuple):
       scores), or None without that term.
   """
 
-  lse_q: jax.Array
-  lse_p: jax.Array
+  shift_q: jax.Array
+  log_sum_q: jax.Array
+  shift_p: jax.Array
+  log_sum_p: jax.Array
   kl: jax.Array
   coef: jax.Array
   valid: jax.Array
@@ -228,17 +236,27 @@ def combine(a: DistillStats, b: DistillStats, options: DistillOptions) -> Distil
   return DistillStats(max_q, sum_q, max_p, sum_p, *cross_q, *cross_p, *own)
 
 
-def lse(stats: DistillStats) -> tuple[jax.Array, jax.Array]:
-  """``(lse_q, lse_p)``: both heads' tempered log-sum-exp."""
-  return stats.max_q + jnp.log(stats.sum_q), stats.max_p + jnp.log(stats.sum_p)
+def log_norms(stats: DistillStats) -> tuple[jax.Array, ...]:
+  """``(shift_q, log_sum_q, shift_p, log_sum_p)``: ``log Q = u - shift_q -
+  log_sum_q`` and ``log P = v - shift_p - log_sum_p`` (see ``DistillRows``)."""
+  return (
+    _shift(stats.max_q),
+    jnp.log(stats.sum_q),
+    _shift(stats.max_p),
+    jnp.log(stats.sum_p),
+  )
+
+
+def _log_probs(x: jax.Array, shift: jax.Array, log_sum: jax.Array) -> jax.Array:
+  return (x - shift[:, None]) - log_sum[:, None]
 
 
 def jsd_sums(
-  u: jax.Array, v: jax.Array, lses: tuple[jax.Array, jax.Array], beta: float
+  u: jax.Array, v: jax.Array, norms: tuple[jax.Array, ...], beta: float
 ) -> tuple[jax.Array, jax.Array]:
   """``(KL(P || M), KL(Q || M))`` over a block of columns (block sums add up):
-  ``[rows, block]`` tempered scores and ``lse``'s ``[rows]``."""
-  log_q, log_p = u - lses[0][:, None], v - lses[1][:, None]
+  ``[rows, block]`` tempered scores and ``log_norms``'s ``[rows]``."""
+  log_q, log_p = _log_probs(u, *norms[:2]), _log_probs(v, *norms[2:])
   log_m = _logaddexp(math.log(beta) + log_p, math.log1p(-beta) + log_q)
   kl_p = _weighted_sum(jnp.exp(log_p), log_p - log_m)
   return kl_p, _weighted_sum(jnp.exp(log_q), log_q - log_m)
@@ -268,9 +286,9 @@ def finish(
     options: the loss options.
     vocab_size: ``V``.
   """
-  lse_q, lse_p = lse(stats)
+  norms = log_norms(stats)
   log_ratio = stats.max_q - stats.max_p + jnp.log(stats.sum_q / stats.sum_p)
-  kl = jnp.zeros_like(lse_q)
+  kl = jnp.zeros_like(log_ratio)
   if options.divergence == "forward_kl":  # sum P (v - u) - lse_p + lse_q
     loss = stats.cross / stats.sum_p + log_ratio
   elif options.divergence == "reverse_kl":
@@ -285,7 +303,7 @@ def finish(
       row_max=stats.max_s if own else stats.max_q,
       log_sum_exp=jnp.log(stats.sum_s if own else stats.sum_q),
       target=target,
-      mean_logit=jnp.zeros_like(lse_q),
+      mean_logit=jnp.zeros_like(log_ratio),
       argmax=jnp.zeros_like(labels),
     )
     hard_loss, hard_lse, _, _ = _ce_math.row_outputs(
@@ -295,16 +313,19 @@ def finish(
   loss = jnp.where(valid, loss, jnp.zeros_like(loss))
   if g_loss is None:
     return loss, None
-  coef = jnp.where(valid, g_loss.astype(lse_q.dtype), 0.0)
+  coef = jnp.where(valid, g_loss.astype(log_ratio.dtype), 0.0)
   if weight:
     zeros = jnp.zeros_like(coef)
     hard = _ce_math.backward_rows(
       weight * coef, zeros, hard_lse, labels, valid, _PLAIN, vocab_size
     )
-  far = jnp.full_like(lse_q, jnp.inf)
+  far = jnp.full_like(log_ratio, jnp.inf)
+  shift_q, log_sum_q, shift_p, log_sum_p = norms
   return loss, DistillRows(
-    lse_q=jnp.where(valid, lse_q, far),
-    lse_p=jnp.where(valid, lse_p, far),
+    shift_q=jnp.where(valid, shift_q, far),
+    log_sum_q=log_sum_q,
+    shift_p=jnp.where(valid, shift_p, far),
+    log_sum_p=log_sum_p,
     kl=jnp.where(valid, kl, 0.0),
     coef=coef / options.temperature,
     valid=valid,
@@ -335,12 +356,13 @@ def dlogits_block(
     ``[rows, block]`` in the logits' dtype.
   """
   scores, u, v = tempered(student_logits, teacher_logits, options)
-  log_q = u - rows.lse_q[:, None]
+  log_q = _log_probs(u, rows.shift_q, rows.log_sum_q)
+  log_p = _log_probs(v, rows.shift_p, rows.log_sum_p)
   q = jnp.exp(log_q)
   if options.divergence == "forward_kl":
-    grad = q - jnp.exp(v - rows.lse_p[:, None])
+    grad = q - jnp.exp(log_p)
   else:
-    log_ref = v - rows.lse_p[:, None]  # log P
+    log_ref = log_p
     if options.divergence == "jsd":  # log M
       beta = options.beta
       log_ref = _logaddexp(math.log(beta) + log_ref, math.log1p(-beta) + log_q)
@@ -394,7 +416,7 @@ def chunk_loss(
   stats = block_stats(scores, u, v, options)
   sums = target = None
   if options.divergence == "jsd":
-    sums = jsd_sums(u, v, lse(stats), options.beta)
+    sums = jsd_sums(u, v, log_norms(stats), options.beta)
   if options.hard_label_weight:
     safe = jnp.clip(labels, 0, vocab_size - 1)
     target = jnp.take_along_axis(scores, safe[:, None], axis=-1)[:, 0]

@@ -28,6 +28,7 @@ __all__ = [
   "XlaChunkCE",
   "pallas_unavailable_reason",
   "select",
+  "select_distill",
   "select_gemm",
 ]
 
@@ -52,16 +53,12 @@ def pallas_unavailable_reason(platform: str) -> str | None:
   return None
 
 
-def select(
-  impl: str | None, platform: str, *, xla_only: str | None = None
-) -> ChunkBackend:
-  """The per-chunk backend for ``impl`` (None, "xla", "pallas" or "mosaic") on
-  ``platform``.
+def _use_pallas(impl: str | None, platform: str, xla_only: str | None = None) -> bool:
+  """Whether ``impl`` on ``platform`` runs the Pallas Triton kernels.
 
-  ``impl=None`` and ``"mosaic"`` pick the Pallas kernels on a GPU and XLA
-  elsewhere (``select_gemm`` picks what runs their matmuls);
-  ``impl="pallas"`` on a CPU runs the kernels in interpret mode. If the Triton
-  lowering is unavailable, a Pallas request falls back to XLA with one warning.
+  ``impl=None`` and ``"mosaic"``: on a GPU; ``"pallas"``: everywhere (in
+  interpret mode off a GPU); ``"xla"``: never. If the Triton lowering is
+  unavailable, a Pallas request falls back to XLA with one warning.
   ``xla_only`` names what the call computes that only the XLA backend does
   (class weights): then XLA, or for ``impl="pallas"`` an error.
   """
@@ -70,14 +67,36 @@ def select(
       f"impl='pallas' does not compute {xla_only}; use impl=None or impl='xla'."
     )
   if impl == "xla" or xla_only or (impl in (None, "mosaic") and platform != "gpu"):
-    return XlaChunkCE()
+    return False
   reason = pallas_unavailable_reason(platform)
   if reason is not None:
     _warn_fallback(reason)
+    return False
+  return True
+
+
+def select(
+  impl: str | None, platform: str, *, xla_only: str | None = None
+) -> ChunkBackend:
+  """The per-chunk cross-entropy backend for ``impl`` (None, "xla", "pallas"
+  or "mosaic") on ``platform``: the Pallas kernels where ``_use_pallas`` says
+  so, else XLA (``select_gemm`` picks what runs their matmuls)."""
+  if not _use_pallas(impl, platform, xla_only):
     return XlaChunkCE()
   from mst_jax._backends import pallas_triton
 
   return pallas_triton.PallasTritonChunkCE(interpret=platform != "gpu")
+
+
+def select_distill(impl: str | None, platform: str):
+  """The per-chunk distillation kernel for ``impl`` on ``platform``
+  (``pallas_distill.PallasTritonDistill``), or None for the XLA chunk
+  (``_distill_math.chunk_loss``); chosen as ``select`` chooses."""
+  if not _use_pallas(impl, platform):
+    return None
+  from mst_jax._backends import pallas_distill
+
+  return pallas_distill.PallasTritonDistill(interpret=platform != "gpu")
 
 
 def select_gemm(impl: str | None, platform: str) -> str:
