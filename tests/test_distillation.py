@@ -313,6 +313,35 @@ def test_gpu_llama_vocabulary(rng, divergence, impl):
   )
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+  "divergence, reduction, options",
+  [
+    ("reverse_kl", "none", dict(temperature=0.5, logit_softcap=30.0)),
+    ("jsd", "mean", dict(beta=0.2, logit_scale=0.8, hard_label_weight=0.2)),
+    ("forward_kl", "sum", dict(temperature=0.1, grad_mode="recompute")),
+  ],
+)
+def test_gpu_kernel_float32_dv_unaligned(rng, divergence, reduction, options):
+  """The kernel on float32 heads (dlogits over the float32 student logits),
+  a [D, V] weight, V = 50257 (a ragged last block) and 333-token sequences,
+  with the options of each divergence; matmuls at float32 precision, so the
+  float32 tolerances hold."""
+  pair = make_pair(
+    rng, (3, 333), layout="dv", mask="scattered", bias="finite", vocab=50257
+  )
+  with jax.default_matmul_precision("highest"):
+    check(
+      pair,
+      "float32",
+      reduction,
+      divergence=divergence,
+      weight_layout="dv",
+      memory_budget=128 << 20,
+      **options,
+    )
+
+
 @pytest.mark.parametrize(
   "divergence, logits_dtype, tolerance, options",
   [
