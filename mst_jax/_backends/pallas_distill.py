@@ -29,9 +29,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from mst_jax import _ce_math, _distill_math
 from mst_jax._backends.triton_common import (
-  KernelBlocks,
-  call,
-  default_kernel_blocks,
+  TritonKernels,
   label_logits,
   load_logits,
   load_rows,
@@ -115,17 +113,9 @@ def _distill_kernel(
 
 
 @dataclasses.dataclass(frozen=True)
-class PallasTritonDistill:
-  """A chunk's distillation loss and ``dlogits`` as one Pallas Triton kernel.
-
-  Attributes:
-    blocks: kernel block sizes; None picks ``default_kernel_blocks(V)``.
-    interpret: run the kernel in Pallas interpret mode (on any backend,
-      including a CPU); slow, for tests.
-  """
-
-  blocks: KernelBlocks | None = None
-  interpret: bool = False
+class PallasTritonDistill(TritonKernels):
+  """A chunk's distillation loss and ``dlogits`` as one Pallas Triton kernel
+  (``blocks`` and ``interpret``: ``TritonKernels``)."""
 
   def in_place(self, logits_dtype, out_dtype) -> bool:
     """Whether ``dlogits`` overwrite the student's logits (same dtype)."""
@@ -137,7 +127,6 @@ class PallasTritonDistill:
     """``_distill_math.chunk_loss``'s ``(loss, dlogits)``, ``dlogits`` in
     ``out_dtype`` (None without ``g_loss``)."""
     n_rows, vocab_size = student_logits.shape
-    blocks = self.blocks or default_kernel_blocks(vocab_size)
     loss_shape = jax.ShapeDtypeStruct(
       (n_rows,), _ce_math.at_least_float32(student_logits.dtype)
     )
@@ -148,14 +137,13 @@ class PallasTritonDistill:
       out_shape += (jax.ShapeDtypeStruct(student_logits.shape, out_dtype),)
       if self.in_place(student_logits.dtype, out_dtype):
         aliases = {0: 1}
-    run = call(
+    run = self._call(
       functools.partial(_distill_kernel, options=options),
       "mst_distill",
-      (pl.cdiv(n_rows, blocks.block_rows),),
+      lambda b: (pl.cdiv(n_rows, b.block_rows),),
       out_shape,
-      blocks,
-      5,
-      interpret=self.interpret,
+      vocab_size,
+      n_inputs=5,
       aliases=aliases,
     )
     out = run(

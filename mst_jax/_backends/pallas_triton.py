@@ -29,9 +29,8 @@ from jax.experimental.pallas import triton as plgpu
 from mst_jax import _ce_math as ce_math
 from mst_jax._backends import base
 from mst_jax._backends.triton_common import (
-  KernelBlocks,
-  call,
-  default_kernel_blocks,
+  KernelBlocks,  # noqa: F401 -- imported from here by tests and the benchmark
+  TritonKernels,
   label_logits,
   load_logits,
   load_rows,
@@ -246,52 +245,18 @@ def _row_shapes(logits, options):
 
 
 @dataclasses.dataclass(frozen=True)
-class PallasTritonChunkCE(base.MatmulThenCE):
-  """The logits GEMM, then the cross-entropy as Pallas kernels lowered through Triton.
-
-  Attributes:
-    blocks: kernel block sizes; None picks ``default_kernel_blocks(V)``.
-    interpret: run the kernels in Pallas interpret mode (on any backend,
-      including a CPU); slow, for tests.
-  """
-
-  blocks: KernelBlocks | None = None
-  interpret: bool = False
-
-  def _call(
-    self,
-    kernel,
-    name,
-    grid,
-    out_shape,
-    vocab_size,
-    options,
-    n_inputs,
-    aliases=None,
-    **static,
-  ):
-    blocks = self.blocks or default_kernel_blocks(vocab_size)
-    kernel = functools.partial(kernel, options=options, **static)
-    return call(
-      kernel,
-      name,
-      grid(blocks),
-      out_shape,
-      blocks,
-      n_inputs,
-      interpret=self.interpret,
-      aliases=aliases,
-    )
+class PallasTritonChunkCE(base.MatmulThenCE, TritonKernels):
+  """The logits GEMM, then the cross-entropy as Pallas kernels lowered through
+  Triton (``blocks`` and ``interpret``: ``TritonKernels``)."""
 
   def forward(self, logits, labels, options):
     n_rows, vocab_size = logits.shape
     call = self._call(
-      _stats_kernel,
+      functools.partial(_stats_kernel, options=options),
       "mst_ce_stats",
       lambda b: (pl.cdiv(n_rows, b.block_rows),),
       _row_shapes(logits, options),
       vocab_size,
-      options,
       n_inputs=2,
     )
     return ce_math.RowStats(*call(logits, labels))
@@ -301,16 +266,17 @@ class PallasTritonChunkCE(base.MatmulThenCE):
     # dlogits overwrite logits of their own dtype: each program reads its block
     # before it writes it, and the recomputed logits have no other reader.
     in_place = jnp.dtype(logits.dtype) == jnp.dtype(out_dtype)
+    kernel = functools.partial(
+      _dlogits_kernel, options=options, vocab_total=vocab_size or n_cols
+    )
     call = self._call(
-      _dlogits_kernel,
+      kernel,
       "mst_ce_dlogits",
       lambda b: (pl.cdiv(n_rows, b.block_rows), pl.cdiv(n_cols, b.block_v)),
       jax.ShapeDtypeStruct(logits.shape, out_dtype),
       n_cols,
-      options,
       n_inputs=7 if options.entropy else 5,
       aliases={0: 0} if in_place else None,
-      vocab_total=vocab_size or n_cols,
     )
     entropy_rows = (rows.coef_entropy, rows.expected_score) if options.entropy else ()
     return call(
@@ -336,15 +302,13 @@ class PallasTritonChunkCE(base.MatmulThenCE):
       offset, extra = jnp.reshape(offset, (1,)).astype(jnp.int32), (buffer,)
       aliases = {5: n_outputs - 1}  # the group buffer, the last input
     call = self._call(
-      _fused_kernel,
+      functools.partial(_fused_kernel, options=options, into=into is not None),
       "mst_ce_fused",
       lambda b: (pl.cdiv(n_rows, b.block_rows),),
       (*_row_shapes(logits, options), dlogits_shape),
       vocab_size,
-      options,
       n_inputs=5 + len(extra),
       aliases=aliases,
-      into=into is not None,
     )
     *stats, dlogits = call(
       logits, labels, valid.astype(jnp.int32), g_loss, offset, *extra

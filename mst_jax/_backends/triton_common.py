@@ -132,3 +132,31 @@ def call(kernel, name, grid, out_shape, blocks, n_inputs, *, interpret, aliases=
     interpret=interpret,
     name=name,
   )
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonKernels:
+  """Block sizes and mode of a backend's Pallas Triton kernels.
+
+  Attributes:
+    blocks: kernel block sizes; None picks ``default_kernel_blocks(V)``.
+    interpret: run the kernels in Pallas interpret mode (on any backend,
+      including a CPU); slow, for tests.
+  """
+
+  blocks: KernelBlocks | None = None
+  interpret: bool = False
+
+  def _call(self, kernel, name, grid, out_shape, vocab_size, n_inputs, *, aliases=None):
+    """``call`` with this backend's blocks (``grid`` maps them to the grid)."""
+    blocks = self.blocks or default_kernel_blocks(vocab_size)
+    return call(
+      kernel,
+      name,
+      grid(blocks),
+      out_shape,
+      blocks,
+      n_inputs,
+      interpret=self.interpret,
+      aliases=aliases,
+    )
