@@ -131,6 +131,12 @@ class RowStats(NamedTuple):
     return self.row_max + self.log_sum_exp
 
 
+def max_shift(row_max: jax.Array) -> jax.Array:
+  """What a row's scores are shifted by before ``exp``: its max, or 0 where
+  every score is -inf (banned tokens: no mass, not ``-inf - -inf = NaN``)."""
+  return jnp.where(row_max > -jnp.inf, row_max, 0.0)
+
+
 def combine_stats(
   parts: RowStats,
   here: jax.Array,
@@ -167,7 +173,7 @@ def combine_stats(
   row_max = reduce_max(parts.row_max)
   # Each part's sum-exp, rescaled from its own max to the combined one (from
   # 0 while every part is -inf, banned tokens: no mass, not -inf - -inf).
-  shift = jnp.where(row_max > -jnp.inf, row_max, 0.0)
+  shift = max_shift(row_max)
   part_sum_exp = jnp.exp(parts.row_max - shift + parts.log_sum_exp)
   sum_exp = reduce_sum(part_sum_exp)
   first = jnp.where(parts.row_max == row_max, parts.argmax + offset, vocab_size)

@@ -3,8 +3,9 @@
 Rows are walked in chunks (``_rows.sweep_chunks``, valid rows compacted to the
 front, chunks without a valid row skipped by ``lax.cond``); per chunk both
 heads' logits are formed (``_matmul.logits_matmul``, the teacher's under
-``lax.stop_gradient``), ``_distill_math.chunk_loss`` scores them, and the
-student's ``dlogits`` go into its ``dhidden`` rows, ``dweight`` and ``dbias``.
+``lax.stop_gradient``), ``_distill_math.chunk_loss`` (XLA) or the Pallas
+kernel of ``_backends.select_distill`` scores them, and the student's
+``dlogits`` go into its ``dhidden`` rows, ``dweight`` and ``dbias``.
 Two custom VJPs:
 
 * ``fused_loss`` (a scalar reduction): the gradients are formed in the same

@@ -164,14 +164,9 @@ def _own_stats(options: DistillOptions) -> bool:
   return bool(options.hard_label_weight) and options.temperature != 1.0
 
 
-def _shift(row_max: jax.Array) -> jax.Array:
-  """The row's max, or 0 where every score is -inf (no mass, not NaN)."""
-  return jnp.where(row_max > -jnp.inf, row_max, 0.0)
-
-
 def _max_and_exp(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   row_max = jnp.max(x, axis=-1)
-  return row_max, jnp.exp(x - _shift(row_max)[..., None])
+  return row_max, jnp.exp(x - _ce_math.max_shift(row_max)[..., None])
 
 
 def _weighted_sum(weights: jax.Array, values: jax.Array) -> jax.Array:
@@ -181,7 +176,7 @@ def _weighted_sum(weights: jax.Array, values: jax.Array) -> jax.Array:
 
 def _logaddexp(a: jax.Array, b: jax.Array) -> jax.Array:
   """``log(exp(a) + exp(b))``; -inf where both are."""
-  shift = _shift(jnp.maximum(a, b))
+  shift = _ce_math.max_shift(jnp.maximum(a, b))
   return shift + jnp.log(jnp.exp(a - shift) + jnp.exp(b - shift))
 
 
@@ -216,7 +211,7 @@ def empty_stats(shape, dtype, options: DistillOptions) -> DistillStats:
 def _rescaled(max_a, max_b, *pairs):
   """The larger max, and each ``(a, b)`` pair of sums rescaled to it and added."""
   new_max = jnp.maximum(max_a, max_b)
-  shift = _shift(new_max)
+  shift = _ce_math.max_shift(new_max)
   scale_a, scale_b = jnp.exp(max_a - shift), jnp.exp(max_b - shift)
   return new_max, *(a * scale_a + b * scale_b for a, b in pairs)
 
@@ -240,9 +235,9 @@ def log_norms(stats: DistillStats) -> tuple[jax.Array, ...]:
   """``(shift_q, log_sum_q, shift_p, log_sum_p)``: ``log Q = u - shift_q -
   log_sum_q`` and ``log P = v - shift_p - log_sum_p`` (see ``DistillRows``)."""
   return (
-    _shift(stats.max_q),
+    _ce_math.max_shift(stats.max_q),
     jnp.log(stats.sum_q),
-    _shift(stats.max_p),
+    _ce_math.max_shift(stats.max_p),
     jnp.log(stats.sum_p),
   )
 

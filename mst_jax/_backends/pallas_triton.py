@@ -62,7 +62,7 @@ def _row_stats(logits_ref, labels, row_slice, row_mask, *, options, block_v):
     new_max = jnp.maximum(row_max, block_max)
     # Rescaled to the new max, or to 0 while every score so far is -inf
     # (banned tokens): no mass, not exp(-inf - -inf) = NaN.
-    shift = jnp.where(new_max > -jnp.inf, new_max, 0.0)
+    shift = ce_math.max_shift(new_max)
     rescale = jnp.exp(row_max - shift)
     unnormalized = jnp.exp(live - shift[:, None])
     sum_exp = sum_exp * rescale + jnp.sum(unnormalized, axis=1)

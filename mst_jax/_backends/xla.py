@@ -33,7 +33,7 @@ class XlaChunkCE(base.MatmulThenCE):
     row_max = jnp.max(capped, axis=-1)
     # A block whose scores are all -inf (banned tokens) has no mass: sum-exp
     # 0 and log-sum-exp -inf, not exp(-inf - -inf) = NaN.
-    shift = jnp.where(row_max > -jnp.inf, row_max, 0.0)
+    shift = ce_math.max_shift(row_max)
     unnormalized = jnp.exp(capped - shift[:, None])
     sum_exp = jnp.sum(unnormalized, axis=-1)
     log_sum_exp = jnp.log(sum_exp)
