@@ -554,3 +554,44 @@ def test_banned_tokens_by_a_minus_inf_bias(rng, impl, extra, grad_mode):
   assert_close(dh, ref_dh, 1e-4, "dhidden")
   assert_close(dw[banned:], ref_dw, 1e-4, "dweight")
   np.testing.assert_array_equal(np.asarray(dw[:banned]), 0.0)
+
+
+@pytest.mark.gpu
+def test_kernel_calls_over_2_31_logits():
+  """One group of 16384 rows at V=256000 (4.2e9 logits, past int32 offsets)
+  in one Pallas kernel call, by a memory budget larger than the default: the
+  last rows' per-token losses and dhidden rows (each depends on its own row
+  only) against the float64 reference of those rows."""
+  n_rows, dim, vocab, last = 16384, 256, 256000, 64
+  rng = np.random.default_rng(0)
+  hidden = jnp.asarray(rng.standard_normal((n_rows, dim)), jnp.bfloat16)
+  weight = jnp.asarray(rng.standard_normal((vocab, dim)) / 16, jnp.bfloat16)
+  labels = jnp.asarray(rng.integers(0, vocab, n_rows), jnp.int32)
+  g = jnp.asarray(rng.standard_normal(n_rows), jnp.float32)
+
+  def total(fn, h, **kwargs):
+    losses = fn(h, weight, labels, reduction="none", **kwargs)
+    return jnp.sum(losses * g), losses
+
+  step = jax.jit(
+    jax.value_and_grad(
+      lambda h: total(mst_jax.linear_cross_entropy, h, memory_budget=16 << 30),
+      has_aux=True,
+    )
+  )
+  (_, losses), dhidden = step(hidden)
+  with jax.enable_x64(True):
+    rows = slice(n_rows - last, n_rows)
+    h64, w64 = (jnp.asarray(to64(x)) for x in (hidden[rows], weight))
+
+    def ref_total(h):
+      losses = mst_jax.reference.linear_cross_entropy(
+        h, w64, labels[rows], reduction="none"
+      )
+      return jnp.sum(losses * g[rows]), losses
+
+    (_, ref_losses), ref_dhidden = jax.value_and_grad(ref_total, has_aux=True)(h64)
+  # bfloat16 logits (the default here) round each score by about 4e-3; an
+  # offset that wrapped around would read other rows' logits entirely.
+  assert_close(losses[rows], ref_losses, 1e-2, "loss", atol=1e-3)
+  assert_close(dhidden[rows], ref_dhidden, 2e-2, "dhidden")
