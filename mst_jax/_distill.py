@@ -13,8 +13,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
-from mst_jax import _distill_driver, _full_distill, _inputs, _matmul, _options
+from mst_jax import _distill_driver, _full_distill, _inputs, _matmul, _mesh, _options
 from mst_jax._distill_driver import Heads
 from mst_jax._distill_math import DistillOptions
 from mst_jax._rows import stat_dtype
@@ -209,14 +210,56 @@ def linear_distillation_loss(
   if perf.impl == "reference" or n_rows == 0:
     loss = _full_distill.row_losses(*x, options=distill, weight_layout=weight_layout)
   else:
-    plan = _distill_driver.resolve(x, distill, perf, weight_layout)
-    if _grad_mode(perf, options.reduction, student.hidden.shape) == "fused":
-      return _distill_driver.fused_loss(plan, *x, weights).astype(out_dtype)
-    loss = _distill_driver.row_losses(plan, *x)
+    fused = _grad_mode(perf, options.reduction, student.hidden.shape) == "fused"
+
+    def chunked(x: Heads, weights):
+      plan = _distill_driver.resolve(x, distill, perf, weight_layout)
+      if fused:
+        return _distill_driver.fused_loss(plan, *x, weights)
+      return _distill_driver.row_losses(plan, *x)
+
+    loss = _per_device(chunked, x, weights, fused, weight_layout)
+    if fused:
+      return loss.astype(out_dtype)
   loss = loss.astype(out_dtype)
   if options.reduction == "none":
     return loss.reshape(student.batch_shape)
   return jnp.sum(loss * weights)
+
+
+def _per_device(run, x: Heads, weights, fused: bool, weight_layout: str):
+  """``run(x, weights)``: the summed loss (``fused``) or per-row losses.
+
+  On inputs typed on a mesh with Explicit axes, each device runs ``run`` on
+  its own rows (data parallel: the rows split as the student's hidden states
+  are, both weights whole on every device) and the summed loss is ``psum``-ed;
+  ``shard_map`` sums the weight gradients over the devices.
+  """
+  mesh = _inputs.explicit_mesh(x.hidden, x.weight, x.teacher_hidden, x.teacher_weight)
+  if mesh is None:
+    return run(x, weights)
+  layout = _mesh.Layout(mesh, _inputs.spec_entry(x.hidden, 0), None, weight_layout)
+  if x.hidden.shape[0] % layout.axis_size(layout.batch_axis):
+    layout = dataclasses.replace(layout, batch_axis=None)  # gathered
+  hidden, rows, whole = layout.hidden, layout.rows, P()
+  field_specs = Heads(hidden, whole, whole, hidden, whole, whole, rows, rows)
+  present = [a is not None for a in x]
+  specs = [s for s, p in zip(field_specs, present, strict=True) if p] + [rows]
+  arrays = [a for a in x if a is not None] + [weights]
+
+  def body(*arrays):
+    given = iter(arrays)
+    out = run(Heads(*[next(given) if p else None for p in present]), next(given))
+    return layout.sum_over(out, layout.batch_axis) if fused else out
+
+  mapped = jax.shard_map(
+    body,
+    mesh=mesh,
+    in_specs=tuple(specs),
+    out_specs=whole if fused else rows,
+    check_vma=False,  # as _mesh.Layout.per_device
+  )
+  return mapped(*(layout.constrain(a, s) for a, s in zip(arrays, specs, strict=True)))
 
 
 # ---- Validation and planning, at trace time. ----
