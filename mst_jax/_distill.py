@@ -242,24 +242,14 @@ def _per_device(run, x: Heads, weights, fused: bool, weight_layout: str):
   if x.hidden.shape[0] % layout.axis_size(layout.batch_axis):
     layout = dataclasses.replace(layout, batch_axis=None)  # gathered
   hidden, rows, whole = layout.hidden, layout.rows, P()
-  field_specs = Heads(hidden, whole, whole, hidden, whole, whole, rows, rows)
-  present = [a is not None for a in x]
-  specs = [s for s, p in zip(field_specs, present, strict=True) if p] + [rows]
-  arrays = [a for a in x if a is not None] + [weights]
+  specs = Heads(hidden, whole, whole, hidden, whole, whole, rows, rows)
 
   def body(*arrays):
-    given = iter(arrays)
-    out = run(Heads(*[next(given) if p else None for p in present]), next(given))
+    out = run(Heads(*arrays[:-1]), arrays[-1])
     return layout.sum_over(out, layout.batch_axis) if fused else out
 
-  mapped = jax.shard_map(
-    body,
-    mesh=mesh,
-    in_specs=tuple(specs),
-    out_specs=whole if fused else rows,
-    check_vma=False,  # as _mesh.Layout.per_device
-  )
-  return mapped(*(layout.constrain(a, s) for a, s in zip(arrays, specs, strict=True)))
+  out_specs = whole if fused else rows
+  return layout.map_devices(body, [*x, weights], [*specs, rows], out_specs)
 
 
 # ---- Validation and planning, at trace time. ----

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -166,7 +166,6 @@ class Layout:
     says otherwise. Fields of ``x`` that are None (no bias, no class weights)
     are not passed through ``shard_map`` (which takes arrays only).
     """
-    present = [a is not None for a in x]
     field_specs = RowInputs(
       hidden=self.hidden,
       weight=self.weight,
@@ -177,26 +176,38 @@ class Layout:
       target_weight=self.rows,
       mean_weight=self.rows,
     )
-    arrays = [a for a in x if a is not None] + list(extra)
-    specs = [s for s, p in zip(field_specs, present, strict=True) if p]
-    specs += list(extra_specs or [self.rows] * len(extra))
+    n_fields = len(field_specs)
+    return self.map_devices(
+      lambda *arrays: fn(RowInputs(*arrays[:n_fields]), *arrays[n_fields:]),
+      [*x, *extra],
+      [*field_specs, *(extra_specs or [self.rows] * len(extra))],
+      out_specs,
+    )
 
-    def body(*arrays):
-      given = iter(arrays)
-      fields = [next(given) if p else None for p in present]
-      return fn(RowInputs(*fields), *given)
+  def map_devices(self, fn: Callable, arrays: Sequence, specs: Sequence, out_specs):
+    """``fn(*arrays)`` on each device's shards (``specs``, one per array);
+    arrays that are None pass by ``shard_map``, which takes arrays only."""
+    present = [a is not None for a in arrays]
+    given_specs = [s for s, p in zip(specs, present, strict=True) if p]
+
+    def body(*given):
+      given = iter(given)
+      return fn(*[next(given) if p else None for p in present])
 
     mapped = jax.shard_map(
       body,
       mesh=self.mesh,
-      in_specs=tuple(specs),
+      in_specs=tuple(given_specs),
       out_specs=out_specs,
       # The bodies mix per-device values with collectives' results freely
       # (dhidden is psum-ed only with a vocab axis, say); the specs above
       # state every output's sharding, so the varying-axes check adds nothing.
       check_vma=False,
     )
-    return mapped(*(self.constrain(a, s) for a, s in zip(arrays, specs, strict=True)))
+    given = [a for a in arrays if a is not None]
+    return mapped(
+      *(self.constrain(a, s) for a, s in zip(given, given_specs, strict=True))
+    )
 
 
 @dataclasses.dataclass(frozen=True)
