@@ -349,9 +349,13 @@ def test_gpu_kernel_float32_dv_unaligned(rng, divergence, reduction, options):
     ("jsd", jnp.float32, "bfloat16", dict(temperature=0.1, hard_label_weight=0.5)),
   ],
 )
+@pytest.mark.parametrize("impl", [None, "pallas"], ids=["xla", "pallas"])
 def test_bfloat16_student_with_a_float32_teacher(
-  rng, divergence, logits_dtype, tolerance, options
+  rng, divergence, logits_dtype, tolerance, options, impl
 ):
+  """With "pallas", the kernel reads bfloat16 student logits (dlogits over
+  them, in place) or float32 ones (dlogits beside them) and float32 teacher
+  logits."""
   pair = make_pair(rng, dtype="bfloat16", teacher_dtype="float32", bias="finite")
   check(
     pair,
@@ -359,6 +363,7 @@ def test_bfloat16_student_with_a_float32_teacher(
     divergence=divergence,
     logits_dtype=logits_dtype,
     chunk_size=CHUNK,
+    impl=impl,
     **options,
   )
 
