@@ -45,12 +45,14 @@ the softmax, ``RowStats.expected_score``), whose gradient is::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 
 def at_least_float32(dtype) -> jnp.dtype:
@@ -396,7 +398,8 @@ def dlogits_block(
 
   Args:
     logits: float32 ``[rows, block]`` raw (not scaled or softcapped) logits.
-    cols: int32 ``[block]`` vocabulary index of each column of the block.
+    cols: int32 ``[block]`` vocabulary index of each column of the block, or
+      ``[rows, block]`` (each element's).
     labels: int32 ``[rows]``.
     rows: the block's rows of ``backward_rows``.
     options: the loss options.
@@ -407,25 +410,31 @@ def dlogits_block(
   Returns:
     float32 ``[rows, block]``.
   """
-  eps = options.label_smoothing
+  eps, shape = options.label_smoothing, logits.shape
+  per_row = functools.partial(
+    lax.broadcast_in_dim, shape=shape, broadcast_dimensions=(0,)
+  )
+  per_col = functools.partial(
+    lax.broadcast_in_dim, shape=shape, broadcast_dimensions=(1,)
+  )
   capped = scores(logits, options)
-  probs = jnp.exp(capped - rows.lse[:, None])  # [rows, block]
-  onehot = cols[None, :] == labels[:, None]  # [rows, block]
+  probs = jnp.exp(capped - per_row(rows.lse))  # [rows, block]
+  onehot = (per_col(cols) if cols.ndim == 1 else cols) == per_row(labels)
   if rows.target_weight is None:
     target_weight = jnp.where(onehot, 1.0 - eps, 0.0)
     if eps:
       target_weight = target_weight + eps / vocab_size
   else:
-    label_weight = (1.0 - eps) * rows.target_weight[:, None]
+    label_weight = (1.0 - eps) * per_row(rows.target_weight)
     target_weight = jnp.where(onehot, label_weight, 0.0)
     if eps:
-      target_weight = target_weight + (eps / vocab_size) * class_weights[None, :]
-  grad = rows.coef_softmax[:, None] * probs - rows.coef_target[:, None] * target_weight
+      target_weight = target_weight + (eps / vocab_size) * per_col(class_weights)
+  grad = per_row(rows.coef_softmax) * probs - per_row(rows.coef_target) * target_weight
   if options.entropy:
-    spread = capped - rows.expected_score[:, None]
+    spread = capped - per_row(rows.expected_score)
     # Where p is 0 (a score of -inf) the term is 0, not 0 * -inf.
     spread = jnp.where(probs > 0, probs * spread, 0.0)
-    grad = grad - rows.coef_entropy[:, None] * spread
+    grad = grad - per_row(rows.coef_entropy) * spread
   if options.logit_softcap is not None or options.logit_scale != 1.0:
     grad = grad * scores_grad(logits, options)
   return grad

@@ -83,6 +83,10 @@ def select(
   so, else XLA (``select_gemm`` picks what runs their matmuls)."""
   if not _use_pallas(impl, platform, xla_only):
     return XlaChunkCE()
+  if impl == "mosaic" and select_gemm(impl, platform) == "mosaic":
+    from mst_jax._backends import mosaic_ce
+
+    return mosaic_ce.MosaicChunkCE()
   from mst_jax._backends import pallas_triton
 
   return pallas_triton.PallasTritonChunkCE(interpret=platform != "gpu")
