@@ -99,68 +99,117 @@ def _per_row(x, shape):
   return lax.broadcast_in_dim(x, shape, (0,))
 
 
-def _transforms(block_v: int, dtype, interpret: bool) -> tuple:
-  """Shared-memory tiling and swizzle of a ``[rows, block_v]`` tile (none in
-  interpret mode, which reads arrays as they are)."""
-  if interpret:
-    return ()
-  bits = jnp.dtype(dtype).itemsize * 8
-  swizzle = plgpu.find_swizzle(block_v * bits)
-  tiling = plgpu.TilingTransform((_TILE_ROWS, swizzle * 8 // bits))
-  return tiling, plgpu.SwizzleTransform(swizzle)
+@dataclasses.dataclass(frozen=True)
+class _Program:
+  """What a kernel body needs of where it runs: its program's indices, its
+  rows of the ``[R]`` row vectors, and the walk over its tiles.
 
+  On a GPU (``plgpu.kernel``) row vectors go through shared memory by TMA and
+  tiles through a TMA pipeline; in interpret mode (``pallas_call``) arrays
+  padded to whole parts of whole tiles are read and written directly.
+  """
 
-def _walk(body, tile_index, grid, blocks, interpret, ins, outs=(), *, init=None):
-  """Runs ``body(index, *in_tiles, *out_tiles[, carry])`` over a program's
-  ``grid.steps`` tiles of the ``[R, V]`` arrays ``ins`` and ``outs`` (in
-  device memory): a TMA pipeline ``blocks.stages`` deep, or in interpret mode
-  a loop over the tiles of arrays padded to whole parts. Returns the carry."""
-  shape = (blocks.block_rows, blocks.block_v)
-  if interpret:
+  grid: _Grid
+  blocks: MosaicBlocks
+  interpret: bool
 
-    def step(index, carry):
-      rows, cols = tile_index(index)
-      window = (pl.ds(rows * shape[0], shape[0]), pl.ds(cols * shape[1], shape[1]))
-      tiles = [ref.at[window] for ref in (*ins, *outs)]
-      if init is None:
-        body((index,), *tiles)
-        return carry
-      return body((index,), *tiles, carry)
+  def index(self):
+    """``(row block, part)``."""
+    if self.interpret:
+      return pl.program_id(0), pl.program_id(1)
+    return lax.axis_index("rows"), lax.axis_index("parts")
 
-    return lax.fori_loop(0, grid.steps, step, init)
-  spec = functools.partial(
-    plgpu.BlockSpec,
-    shape,
-    tile_index,
-    transforms=_transforms(shape[1], ins[0].dtype, interpret),
-  )
-  return plgpu.emit_pipeline(
-    body,
-    grid=(grid.steps,),
-    in_specs=[spec() for _ in ins],
-    out_specs=[spec() for _ in outs],
-    max_concurrent_steps=blocks.stages,
-    init_carry=init,
-  )(*ins, *outs)
+  def _rows(self):
+    return pl.ds(self.index()[0] * self.blocks.block_rows, self.blocks.block_rows)
+
+  def with_rows(self, refs, body):
+    """``body(values)`` with the program's rows of each ``[R]`` ref."""
+    if self.interpret:
+      return body([ref[self._rows()] for ref in refs])
+    rows, n = self.blocks.block_rows, len(refs)
+
+    def scoped(*scratch):
+      *buffers, barriers = scratch
+      for k, (ref, buffer) in enumerate(zip(refs, buffers, strict=True)):
+        plgpu.copy_gmem_to_smem(ref.at[self._rows()], buffer, barriers.at[k])
+      values = []
+      for k, buffer in enumerate(buffers):
+        plgpu.barrier_wait(barriers.at[k])
+        values.append(plgpu.load(buffer, (), layout=plgpu.Layout.WGMMA.reduce(1)))
+      return body(values)
+
+    smem = [plgpu.SMEM((rows,), ref.dtype) for ref in refs]
+    return pl.run_scoped(scoped, *smem, plgpu.Barrier(num_barriers=n))
+
+  def store_rows(self, refs, values) -> None:
+    """Writes each value into the program's part and rows of a ``[parts, R]`` ref."""
+    part = self.index()[1]
+    if self.interpret:
+      for ref, value in zip(refs, values, strict=True):
+        ref[part, self._rows()] = value
+      return
+
+    def scoped(*buffers):
+      for ref, buffer, value in zip(refs, buffers, values, strict=True):
+        buffer[...] = value
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(buffer, ref.at[part, self._rows()])
+      plgpu.wait_smem_to_gmem(0)
+
+    rows = self.blocks.block_rows
+    pl.run_scoped(scoped, *[plgpu.SMEM((rows,), v.dtype) for v in values])
+
+  def walk(self, body, ins, outs=(), *, init=None):
+    """Runs ``body(col, *in_tiles, *out_tiles[, carry])`` over the program's
+    tiles of the ``[R, V]`` refs ``ins`` and ``outs`` (``col``: the tile's
+    first column); returns the carry."""
+    rows, cols = self.blocks.block_rows, self.blocks.block_v
+    row_block, part = self.index()
+    tile_index = lambda step: (row_block, part * self.grid.steps + step)
+    tile_body = lambda index, *args: body(tile_index(index[0])[1] * cols, *args)
+    if self.interpret:
+
+      def step(index, carry):
+        window = tuple(
+          pl.ds(i * size, size)
+          for i, size in zip(tile_index(index), (rows, cols), strict=True)
+        )
+        tiles = [ref.at[window] for ref in (*ins, *outs)]
+        if init is None:
+          tile_body((index,), *tiles)
+          return carry
+        return tile_body((index,), *tiles, carry)
+
+      return lax.fori_loop(0, self.grid.steps, step, init)
+    bits = jnp.dtype(ins[0].dtype).itemsize * 8
+    swizzle = plgpu.find_swizzle(cols * bits)
+    transforms = (
+      plgpu.TilingTransform((_TILE_ROWS, swizzle * 8 // bits)),
+      plgpu.SwizzleTransform(swizzle),
+    )
+    spec = plgpu.BlockSpec((rows, cols), tile_index, transforms=transforms)
+    return plgpu.emit_pipeline(
+      tile_body,
+      grid=(self.grid.steps,),
+      in_specs=[spec] * len(ins),
+      out_specs=[spec] * len(outs),
+      max_concurrent_steps=self.blocks.stages,
+      init_carry=init,
+    )(*ins, *outs)
 
 
 def _stats_kernel(
-  logits_gmem,  # [R, V] 16-bit, in device memory
-  labels_ref,  # [block_rows] int32
-  *out_refs,  # [block_rows] each: max, log-sum-exp, target, argmax, [total], [E]
+  logits_ref,  # [R, V] 16-bit
+  labels_ref,  # [R] int32
+  *out_refs,  # [parts, R] each: max, log-sum-exp, target, argmax, [total], [E]
+  program: _Program,
   options: ce_math.CEOptions,
-  blocks: MosaicBlocks,
-  grid: _Grid,
   n_cols: int,
-  interpret: bool,
 ):
-  row_block, part = pl.program_id(0), pl.program_id(1)
-  shape = (blocks.block_rows, blocks.block_v)
-  labels = labels_ref[...]
+  shape = (program.blocks.block_rows, program.blocks.block_v)
 
-  def body(index, tile_ref, carry):
+  def body(labels, first_col, tile_ref, carry):
     row_max, sum_exp, target, total, weighted, argmax = carry
-    first_col = (part * grid.steps + index[0]) * blocks.block_v
     cols = first_col + lax.broadcasted_iota(jnp.int32, shape, 1)
     capped = ce_math.scores(tile_ref[...].astype(jnp.float32), options)
     live = jnp.where(cols < n_cols, capped, -jnp.inf)
@@ -181,51 +230,51 @@ def _stats_kernel(
     argmax = jnp.where(block_max > row_max, first, argmax)
     return new_max, sum_exp, target, total, weighted, argmax
 
-  zeros = jnp.zeros((blocks.block_rows,), jnp.float32)
-  lowest = jnp.full((blocks.block_rows,), -jnp.inf, jnp.float32)
-  init = (lowest, zeros, zeros, zeros, zeros, jnp.zeros_like(labels))
-  tile_index = lambda step: (row_block, part * grid.steps + step)
-  carry = _walk(body, tile_index, grid, blocks, interpret, [logits_gmem], init=init)
-  row_max, sum_exp, target, total, weighted, argmax = carry
+  def with_labels(values):
+    (labels,) = values
+    zeros = jnp.zeros(labels.shape, jnp.float32)
+    lowest = jnp.full(labels.shape, -jnp.inf, jnp.float32)
+    init = (lowest, zeros, zeros, zeros, zeros, jnp.zeros_like(labels))
+    walk_body = functools.partial(body, labels)
+    return program.walk(walk_body, [logits_ref], init=init)
+
+  row_max, sum_exp, target, total, weighted, argmax = program.with_rows(
+    [labels_ref], with_labels
+  )
   values = [row_max, jnp.log(sum_exp), target, argmax]
   if options.label_smoothing:
     values.append(total)
   if options.entropy:
     values.append(weighted / sum_exp)
-  for ref, value in zip(out_refs, values, strict=True):
-    ref[...] = value
+  program.store_rows(out_refs, values)
 
 
 def _dlogits_kernel(
-  logits_gmem,  # [R, V] 16-bit, in device memory
-  labels_ref,  # [block_rows] int32
-  *refs,  # [block_rows] float32 each: BackwardRows' fields; then dlogits [R, V]
+  labels_ref,  # [R] int32
+  *refs,  # [R] float32 each: BackwardRows' fields; then the [R, V] logits
+  program: _Program,
   options: ce_math.CEOptions,
-  blocks: MosaicBlocks,
-  grid: _Grid,
-  n_cols: int,
   vocab_total: int,
-  interpret: bool,
 ):
-  del n_cols  # TMA drops the columns past V (interpret mode slices them off)
-  *row_refs, out_gmem = refs
-  row_block, part = pl.program_id(0), pl.program_id(1)
-  shape = (blocks.block_rows, blocks.block_v)
-  labels = labels_ref[...]
-  values = [ref[...] for ref in row_refs]
-  rows = ce_math.BackwardRows(*values[:3])
-  if options.entropy:
-    rows = rows._replace(coef_entropy=values[3], expected_score=values[4])
+  """Writes ``dlogits`` over the logits (one 16-bit ``[R, V]`` ref)."""
+  *row_refs, logits_ref = refs
+  shape = (program.blocks.block_rows, program.blocks.block_v)
 
-  def body(index, tile_ref, out_ref):
-    first_col = (part * grid.steps + index[0]) * blocks.block_v
-    cols = first_col + lax.broadcasted_iota(jnp.int32, shape, 1)
-    logits = tile_ref[...].astype(jnp.float32)
-    grad = ce_math.dlogits_block(logits, cols, labels, rows, options, vocab_total)
-    out_ref[...] = grad.astype(out_ref.dtype)
+  def with_rows(values):
+    labels, *values = values
+    rows = ce_math.BackwardRows(*values[:3])
+    if options.entropy:
+      rows = rows._replace(coef_entropy=values[3], expected_score=values[4])
 
-  tile_index = lambda step: (row_block, part * grid.steps + step)
-  _walk(body, tile_index, grid, blocks, interpret, [logits_gmem], [out_gmem])
+    def body(first_col, tile_ref, out_ref):
+      cols = first_col + lax.broadcasted_iota(jnp.int32, shape, 1)
+      logits = tile_ref[...].astype(jnp.float32)
+      grad = ce_math.dlogits_block(logits, cols, labels, rows, options, vocab_total)
+      out_ref[...] = grad.astype(out_ref.dtype)
+
+    program.walk(body, [logits_ref], [logits_ref])
+
+  program.with_rows([labels_ref, *row_refs], with_rows)
 
 
 def takes(logits: jax.Array) -> bool:
@@ -252,43 +301,63 @@ class MosaicChunkCE(PallasTritonChunkCE):
 
   tiles: MosaicBlocks = MosaicBlocks()
 
-  def _run(self, kernel, name, logits, row_values, out_shape, *, aliases=None):
-    """``kernel`` over a ``(row blocks, parts)`` grid, with ``logits`` in
-    device memory and each ``[R]`` row value in blocks of the program's rows.
-    ``out_shape``: ``[parts, R]`` rows per part, or with ``aliases`` (the
-    ``input_output_aliases``) one ``[R, V]`` array in device memory."""
-    n_rows, n_cols = logits.shape
-    t = self.tiles
-    grid = _Grid.of(n_rows, n_cols, t)
+  def _launch(self, kernel, name, n_rows, n_cols, rows, out_type, logits):
+    """``kernel(*rows, *refs, program=)`` over ``(row blocks, parts)``.
+
+    ``rows``: ``[R]`` arrays. ``out_type``: ``[parts, R]`` outputs; with
+    ``out_type=None``, ``logits`` is a ``jax.Ref`` the kernel writes over
+    (its last argument), else a read-only ``[R, V]`` array (its first).
+    """
+    grid = _Grid.of(n_rows, n_cols, self.tiles)
+    program = _Program(grid, self.tiles, self.interpret)
+    body = functools.partial(kernel, program=program)
+    if not self.interpret:
+      args = (*rows, logits) if out_type is None else (logits, *rows)
+      return pl.kernel(
+        body,
+        out_type=() if out_type is None else out_type,
+        mesh=plgpu.Mesh(
+          grid=(grid.row_blocks, grid.parts), grid_names=("rows", "parts")
+        ),
+        compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+        ),
+        name=name,
+      )(*args)
+    # Interpret mode: arrays padded to whole parts of whole tiles, as TMA
+    # reads zeros past the ends and drops writes there.
+    padded_rows = grid.row_blocks * self.tiles.block_rows
+    padded_cols = grid.parts * grid.steps * self.tiles.block_v
+    rows = [jnp.pad(r, (0, padded_rows - n_rows)) for r in rows]
+    array = logits[...] if out_type is None else logits
+    array = jnp.pad(array, ((0, padded_rows - n_rows), (0, padded_cols - n_cols)))
     gmem = plgpu.BlockSpec(memory_space=plgpu.GMEM)
-    row_spec = plgpu.BlockSpec((t.block_rows,), lambda i, p: (i,))
-    part_spec = plgpu.BlockSpec((None, t.block_rows), lambda i, p: (p, i))
-    out_specs = [part_spec] * len(out_shape) if aliases is None else [gmem]
-    if self.interpret:  # whole parts of whole tiles, zeros past the ends
-      padded = (grid.row_blocks * t.block_rows, grid.parts * grid.steps * t.block_v)
-      pads = [(0, padded[0] - n_rows), (0, padded[1] - n_cols)]
-      logits = jnp.pad(logits, pads)
-      if aliases is not None:
-        out_shape = [jax.ShapeDtypeStruct(padded, out_shape[0].dtype)]
-    call = pl.pallas_call(
-      functools.partial(
-        kernel, grid=grid, blocks=t, n_cols=n_cols, interpret=self.interpret
-      ),
-      out_shape=tuple(out_shape),
+    if out_type is None:
+      outs = jax.ShapeDtypeStruct(array.shape, array.dtype)
+      args, aliases = (*rows, array), {len(rows): 0}
+      body = lambda *refs, f=body: f(*refs[:-2], refs[-1])  # the aliased output
+    else:
+      outs = [
+        jax.ShapeDtypeStruct((o.shape[0], padded_rows), o.dtype) for o in out_type
+      ]
+      args, aliases = (array, *rows), {}
+    result = pl.pallas_call(
+      body,
+      out_shape=outs,
       grid=(grid.row_blocks, grid.parts),
-      in_specs=[gmem, *[row_spec] * len(row_values)],
-      out_specs=out_specs,
+      in_specs=[gmem] * len(args),
+      out_specs=gmem if out_type is None else [gmem] * len(outs),
+      input_output_aliases=aliases,
       compiler_params=plgpu.CompilerParams(
         lowering_semantics=plgpu.LoweringSemantics.Warpgroup
       ),
-      input_output_aliases=aliases or {},
-      interpret=self.interpret,
+      interpret=True,
       name=name,
-    )
-    outputs = call(logits, *row_values)
-    if self.interpret and aliases is not None:
-      outputs = [outputs[0][:n_rows, :n_cols]]
-    return grid, outputs
+    )(*args)
+    if out_type is None:
+      logits[...] = result[:n_rows, :n_cols]
+      return None
+    return [o[:, :n_rows] for o in result]
 
   def forward(self, logits, labels, options):
     if not takes(logits):
@@ -298,10 +367,10 @@ class MosaicChunkCE(PallasTritonChunkCE):
     part_rows = jax.ShapeDtypeStruct((grid.parts, n_rows), jnp.float32)
     part_index = jax.ShapeDtypeStruct((grid.parts, n_rows), jnp.int32)
     extra = bool(options.label_smoothing) + options.entropy
-    out_shape = [part_rows, part_rows, part_rows, part_index] + [part_rows] * extra
-    kernel = functools.partial(_stats_kernel, options=options)
-    grid, outputs = self._run(
-      kernel, "mst_ce_stats_mosaic", logits, [labels], out_shape
+    out_type = [part_rows, part_rows, part_rows, part_index] + [part_rows] * extra
+    kernel = functools.partial(_stats_kernel, options=options, n_cols=n_cols)
+    outputs = self._launch(
+      kernel, "mst_ce_stats_mosaic", n_rows, n_cols, [labels], out_type, logits
     )
     row_max, log_sum_exp, target, argmax, *rest = outputs
     widths = grid.widths(n_cols, self.tiles.block_v)
@@ -327,28 +396,20 @@ class MosaicChunkCE(PallasTritonChunkCE):
     )
 
   def backward(self, logits, labels, rows, options, out_dtype, vocab_size=None):
-    out_dtype = jnp.dtype(out_dtype)
-    if not takes(logits) or out_dtype.itemsize != 2:
+    if not takes(logits) or jnp.dtype(out_dtype) != logits.dtype:
       return super().backward(logits, labels, rows, options, out_dtype, vocab_size)
-    n_cols = logits.shape[1]
+    n_rows, n_cols = logits.shape
     row_values = [labels, rows.lse, rows.coef_softmax, rows.coef_target]
     if options.entropy:
       row_values += [rows.coef_entropy, rows.expected_score]
     kernel = functools.partial(
       _dlogits_kernel, options=options, vocab_total=vocab_size or n_cols
     )
-    # dlogits overwrite logits of their own dtype: each tile is read before
-    # it is written, and the logits have no other reader.
-    in_place = logits.dtype == out_dtype
-    _, (dlogits,) = self._run(
-      kernel,
-      "mst_ce_dlogits_mosaic",
-      logits,
-      row_values,
-      [jax.ShapeDtypeStruct(logits.shape, out_dtype)],
-      aliases={0: 0} if in_place else {},
-    )
-    return dlogits
+    # dlogits overwrite the logits (XLA aliases them where nothing else
+    # reads them): each tile is read before it is written.
+    ref = jax.new_ref(logits)
+    self._launch(kernel, "mst_ce_dlogits_mosaic", n_rows, n_cols, row_values, None, ref)
+    return jax.freeze(ref)
 
   def forward_backward(
     self, logits, labels, valid, g_loss, options, out_dtype, *, into=None
