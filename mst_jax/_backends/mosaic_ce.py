@@ -42,6 +42,7 @@ except ImportError:  # pragma: no cover -- a jax without Mosaic GPU
   plgpu = None
 
 _TILE_ROWS, _TILE_BYTES = 8, 128  # what TMA moves: 8 rows of 128 bytes
+APPROX_MATH = True  # exp as ex2.approx, as Triton's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,7 +321,8 @@ class MosaicChunkCE(PallasTritonChunkCE):
           grid=(grid.row_blocks, grid.parts), grid_names=("rows", "parts")
         ),
         compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+          approx_math=APPROX_MATH,
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
         ),
         name=name,
       )(*args)
