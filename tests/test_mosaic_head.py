@@ -1,7 +1,9 @@
-"""``impl="mosaic"``: the head's matmuls as Mosaic GPU kernels (Hopper).
+"""``impl="mosaic"``: the head as Mosaic GPU kernels (Hopper).
 
 On a Hopper GPU the three products run in ``mst_jax._mosaic_gemm`` where
-their arrays are whole TMA tiles and in ``lax.dot_general`` otherwise; each
+their arrays are whole TMA tiles and in ``lax.dot_general`` otherwise, and
+the cross-entropy in ``_backends.mosaic_ce`` (Triton where it does not take
+the logits); each
 case checks the lowered step really calls the Mosaic kernel, then compares
 loss and gradients with the float64 oracle. Elsewhere the option falls back
 to XLA's GEMMs with one warning and computes what ``impl=None`` computes.
@@ -67,12 +69,14 @@ def test_the_flax_options_take_mosaic():
     dict(vocab_block_size=8192),
     dict(accum_dtype=jnp.bfloat16, **ALL_OPTIONS),
     dict(log_probs=True),
+    dict(logits_dtype=jnp.float32),
   ],
   ids=str,
 )
 def test_the_gpu_program_lowers_for_cuda(as_if_on_hopper, kwargs):
-  """impl="mosaic" lowers to Mosaic GEMMs around the Triton kernels (the
-  entropy's included), chunks of 256 rows of 1000."""
+  """impl="mosaic" lowers to Mosaic GEMMs and Mosaic cross-entropy kernels
+  (the entropy's included), chunks of 256 rows of 1000; only float32 logits
+  (outside the kernels' 16-bit tiles) go to the Triton kernels."""
   n, d, v = 1000, 320, 32000
   layout = kwargs.pop("weight_layout", "vd")
   log_probs = kwargs.pop("log_probs", False)
@@ -89,8 +93,10 @@ def test_the_gpu_program_lowers_for_cuda(as_if_on_hopper, kwargs):
 
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
   text = step.trace(h, w, y).lower(lowering_platforms=("cuda",)).as_text()
-  assert "mosaic_gpu" in text
-  assert "triton" in text
+  assert "mst_jax_mosaic_gemm" in text
+  float32_logits = kwargs.get("logits_dtype") == jnp.float32
+  assert ("mst_ce_stats_mosaic" in text) != float32_logits
+  assert ("triton" in text) == float32_logits
 
 
 # (dtype, weight layout, V, options): TMA-aligned vocabularies (every product

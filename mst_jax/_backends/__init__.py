@@ -80,16 +80,31 @@ def select(
 ) -> ChunkBackend:
   """The per-chunk cross-entropy backend for ``impl`` (None, "xla", "pallas"
   or "mosaic") on ``platform``: the Pallas kernels where ``_use_pallas`` says
-  so, else XLA (``select_gemm`` picks what runs their matmuls)."""
+  so, else XLA (``select_gemm`` picks what runs their matmuls).
+
+  ``impl="mosaic"`` on a Hopper GPU: the Mosaic GPU kernels, with the Triton
+  ones for what they do not take. A Hopper GPU whose jax cannot lower Triton
+  kernels gets the Mosaic ones for every ``impl`` but "xla" and "pallas".
+  """
+  from mst_jax._backends import mosaic_ce
+
+  if (
+    impl in (None, "mosaic")
+    and not xla_only
+    and platform == "gpu"
+    and pallas_unavailable_reason(platform) is not None
+    and _mosaic_gemm.unavailable_reason() is None
+  ):
+    _warn_fallback(pallas_unavailable_reason(platform), what="Triton")
+    return mosaic_ce.MosaicChunkCE()
   if not _use_pallas(impl, platform, xla_only):
     return XlaChunkCE()
-  if impl == "mosaic" and select_gemm(impl, platform) == "mosaic":
-    from mst_jax._backends import mosaic_ce
-
-    return mosaic_ce.MosaicChunkCE()
   from mst_jax._backends import pallas_triton
 
-  return pallas_triton.PallasTritonChunkCE(interpret=platform != "gpu")
+  triton = pallas_triton.PallasTritonChunkCE(interpret=platform != "gpu")
+  if impl == "mosaic" and select_gemm(impl, platform) == "mosaic":
+    return mosaic_ce.MosaicChunkCE(fallback=triton)
+  return triton
 
 
 def select_distill(impl: str | None, platform: str):
@@ -125,6 +140,7 @@ def select_gemm(impl: str | None, platform: str) -> str:
 
 _INSTEAD = {
   "backend": "the XLA per-chunk backend instead of Pallas",
+  "Triton": "the Mosaic GPU kernels instead of Triton's",
   "GEMMs": "XLA's GEMMs instead of Mosaic GPU's",
 }
 

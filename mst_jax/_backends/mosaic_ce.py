@@ -9,17 +9,23 @@ Two kernels over a chunk's 16-bit logits ``[R, V]`` (all math in float32 and
    cut into ``parts`` so that a chunk of few rows still gives every SM work;
    ``ce_math.combine_stats`` merges the parts' statistics.
 2. ``_dlogits_kernel``: elementwise ``dlogits`` (``ce_math.dlogits_block``)
-   over the same tiles, written over the logits when the dtypes match.
+   over the same tiles, written over the logits (``dlogits`` in their dtype).
+
+A loss and its gradient in one sweep are the two kernels in turn: unlike the
+Triton backend's fused kernel, whose second pass over a row finds it in L2, a
+program here owns 64 rows (a warpgroup's), too many to stay in L2 between
+the passes (docs/benchmarks.md has the figures).
 
 TMA moves whole shared-memory tiles of 8 rows x 128 bytes, so the kernels take
 logits of ``8 i`` rows and ``64 j`` columns (V = 32000, 128256 or 256000, not
 50257); rows and columns past the array's ends are read as zeros and not
-written. What they do not take (other shapes, float32 logits, a group buffer
-to write into, the fused sweep's ``into``) goes to the Triton kernels:
-``MosaicChunkCE`` extends ``PallasTritonChunkCE``.
+written. What they do not take (other shapes and dtypes, a group buffer to
+write into) goes to ``MosaicChunkCE.fallback``.
 
-On a CPU the kernels run in interpret mode: each program reads its tiles
-straight from arrays padded to whole tiles, without TMA or swizzling.
+The kernels launch with ``pl.kernel`` on a Hopper GPU. In interpret mode (a
+CPU) they run through ``pallas_call`` instead, on arrays padded to whole parts
+of whole tiles, which each program reads and writes directly: the same bodies,
+without TMA or shared memory.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from jax.experimental import pallas as pl
 
 from mst_jax import _ce_math as ce_math
 from mst_jax._backends import base
-from mst_jax._backends.pallas_triton import PallasTritonChunkCE
+from mst_jax._backends.xla import XlaChunkCE
 
 try:  # Mosaic GPU's Pallas front end (lowering needs a Hopper GPU)
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -54,13 +60,14 @@ class MosaicBlocks:
     block_v: vocabulary columns per tile, a multiple of 64.
     stages: tiles in flight per program (TMA runs this far ahead).
     programs: the kernels cut the vocabulary into parts until row blocks
-      times parts reaches this (about two per SM).
+      times parts reaches this (several per SM, whose warps hide each
+      other's latency).
   """
 
   block_rows: int = 64
-  block_v: int = 256
-  stages: int = 3
-  programs: int = 264
+  block_v: int = 128
+  stages: int = 2
+  programs: int = 1056
 
   def __post_init__(self) -> None:
     for name, multiple in (("block_rows", 64), ("block_v", 64)):
@@ -291,16 +298,21 @@ def takes(logits: jax.Array) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class MosaicChunkCE(PallasTritonChunkCE):
+class MosaicChunkCE(base.MatmulThenCE):
   """The logits GEMM, then the cross-entropy as Pallas kernels lowered
-  through Mosaic GPU where they take the logits (``takes``), else through
-  Triton (``blocks`` and ``interpret``: ``TritonKernels``).
+  through Mosaic GPU where they take the logits (``takes``), else by
+  ``fallback``.
 
   Attributes:
-    tiles: the Mosaic kernels' tiles.
+    fallback: the ``LogitsCE`` for what the kernels do not take (other
+      shapes, float32 logits, a group buffer to write into).
+    tiles: the kernels' tiles.
+    interpret: run the kernels in Pallas interpret mode (on a CPU too).
   """
 
+  fallback: base.LogitsCE = XlaChunkCE()
   tiles: MosaicBlocks = MosaicBlocks()
+  interpret: bool = False
 
   def _launch(self, kernel, name, n_rows, n_cols, rows, out_type, logits):
     """``kernel(*rows, *refs, program=)`` over ``(row blocks, parts)``.
@@ -363,7 +375,7 @@ class MosaicChunkCE(PallasTritonChunkCE):
 
   def forward(self, logits, labels, options):
     if not takes(logits):
-      return super().forward(logits, labels, options)
+      return self.fallback.forward(logits, labels, options)
     n_rows, n_cols = logits.shape
     grid = _Grid.of(n_rows, n_cols, self.tiles)
     part_rows = jax.ShapeDtypeStruct((grid.parts, n_rows), jnp.float32)
@@ -399,7 +411,9 @@ class MosaicChunkCE(PallasTritonChunkCE):
 
   def backward(self, logits, labels, rows, options, out_dtype, vocab_size=None):
     if not takes(logits) or jnp.dtype(out_dtype) != logits.dtype:
-      return super().backward(logits, labels, rows, options, out_dtype, vocab_size)
+      return self.fallback.backward(
+        logits, labels, rows, options, out_dtype, vocab_size
+      )
     n_rows, n_cols = logits.shape
     row_values = [labels, rows.lse, rows.coef_softmax, rows.coef_target]
     if options.entropy:
@@ -417,7 +431,7 @@ class MosaicChunkCE(PallasTritonChunkCE):
     self, logits, labels, valid, g_loss, options, out_dtype, *, into=None
   ):
     if into is not None or not takes(logits):
-      return super().forward_backward(
+      return self.fallback.forward_backward(
         logits, labels, valid, g_loss, options, out_dtype, into=into
       )
     return base.unfused_forward_backward(

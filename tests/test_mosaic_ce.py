@@ -1,0 +1,203 @@
+"""The Mosaic GPU cross-entropy kernels (``_backends.mosaic_ce``) against the
+float64 oracle: in interpret mode on any host (the kernel bodies: online
+statistics over tiles and vocabulary parts, ``dlogits``), compiled on a
+Hopper GPU at real sizes (the TMA pipelines, in-place writes, ragged tiles).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_close, has_gpu
+from test_backends import ALL_OPTIONS, PLAIN, SCALED, _logits_case, check_backend
+
+from mst_jax import _backends as backends
+from mst_jax import _ce_math as ce_math
+from mst_jax import _mosaic_gemm, reference
+from mst_jax._backends import pallas_triton
+from mst_jax._backends.mosaic_ce import MosaicBlocks, MosaicChunkCE, takes
+
+# 64 x 128 tiles, 8 programs: 200 rows are 4 row blocks (the last ragged), 1216
+# columns 10 tiles (the last ragged) in 2 parts of 5.
+INTERPRET = MosaicChunkCE(tiles=MosaicBlocks(block_v=128, programs=8), interpret=True)
+
+
+def _bf16_case(rng, case, n_rows, vocab):
+  logits, labels, valid = _logits_case(rng, case, n_rows, vocab)
+  return logits.astype(jnp.bfloat16), labels, valid  # the oracle reads these
+
+
+@pytest.mark.parametrize(
+  "case", ["normal", "label_in_tail", "very_negative", "large", "all_excluded"]
+)
+@pytest.mark.parametrize(
+  "options", [PLAIN, ALL_OPTIONS, SCALED], ids=["plain", "all", "scaled"]
+)
+def test_kernels_match_the_oracle(rng, case, options):
+  logits, labels, valid = _bf16_case(rng, case, 200, 1216)
+  assert takes(logits)
+  check_backend(INTERPRET, logits, labels, valid, options, rng, jnp.bfloat16)
+
+
+def test_banned_columns_and_rows(rng):
+  """-inf logits: a banned column in every row, a row with every column
+  banned (lse -inf, no mass), a banned label (loss +inf)."""
+  logits, labels, valid = _bf16_case(rng, "normal", 64, 640)
+  logits = logits.at[:, 7].set(-jnp.inf).at[3].set(-jnp.inf)
+  labels = labels.at[5].set(7)
+  stats = INTERPRET.forward(logits, labels, PLAIN)
+  with jax.enable_x64(True):
+    x = jnp.asarray(np.asarray(logits, np.float64))
+    ref_lse = jax.nn.logsumexp(x, axis=-1)
+  assert np.asarray(stats.lse)[3] == -np.inf
+  keep = np.arange(64) != 3
+  assert_close(np.asarray(stats.lse)[keep], np.asarray(ref_lse)[keep], 1e-6, "lse")
+  assert np.asarray(stats.target)[5] == -np.inf
+  np.testing.assert_array_equal(
+    np.asarray(stats.argmax)[keep], np.argmax(np.asarray(x), axis=-1)[keep]
+  )
+
+
+def test_entropy_matches_the_oracle(rng):
+  """``linear_log_probs``' statistics and ``dlogits`` with an entropy cotangent."""
+  options = ce_math.CEOptions(entropy=True)
+  logits, labels, valid = _bf16_case(rng, "normal", 200, 1216)
+  n_rows, vocab = logits.shape
+  g_loss, g_ent = (jnp.asarray(rng.standard_normal(n_rows), jnp.float32) for _ in "ab")
+  with jax.enable_x64(True):
+    x64 = jnp.asarray(np.asarray(logits, np.float64))
+    g64 = [jnp.asarray(np.asarray(g, np.float64)) for g in (g_loss, g_ent)]
+
+    def total(x):
+      loss, _, _, entropy = reference.losses_from_logits(
+        x, labels, valid, options=options
+      )
+      return jnp.sum(g64[0] * loss + g64[1] * entropy)
+
+    _, _, _, ref_entropy = reference.losses_from_logits(
+      x64, labels, valid, options=options
+    )
+    ref_dlogits = jax.grad(total)(x64)
+  stats = INTERPRET.forward(logits, labels, options)
+  entropy = stats.lse - stats.expected_score
+  assert_close(np.where(valid, entropy, 0.0), ref_entropy, 1e-5, "entropy", atol=1e-5)
+  rows = ce_math.backward_rows(
+    g_loss,
+    jnp.zeros_like(g_loss),
+    stats.lse,
+    labels,
+    valid,
+    options,
+    vocab,
+    g_entropy=g_ent,
+    entropy=entropy,
+  )
+  dlogits = INTERPRET.backward(logits, labels, rows, options, jnp.bfloat16)
+  assert_close(dlogits, ref_dlogits, 8e-3, "dlogits", atol=1e-6)
+
+
+@pytest.mark.parametrize(
+  "shape, dtype",
+  [((37, 1031), jnp.bfloat16), ((200, 1000), jnp.bfloat16), ((64, 640), jnp.float32)],
+  ids=["ragged", "50257-like", "float32"],
+)
+def test_what_the_kernels_do_not_take_goes_to_the_fallback(rng, shape, dtype):
+  """Rows not a multiple of 8, columns not of 64, float32 logits: the
+  fallback's results exactly."""
+  logits, labels, valid = _logits_case(rng, "normal", *shape)
+  logits = logits.astype(dtype)
+  assert not takes(logits)
+  g_loss = jnp.asarray(rng.random(shape[0]), jnp.float32)
+  xla = backends.XlaChunkCE()
+  for got, want in [
+    (
+      INTERPRET.forward(logits, labels, ALL_OPTIONS),
+      xla.forward(logits, labels, ALL_OPTIONS),
+    ),
+    (
+      INTERPRET.forward_backward(logits, labels, valid, g_loss, ALL_OPTIONS, dtype),
+      xla.forward_backward(logits, labels, valid, g_loss, ALL_OPTIONS, dtype),
+    ),
+  ]:
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+      np.testing.assert_array_equal(a, b)
+  check_backend(INTERPRET, logits, labels, valid, ALL_OPTIONS, rng, dtype)
+
+
+def test_tiles_are_validated():
+  with pytest.raises(ValueError, match="block_rows must be a multiple of 64"):
+    MosaicBlocks(block_rows=32)
+  with pytest.raises(ValueError, match="block_v must be a multiple of 64"):
+    MosaicBlocks(block_v=100)
+  with pytest.raises(ValueError, match="stages must be >= 1"):
+    MosaicBlocks(stages=0)
+
+
+def test_selection_on_hopper(monkeypatch):
+  """impl="mosaic": the Mosaic kernels with Triton's behind them; a jax
+  without the Triton lowering: the Mosaic kernels for impl=None too, with
+  one warning."""
+  monkeypatch.setattr(_mosaic_gemm, "unavailable_reason", lambda: None)
+  monkeypatch.setattr(backends, "pallas_unavailable_reason", lambda platform: None)
+  chosen = backends.select("mosaic", "gpu")
+  assert isinstance(chosen, MosaicChunkCE) and not chosen.interpret
+  assert isinstance(chosen.fallback, pallas_triton.PallasTritonChunkCE)
+  assert isinstance(backends.select(None, "gpu"), pallas_triton.PallasTritonChunkCE)
+  assert isinstance(backends.select("mosaic", "cpu"), backends.XlaChunkCE)
+
+  reason = "no Triton lowering in this jax"
+  monkeypatch.setattr(backends, "pallas_unavailable_reason", lambda platform: reason)
+  backends._warn_fallback.cache_clear()
+  try:
+    with pytest.warns(RuntimeWarning, match="Mosaic GPU kernels instead of Triton"):
+      chosen = backends.select(None, "gpu")
+    assert isinstance(chosen, MosaicChunkCE)
+    assert isinstance(chosen.fallback, backends.XlaChunkCE)
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")  # once per process
+      assert isinstance(backends.select("mosaic", "gpu"), MosaicChunkCE)
+    assert isinstance(backends.select("xla", "gpu"), backends.XlaChunkCE)
+  finally:
+    backends._warn_fallback.cache_clear()
+
+
+# ---- On a Hopper GPU: the compiled kernels at real sizes. ----
+
+
+def _skip_without_hopper():
+  assert has_gpu()
+  if (reason := _mosaic_gemm.unavailable_reason()) is not None:
+    pytest.skip(reason)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+  "n_rows, vocab", [(1000, 32000), (1024, 128256), (2048, 256000)]
+)
+@pytest.mark.parametrize("options", [PLAIN, ALL_OPTIONS], ids=["plain", "all"])
+def test_gpu_kernels_match_the_oracle(rng, n_rows, vocab, options):
+  _skip_without_hopper()
+  logits, labels, valid = _bf16_case(rng, "normal", n_rows, vocab)
+  check_backend(MosaicChunkCE(), logits, labels, valid, options, rng, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["label_in_tail", "very_negative", "large"])
+def test_gpu_edge_cases(rng, case):
+  _skip_without_hopper()
+  logits, labels, valid = _bf16_case(rng, case, 520, 32000)
+  check_backend(MosaicChunkCE(), logits, labels, valid, SCALED, rng, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_float16_and_few_rows(rng):
+  """float16 logits; 8 rows (one ragged row block, many vocabulary parts)."""
+  _skip_without_hopper()
+  for n_rows, dtype in [(256, jnp.float16), (8, jnp.bfloat16)]:
+    logits, labels, valid = _logits_case(rng, "normal", n_rows, 128256)
+    logits = logits.astype(dtype)
+    check_backend(MosaicChunkCE(), logits, labels, valid, ALL_OPTIONS, rng, dtype)
