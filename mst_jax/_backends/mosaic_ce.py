@@ -320,13 +320,21 @@ class MosaicChunkCE(base.MatmulThenCE):
     ``rows``: ``[R]`` arrays. ``out_type``: ``[parts, R]`` outputs; with
     ``out_type=None``, ``logits`` is a ``jax.Ref`` the kernel writes over
     (its last argument), else a read-only ``[R, V]`` array (its first).
+    Row vectors and per-part outputs are padded to whole row blocks (the
+    kernels move them whole, by TMA, between device and shared memory).
     """
     grid = _Grid.of(n_rows, n_cols, self.tiles)
     program = _Program(grid, self.tiles, self.interpret)
     body = functools.partial(kernel, program=program)
+    padded_rows = grid.row_blocks * self.tiles.block_rows
+    rows = [jnp.pad(r, (0, padded_rows - n_rows)) for r in rows]
+    if out_type is not None:
+      out_type = [
+        jax.ShapeDtypeStruct((o.shape[0], padded_rows), o.dtype) for o in out_type
+      ]
     if not self.interpret:
       args = (*rows, logits) if out_type is None else (logits, *rows)
-      return pl.kernel(
+      outputs = pl.kernel(
         body,
         out_type=() if out_type is None else out_type,
         mesh=plgpu.Mesh(
@@ -338,40 +346,34 @@ class MosaicChunkCE(base.MatmulThenCE):
         ),
         name=name,
       )(*args)
-    # Interpret mode: arrays padded to whole parts of whole tiles, as TMA
-    # reads zeros past the ends and drops writes there.
-    padded_rows = grid.row_blocks * self.tiles.block_rows
-    padded_cols = grid.parts * grid.steps * self.tiles.block_v
-    rows = [jnp.pad(r, (0, padded_rows - n_rows)) for r in rows]
-    array = logits[...] if out_type is None else logits
-    array = jnp.pad(array, ((0, padded_rows - n_rows), (0, padded_cols - n_cols)))
-    gmem = plgpu.BlockSpec(memory_space=plgpu.GMEM)
-    if out_type is None:
-      outs = jax.ShapeDtypeStruct(array.shape, array.dtype)
-      args, aliases = (*rows, array), {len(rows): 0}
-      body = lambda *refs, f=body: f(*refs[:-2], refs[-1])  # the aliased output
-    else:
-      outs = [
-        jax.ShapeDtypeStruct((o.shape[0], padded_rows), o.dtype) for o in out_type
-      ]
-      args, aliases = (array, *rows), {}
-    result = pl.pallas_call(
-      body,
-      out_shape=outs,
-      grid=(grid.row_blocks, grid.parts),
-      in_specs=[gmem] * len(args),
-      out_specs=gmem if out_type is None else [gmem] * len(outs),
-      input_output_aliases=aliases,
-      compiler_params=plgpu.CompilerParams(
-        lowering_semantics=plgpu.LoweringSemantics.Warpgroup
-      ),
-      interpret=True,
-      name=name,
-    )(*args)
-    if out_type is None:
-      logits[...] = result[:n_rows, :n_cols]
-      return None
-    return [o[:, :n_rows] for o in result]
+    else:  # the logits padded too: TMA reads zeros past the ends, drops writes
+      padded_cols = grid.parts * grid.steps * self.tiles.block_v
+      array = logits[...] if out_type is None else logits
+      array = jnp.pad(array, ((0, padded_rows - n_rows), (0, padded_cols - n_cols)))
+      gmem = plgpu.BlockSpec(memory_space=plgpu.GMEM)
+      if out_type is None:
+        out_type = jax.ShapeDtypeStruct(array.shape, array.dtype)
+        args, aliases = (*rows, array), {len(rows): 0}
+        body = lambda *refs, f=body: f(*refs[:-2], refs[-1])  # the aliased output
+      else:
+        args, aliases = (array, *rows), {}
+      outputs = pl.pallas_call(
+        body,
+        out_shape=out_type,
+        grid=(grid.row_blocks, grid.parts),
+        in_specs=[gmem] * len(args),
+        out_specs=jax.tree.map(lambda _: gmem, out_type),
+        input_output_aliases=aliases,
+        compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+        ),
+        interpret=True,
+        name=name,
+      )(*args)
+      if aliases:
+        logits[...] = outputs[:n_rows, :n_cols]
+        return None
+    return None if out_type is None else [o[:, :n_rows] for o in outputs]
 
   def forward(self, logits, labels, options):
     if not takes(logits):
