@@ -404,3 +404,24 @@ def test_profile_step_sums_device_kernels_per_step(tmp_path):
   assert profile_step.kernel_times(str(trace), steps=2) == {"gemm": 4.0, "ce": 0.25}
   result = profile_step.profile("cpu", "mst_jax", steps=1, warm_up=0)
   assert result["kernel_ms_per_step"] == sum(result["kernels"].values())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kernel_passes_time_every_backend(monkeypatch, dtype):
+  """``--kernels``: each pass of XLA, Triton and (bfloat16) Mosaic GPU tiles,
+  in interpret mode here; in place, chained, on bfloat16 logits."""
+  from mst_jax.bench import kernels
+
+  monkeypatch.setattr(kernels, "warm_up", lambda: None)
+  monkeypatch.setattr(kernels, "copy_bandwidth", lambda: 1e12)
+  args = options.parse_args(
+    ["--kernels", "--chunk-shapes", "64x640", "--blocks", "1x128x4", "--reps", "2"]
+    + ["--logits-dtype", dtype, "--mosaic-tiles", "128x2x8"],
+    on_gpu=False,
+  )
+  rows = kernels.run_kernels(args)
+  impls = ["xla", "pallas 1x128x4"] + ["mosaic 128x2x8"] * (dtype == "bfloat16")
+  assert [(r["impl"], r["pass"]) for r in rows] == [
+    (impl, p) for impl in impls for p in ("forward", "backward", "fused")
+  ]
+  assert all(r["ms"] > 0 and r["chunk"] == "64x640" for r in rows)

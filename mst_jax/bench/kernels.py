@@ -1,11 +1,14 @@
 """The kernels alone: the per-chunk CE kernels, and the head's three GEMMs.
 
 ``run_kernels``: for each chunk shape, times ``forward`` (statistics),
-``backward`` (bf16 dlogits) and ``forward_backward`` (fused) on float32 logits,
-XLA against Pallas block configurations, and reports the bandwidth achieved
-against the floor: one read of the logits (forward), plus one write of
-dlogits (backward and fused), and against the device-to-device copy
-bandwidth measured in the same run.
+``backward`` (bf16 dlogits) and ``forward_backward`` (fused) on float32 or
+bfloat16 logits, XLA against Pallas Triton block configurations and (16-bit
+logits) Mosaic GPU tiles, and reports the bandwidth achieved against the
+floor: one read of the logits (forward), plus one write of dlogits (backward
+and fused), and against the device-to-device copy bandwidth measured in the
+same run. On bfloat16 logits the kernels write ``dlogits`` over them, as in
+a step: each timed call's ``dlogits`` are the next call's logits, so no copy
+of an input that is still needed is timed.
 
 ``run_gemms``: for each head shape and weight layout, times the logits,
 ``dhidden`` and ``dweight`` GEMMs (bfloat16 operands, float32 accumulation)
@@ -26,6 +29,7 @@ from jax import lax
 from mst_jax import _backends as backends
 from mst_jax import _ce_math as ce_math
 from mst_jax import _mosaic_gemm as mosaic_gemm
+from mst_jax._backends.mosaic_ce import MosaicBlocks, MosaicChunkCE
 from mst_jax._backends.pallas_triton import KernelBlocks, PallasTritonChunkCE
 
 
@@ -70,10 +74,30 @@ def copy_bandwidth(n_bytes: int = 2**30, reps: int = 50) -> float:
   return 2 * n_bytes * reps / (time.perf_counter() - start)
 
 
+def _mean_seconds_chained(fn, logits, others, reps: int) -> float:
+  """Mean time of ``reps`` calls of ``fn(logits, *others) -> dlogits``, each
+  on the last one's ``dlogits`` (written over their logits where the kernel
+  does), in one jitted loop."""
+  loop = jax.jit(
+    lambda lg, *o: lax.fori_loop(0, reps, lambda _, x: fn(x, *o), lg),
+    donate_argnums=0,
+  )
+  jax.block_until_ready(loop(jnp.copy(logits), *others))
+  start = time.perf_counter()
+  jax.block_until_ready(loop(jnp.copy(logits), *others))
+  return (time.perf_counter() - start) / reps
+
+
 def parse_blocks(text: str) -> KernelBlocks:
   """``"1x4096x8"`` (rows x block_v x warps[xstages]) -> ``KernelBlocks``."""
   fields = [int(f) for f in text.split("x")]
   return KernelBlocks(*fields)
+
+
+def parse_tiles(text: str) -> MosaicBlocks:
+  """``"128x2x1056"`` (block_v x stages x programs) -> ``MosaicBlocks``."""
+  block_v, stages, programs = (int(f) for f in text.split("x"))
+  return MosaicBlocks(block_v=block_v, stages=stages, programs=programs)
 
 
 def run_kernels(args: argparse.Namespace) -> list[dict]:
@@ -82,50 +106,65 @@ def run_kernels(args: argparse.Namespace) -> list[dict]:
   bandwidth = copy_bandwidth()
   print(f"copy bandwidth: {bandwidth / 1e12:.2f} TB/s (read + write)")
   options = ce_math.CEOptions()
+  interpret = jax.default_backend() != "gpu"
   impls = {"xla": backends.XlaChunkCE()}
   for text in args.blocks:
     impls[f"pallas {text}"] = PallasTritonChunkCE(
-      blocks=parse_blocks(text), interpret=jax.default_backend() != "gpu"
+      blocks=parse_blocks(text), interpret=interpret
     )
+  dtype = jnp.dtype(args.logits_dtype)
+  if args.mosaic_tiles and dtype.itemsize != 2:
+    print("--mosaic-tiles: the Mosaic kernels take 16-bit logits; skipped")
+  elif args.mosaic_tiles and not interpret and mosaic_gemm.unavailable_reason():
+    print(f"--mosaic-tiles: skipped, {mosaic_gemm.unavailable_reason()}")
+  else:
+    for text in args.mosaic_tiles:
+      impls[f"mosaic {text}"] = MosaicChunkCE(
+        tiles=parse_tiles(text), interpret=interpret
+      )
   rows = []
   for shape in args.chunk_shapes:
     n_rows, vocab = (int(f) for f in shape.split("x"))
     key = jax.random.key(args.seed)
-    logits = 3.0 * jax.random.normal(key, (n_rows, vocab), jnp.float32)
+    logits = (3.0 * jax.random.normal(key, (n_rows, vocab), jnp.float32)).astype(dtype)
     labels = jax.random.randint(key, (n_rows,), 0, vocab)
     valid = jnp.ones((n_rows,), bool)
     g_loss = jnp.full((n_rows,), 1.0 / n_rows, jnp.float32)
-    logit_bytes, dlogit_bytes = n_rows * vocab * 4, n_rows * vocab * 2
-    lse = jax.nn.logsumexp(logits, axis=-1)
+    logit_bytes, dlogit_bytes = n_rows * vocab * dtype.itemsize, n_rows * vocab * 2
+    lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
     back_rows = ce_math.backward_rows(
       g_loss, jnp.zeros_like(lse), lse, labels, valid, options, vocab
     )
+    in_place = dtype == jnp.bfloat16  # dlogits (bf16) over the logits
     for name, backend in impls.items():
+      # pass: (fn(logits, *others), others, floor bytes, returns dlogits)
       passes = {
         "forward": (
-          jax.jit(lambda lg, y, b=backend: b.forward(lg, y, options)),
-          (logits, labels),
+          lambda lg, y, b=backend: b.forward(lg, y, options),
+          (labels,),
           logit_bytes,
+          False,
         ),
         "backward": (
-          jax.jit(
-            lambda lg, y, r, b=backend: b.backward(lg, y, r, options, jnp.bfloat16)
-          ),
-          (logits, labels, back_rows),
+          lambda lg, y, r, b=backend: b.backward(lg, y, r, options, jnp.bfloat16),
+          (labels, back_rows),
           logit_bytes + dlogit_bytes,
+          True,
         ),
         "fused": (
-          jax.jit(
-            lambda lg, y, v, g, b=backend: b.forward_backward(
-              lg, y, v, g, options, jnp.bfloat16
-            )
-          ),
-          (logits, labels, valid, g_loss),
+          lambda lg, y, v, g, b=backend: b.forward_backward(
+            lg, y, v, g, options, jnp.bfloat16
+          )[1],
+          (labels, valid, g_loss),
           logit_bytes + dlogit_bytes,
+          True,
         ),
       }
-      for pass_name, (fn, fn_args, floor_bytes) in passes.items():
-        seconds = _mean_seconds_async(fn, fn_args, args.reps)
+      for pass_name, (fn, others, floor_bytes, chained) in passes.items():
+        if in_place and chained:
+          seconds = _mean_seconds_chained(fn, logits, others, args.reps)
+        else:
+          seconds = _mean_seconds_async(jax.jit(fn), (logits, *others), args.reps)
         rows.append(
           {
             "chunk": shape,

@@ -189,6 +189,19 @@ def parse_args(
     help="with --kernels: Pallas KernelBlocks ROWSxBLOCK_VxWARPS[xSTAGES]",
   )
   parser.add_argument(
+    "--logits-dtype",
+    choices=["float32", "bfloat16"],
+    default="float32",
+    help="with --kernels: the chunk logits' dtype",
+  )
+  parser.add_argument(
+    "--mosaic-tiles",
+    nargs="*",
+    default=[],
+    help="with --kernels and bfloat16 logits: Mosaic GPU MosaicBlocks to time"
+    " (Hopper), BLOCK_VxSTAGESxPROGRAMS, e.g. 128x2x1056",
+  )
+  parser.add_argument(
     "--fit",
     action="store_true",
     help="bisect the largest N that fits per case and impl (GPU)",
