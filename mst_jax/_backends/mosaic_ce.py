@@ -38,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from mst_jax import _ce_math as ce_math
-from mst_jax._backends import base
+from mst_jax._backends import base, online
 from mst_jax._backends.xla import XlaChunkCE
 
 try:  # Mosaic GPU's Pallas front end (lowering needs a Hopper GPU)
@@ -47,7 +47,7 @@ except ImportError:  # pragma: no cover -- a jax without Mosaic GPU
   plgpu = None
 
 _TILE_ROWS, _TILE_BYTES = 8, 128  # what TMA moves: 8 rows of 128 bytes
-APPROX_MATH = True  # exp as ex2.approx, as Triton's
+_APPROX_MATH = True  # exp as ex2.approx, as Triton's exp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +111,7 @@ class _Program:
   """What a kernel body needs of where it runs: its program's indices, its
   rows of the ``[R]`` row vectors, and the walk over its tiles.
 
-  On a GPU (``plgpu.kernel``) row vectors go through shared memory by TMA and
+  On a GPU (``pl.kernel``) row vectors go through shared memory by TMA and
   tiles through a TMA pipeline; in interpret mode (``pallas_call``) arrays
   padded to whole parts of whole tiles are read and written directly.
   """
@@ -216,36 +216,24 @@ def _stats_kernel(
   shape = (program.blocks.block_rows, program.blocks.block_v)
 
   def body(labels, first_col, tile_ref, carry):
-    row_max, sum_exp, target, total, weighted, argmax = carry
+    running, target, argmax = carry
     cols = first_col + lax.broadcasted_iota(jnp.int32, shape, 1)
     capped = ce_math.scores(tile_ref[...].astype(jnp.float32), options)
-    live = jnp.where(cols < n_cols, capped, -jnp.inf)
-    block_max = live.max(axis=1)
-    new_max = jnp.maximum(row_max, block_max)
-    shift = ce_math.max_shift(new_max)  # 0 while every score is -inf
-    rescale = jnp.exp(row_max - shift)
-    unnormalized = jnp.exp(live - _per_row(shift, shape))
-    sum_exp = sum_exp * rescale + unnormalized.sum(axis=1)
+    new, live, block_max = online.update(running, capped, cols < n_cols, options)
     target = target + jnp.where(cols == _per_row(labels, shape), live, 0.0).sum(axis=1)
-    if options.label_smoothing:
-      total = total + jnp.where(cols < n_cols, capped, 0.0).sum(axis=1)
-    if options.entropy:  # sum_j exp(s_j - shift) s_j; a -inf score adds 0
-      spread = jnp.where(unnormalized > 0, unnormalized * live, 0.0)
-      weighted = weighted * rescale + spread.sum(axis=1)
     # The first column of the block's max, kept if it beats the earlier blocks.
     first = jnp.where(live == _per_row(block_max, shape), cols, n_cols).min(axis=1)
-    argmax = jnp.where(block_max > row_max, first, argmax)
-    return new_max, sum_exp, target, total, weighted, argmax
+    argmax = jnp.where(block_max > running.row_max, first, argmax)
+    return new, target, argmax
 
   def with_labels(values):
     (labels,) = values
     zeros = jnp.zeros(labels.shape, jnp.float32)
-    lowest = jnp.full(labels.shape, -jnp.inf, jnp.float32)
-    init = (lowest, zeros, zeros, zeros, zeros, jnp.zeros_like(labels))
+    init = (online.start(labels.shape[0]), zeros, jnp.zeros_like(labels))
     walk_body = functools.partial(body, labels)
     return program.walk(walk_body, [logits_ref], init=init)
 
-  row_max, sum_exp, target, total, weighted, argmax = program.with_rows(
+  (row_max, sum_exp, total, weighted), target, argmax = program.with_rows(
     [labels_ref], with_labels
   )
   values = [row_max, jnp.log(sum_exp), target, argmax]
@@ -340,7 +328,7 @@ class MosaicChunkCE(base.MatmulThenCE):
           grid=(grid.row_blocks, grid.parts), grid_names=("rows", "parts")
         ),
         compiler_params=plgpu.CompilerParams(
-          approx_math=APPROX_MATH,
+          approx_math=_APPROX_MATH,
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
         ),
         name=name,

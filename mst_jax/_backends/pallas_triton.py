@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from mst_jax import _ce_math as ce_math
-from mst_jax._backends import base
+from mst_jax._backends import base, online
 from mst_jax._backends.triton_common import (
   KernelBlocks,  # noqa: F401 -- imported from here by tests and the benchmark
   TritonKernels,
@@ -49,37 +49,22 @@ def _row_stats(logits_ref, labels, row_slice, row_mask, *, options, block_v):
   """
   n_cols = logits_ref.shape[1]
   block_rows = labels.shape[0]
-  smoothing = bool(options.label_smoothing)
 
   def body(col_block_index, carry):
-    row_max, sum_exp, total, weighted, best_block = carry
+    running, best_block = carry
     z, cols, col_mask = load_logits(
       logits_ref, row_slice, row_mask, col_block_index, block_v
     )
     capped = ce_math.scores(z, options)  # [block_rows, block_v]
-    live = jnp.where(col_mask[None, :], capped, -jnp.inf)
-    block_max = jnp.max(live, axis=1)
-    new_max = jnp.maximum(row_max, block_max)
-    # Rescaled to the new max, or to 0 while every score so far is -inf
-    # (banned tokens): no mass, not exp(-inf - -inf) = NaN.
-    shift = ce_math.max_shift(new_max)
-    rescale = jnp.exp(row_max - shift)
-    unnormalized = jnp.exp(live - shift[:, None])
-    sum_exp = sum_exp * rescale + jnp.sum(unnormalized, axis=1)
-    if smoothing:
-      total = total + jnp.sum(jnp.where(col_mask[None, :], capped, 0.0), axis=1)
-    if options.entropy:  # sum_j exp(s_j - shift) s_j; a -inf score adds 0
-      spread = jnp.where(unnormalized > 0, unnormalized * capped, 0.0)
-      weighted = weighted * rescale + jnp.sum(spread, axis=1)
+    new, _, block_max = online.update(running, capped, col_mask[None, :], options)
     # A later block holds the first maximum only if strictly larger.
-    best_block = jnp.where(block_max > row_max, col_block_index, best_block)
-    return new_max, sum_exp, total, weighted, best_block
+    best_block = jnp.where(block_max > running.row_max, col_block_index, best_block)
+    return new, best_block
 
   dtype = ce_math.at_least_float32(logits_ref.dtype)
-  zeros = jnp.zeros((block_rows,), dtype)
   indices = jnp.zeros((block_rows,), jnp.int32)
-  init = (jnp.full((block_rows,), -jnp.inf, dtype), zeros, zeros, zeros, indices)
-  row_max, sum_exp, total, weighted, best_block = lax.fori_loop(
+  init = (online.start(block_rows, dtype), indices)
+  (row_max, sum_exp, total, weighted), best_block = lax.fori_loop(
     0, pl.cdiv(n_cols, block_v), body, init
   )
   target = ce_math.scores(
