@@ -86,8 +86,6 @@ def select(
   ones for what they do not take. A Hopper GPU whose jax cannot lower Triton
   kernels gets the Mosaic ones for every ``impl`` but "xla" and "pallas".
   """
-  from mst_jax._backends import mosaic_ce
-
   if (
     impl in (None, "mosaic")
     and not xla_only
@@ -95,6 +93,8 @@ def select(
     and pallas_unavailable_reason(platform) is not None
     and _mosaic_gemm.unavailable_reason() is None
   ):
+    from mst_jax._backends import mosaic_ce
+
     _warn_fallback(pallas_unavailable_reason(platform), what="Triton")
     return mosaic_ce.MosaicChunkCE()
   if not _use_pallas(impl, platform, xla_only):
@@ -103,6 +103,8 @@ def select(
 
   triton = pallas_triton.PallasTritonChunkCE(interpret=platform != "gpu")
   if impl == "mosaic" and select_gemm(impl, platform) == "mosaic":
+    from mst_jax._backends import mosaic_ce
+
     return mosaic_ce.MosaicChunkCE(fallback=triton)
   return triton
 
