@@ -385,6 +385,12 @@ def softcap_grad(logits: jax.Array, cap: float) -> jax.Array:
   return 4.0 * decay / jnp.square(1.0 + decay)
 
 
+def per_row(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """``x [rows]`` repeated along a ``shape`` block's columns: an explicit
+  broadcast (``x[:, None]``'s ``[rows, 1]`` step has no Mosaic GPU layout)."""
+  return lax.broadcast_in_dim(x, shape, (0,))
+
+
 def dlogits_block(
   logits: jax.Array,
   cols: jax.Array,
@@ -411,30 +417,30 @@ def dlogits_block(
     float32 ``[rows, block]``.
   """
   eps, shape = options.label_smoothing, logits.shape
-  per_row = functools.partial(
-    lax.broadcast_in_dim, shape=shape, broadcast_dimensions=(0,)
-  )
   per_col = functools.partial(
     lax.broadcast_in_dim, shape=shape, broadcast_dimensions=(1,)
   )
   capped = scores(logits, options)
-  probs = jnp.exp(capped - per_row(rows.lse))  # [rows, block]
-  onehot = (per_col(cols) if cols.ndim == 1 else cols) == per_row(labels)
+  probs = jnp.exp(capped - per_row(rows.lse, shape))  # [rows, block]
+  onehot = (per_col(cols) if cols.ndim == 1 else cols) == per_row(labels, shape)
   if rows.target_weight is None:
     target_weight = jnp.where(onehot, 1.0 - eps, 0.0)
     if eps:
       target_weight = target_weight + eps / vocab_size
   else:
-    label_weight = (1.0 - eps) * per_row(rows.target_weight)
+    label_weight = (1.0 - eps) * per_row(rows.target_weight, shape)
     target_weight = jnp.where(onehot, label_weight, 0.0)
     if eps:
       target_weight = target_weight + (eps / vocab_size) * per_col(class_weights)
-  grad = per_row(rows.coef_softmax) * probs - per_row(rows.coef_target) * target_weight
+  grad = (
+    per_row(rows.coef_softmax, shape) * probs
+    - per_row(rows.coef_target, shape) * target_weight
+  )
   if options.entropy:
-    spread = capped - per_row(rows.expected_score)
+    spread = capped - per_row(rows.expected_score, shape)
     # Where p is 0 (a score of -inf) the term is 0, not 0 * -inf.
     spread = jnp.where(probs > 0, probs * spread, 0.0)
-    grad = grad - per_row(rows.coef_entropy) * spread
+    grad = grad - per_row(rows.coef_entropy, shape) * spread
   if options.logit_softcap is not None or options.logit_scale != 1.0:
     grad = grad * scores_grad(logits, options)
   return grad

@@ -102,10 +102,6 @@ class _Grid:
     )
 
 
-def _per_row(x, shape):
-  return lax.broadcast_in_dim(x, shape, (0,))
-
-
 @dataclasses.dataclass(frozen=True)
 class _Program:
   """What a kernel body needs of where it runs: its program's indices, its
@@ -220,9 +216,11 @@ def _stats_kernel(
     cols = first_col + lax.broadcasted_iota(jnp.int32, shape, 1)
     capped = ce_math.scores(tile_ref[...].astype(jnp.float32), options)
     new, live, block_max = online.update(running, capped, cols < n_cols, options)
-    target = target + jnp.where(cols == _per_row(labels, shape), live, 0.0).sum(axis=1)
+    at_label = cols == ce_math.per_row(labels, shape)
+    target = target + jnp.where(at_label, live, 0.0).sum(axis=1)
     # The first column of the block's max, kept if it beats the earlier blocks.
-    first = jnp.where(live == _per_row(block_max, shape), cols, n_cols).min(axis=1)
+    at_max = live == ce_math.per_row(block_max, shape)
+    first = jnp.where(at_max, cols, n_cols).min(axis=1)
     argmax = jnp.where(block_max > running.row_max, first, argmax)
     return new, target, argmax
 
@@ -301,8 +299,8 @@ class MosaicChunkCE(base.MatmulThenCE):
   tiles: MosaicBlocks = MosaicBlocks()
   interpret: bool = False
 
-  def _launch(self, kernel, name, n_rows, n_cols, rows, out_type, logits):
-    """``kernel(*rows, *refs, program=)`` over ``(row blocks, parts)``.
+  def _launch(self, kernel, name, grid, rows, out_type, logits):
+    """``kernel(*rows, *refs, program=)`` over ``grid``'s ``(row blocks, parts)``.
 
     ``rows``: ``[R]`` arrays. ``out_type``: ``[parts, R]`` outputs; with
     ``out_type=None``, ``logits`` is a ``jax.Ref`` the kernel writes over
@@ -310,7 +308,7 @@ class MosaicChunkCE(base.MatmulThenCE):
     Row vectors and per-part outputs are padded to whole row blocks (the
     kernels move them whole, by TMA, between device and shared memory).
     """
-    grid = _Grid.of(n_rows, n_cols, self.tiles)
+    n_rows, n_cols = logits.shape
     program = _Program(grid, self.tiles, self.interpret)
     body = functools.partial(kernel, program=program)
     padded_rows = grid.row_blocks * self.tiles.block_rows
@@ -373,7 +371,7 @@ class MosaicChunkCE(base.MatmulThenCE):
     out_type = [part_rows, part_rows, part_rows, part_index] + [part_rows] * extra
     kernel = functools.partial(_stats_kernel, options=options, n_cols=n_cols)
     outputs = self._launch(
-      kernel, "mst_ce_stats_mosaic", n_rows, n_cols, [labels], out_type, logits
+      kernel, "mst_ce_stats_mosaic", grid, [labels], out_type, logits
     )
     row_max, log_sum_exp, target, argmax, *rest = outputs
     widths = grid.widths(n_cols, self.tiles.block_v)
@@ -404,6 +402,7 @@ class MosaicChunkCE(base.MatmulThenCE):
         logits, labels, rows, options, out_dtype, vocab_size
       )
     n_rows, n_cols = logits.shape
+    grid = _Grid.of(n_rows, n_cols, self.tiles)
     row_values = [labels, rows.lse, rows.coef_softmax, rows.coef_target]
     if options.entropy:
       row_values += [rows.coef_entropy, rows.expected_score]
@@ -413,7 +412,7 @@ class MosaicChunkCE(base.MatmulThenCE):
     # dlogits overwrite the logits (XLA aliases them where nothing else
     # reads them): each tile is read before it is written.
     ref = jax.new_ref(logits)
-    self._launch(kernel, "mst_ce_dlogits_mosaic", n_rows, n_cols, row_values, None, ref)
+    self._launch(kernel, "mst_ce_dlogits_mosaic", grid, row_values, None, ref)
     return jax.freeze(ref)
 
   def forward_backward(

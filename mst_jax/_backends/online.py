@@ -14,7 +14,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from mst_jax import _ce_math as ce_math
 
@@ -62,7 +61,7 @@ def update(running: Running, capped, inside, options: ce_math.CEOptions):
   # (banned tokens): no mass, not exp(-inf - -inf) = NaN.
   shift = ce_math.max_shift(new_max)
   rescale = jnp.exp(running.row_max - shift)
-  unnormalized = jnp.exp(live - lax.broadcast_in_dim(shift, live.shape, (0,)))
+  unnormalized = jnp.exp(live - ce_math.per_row(shift, live.shape))
   sum_exp = running.sum_exp * rescale + jnp.sum(unnormalized, axis=1)
   total, weighted = running.total, running.weighted
   if options.label_smoothing:
