@@ -54,6 +54,44 @@ def test_meshes_match_the_oracle(rng, shape, grad_mode, vocab_block_size):
   )
 
 
+@pytest.mark.parametrize("grad_mode", ["fused", "recompute"])
+@pytest.mark.parametrize("shape", [(1, 8), (2, 4)], ids=["1x8", "2x4"])
+def test_dhidden_summed_over_shards_in_row_pieces(rng, monkeypatch, shape, grad_mode):
+  """``VocabShard.sum_partial`` all-reduces a group's rows a piece at a time.
+
+  Pieces of 5 rows: each chunk of 23 rows (on 1 or 2 row shards) is 4 whole
+  pieces and a tail of 3, every one summed once.
+  """
+  monkeypatch.setattr(mst_jax._mesh, "_SUM_PIECE_BYTES", 5 * D * 4)
+  problem = make_problem(rng, (N,), dim=D, vocab=V, bias=True, mask="scattered")
+  kwargs = dict(mesh=_mesh(shape), batch_axis="data", vocab_axis="model")
+  kwargs.update(impl="xla", chunk_size=23, grad_mode=grad_mode, **OPTIONS)
+  check_against_oracle(problem, "float32", **kwargs)
+  jaxpr = jax.make_jaxpr(
+    jax.grad(
+      lambda h: mst_jax.linear_cross_entropy(
+        h, problem.weight, problem.labels, **kwargs
+      )
+    )
+  )(problem.hidden)
+  summed = {
+    str(eqn.outvars[0].aval.shape)
+    for eqn in _all_eqns(jaxpr.jaxpr)
+    if eqn.primitive.name == "psum" and eqn.outvars[0].aval.ndim == 2
+  }
+  assert summed == {"(5, 16)", "(3, 16)"}, summed
+
+
+def _all_eqns(jaxpr):
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (list, tuple)) else [param]:
+        sub = getattr(sub, "jaxpr", sub)
+        if isinstance(sub, jax.extend.core.Jaxpr):
+          yield from _all_eqns(sub)
+
+
 @pytest.mark.parametrize("shape", [(8, 1), (2, 4)], ids=["8x1", "2x4"])
 def test_devices_without_a_valid_token(rng, shape):
   """The first half of the rows is masked: half the row shards hold none."""
