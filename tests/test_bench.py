@@ -389,19 +389,24 @@ def test_profile_step_sums_device_kernels_per_step(tmp_path):
   meta = lambda pid, name: dict(
     ph="M", name="process_name", pid=pid, args={"name": name}
   )
-  kernel = lambda pid, name, dur: dict(ph="X", pid=pid, name=name, dur=dur, ts=0)
+  kernel = lambda pid, name, dur, ts: dict(ph="X", pid=pid, name=name, dur=dur, ts=ts)
   events = [
     meta(1, "/host:CPU"),
     meta(2, "/device:GPU:0"),
-    kernel(1, "host_op", 9000.0),
-    kernel(2, "gemm", 3000.0),
-    kernel(2, "gemm", 5000.0),
-    kernel(2, "ce", 500.0),
+    kernel(1, "host_op", 9000.0, 0.0),
+    kernel(2, "gemm", 3000.0, 0.0),
+    kernel(2, "ce", 500.0, 2000.0),  # on another stream, inside the first gemm
+    kernel(2, "gemm", 5000.0, 3100.0),  # 100 us after the first gemm
+    kernel(2, "ce", 500.0, 8400.0),  # 300 us after it
   ]
   trace = tmp_path / "trace.json.gz"
   with gzip.open(trace, "wt") as f:
     json.dump({"traceEvents": events}, f)
-  assert profile_step.kernel_times(str(trace), steps=2) == {"gemm": 4.0, "ce": 0.25}
+  assert profile_step.kernel_times(str(trace), steps=2) == {"gemm": 4.0, "ce": 0.5}
+  idle = profile_step.idle_time(str(trace), steps=2)
+  assert idle["gaps"] == [(300.0, "gemm", "ce"), (100.0, "gemm", "gemm")]
+  assert idle["span_ms"] == pytest.approx(8.9 / 2)
+  assert idle["idle_ms"] == pytest.approx(0.4 / 2)
   result = profile_step.profile("cpu", "mst_jax", steps=1, warm_up=0)
   assert result["kernel_ms_per_step"] == sum(result["kernels"].values())
 
