@@ -92,7 +92,7 @@ class VocabShard:
     be held twice, before and after the all-reduce; summed a piece at a time
     in place, the second copy is one piece.
     """
-    piece = max(1, _SUM_PIECE_BYTES // (x[0].size * x.dtype.itemsize))
+    piece = max(1, _SUM_PIECE_BYTES // (math.prod(x.shape[1:]) * x.dtype.itemsize))
     whole = x.shape[0] // piece
     if whole <= 1:
       return lax.psum(x, self.axis)
