@@ -47,7 +47,14 @@ except ImportError:  # pragma: no cover -- a jax without Mosaic GPU
   plgpu = None
 
 _TILE_ROWS, _TILE_BYTES = 8, 128  # what TMA moves: 8 rows of 128 bytes
-_APPROX_MATH = True  # exp as ex2.approx, as Triton's exp
+
+
+def _approx_math(options: ce_math.CEOptions) -> bool:
+  """Whether the kernels take Mosaic GPU's approximate math: ``exp`` as
+  ``ex2.approx``, as Triton's ``exp`` (the statistics pass is arithmetic
+  bound: docs/benchmarks.md). Not with a softcap: its ``tanh`` would be
+  approximate too, which put 4e-5 of error on float32 target scores of 7."""
+  return options.logit_softcap is None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,7 +306,7 @@ class MosaicChunkCE(base.MatmulThenCE):
   tiles: MosaicBlocks = MosaicBlocks()
   interpret: bool = False
 
-  def _launch(self, kernel, name, grid, rows, out_type, logits):
+  def _launch(self, kernel, name, grid, rows, out_type, logits, approx_math):
     """``kernel(*rows, *refs, program=)`` over ``grid``'s ``(row blocks, parts)``.
 
     ``rows``: ``[R]`` arrays. ``out_type``: ``[parts, R]`` outputs; with
@@ -326,7 +333,7 @@ class MosaicChunkCE(base.MatmulThenCE):
           grid=(grid.row_blocks, grid.parts), grid_names=("rows", "parts")
         ),
         compiler_params=plgpu.CompilerParams(
-          approx_math=_APPROX_MATH,
+          approx_math=approx_math,
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
         ),
         name=name,
@@ -371,7 +378,13 @@ class MosaicChunkCE(base.MatmulThenCE):
     out_type = [part_rows, part_rows, part_rows, part_index] + [part_rows] * extra
     kernel = functools.partial(_stats_kernel, options=options, n_cols=n_cols)
     outputs = self._launch(
-      kernel, "mst_ce_stats_mosaic", grid, [labels], out_type, logits
+      kernel,
+      "mst_ce_stats_mosaic",
+      grid,
+      [labels],
+      out_type,
+      logits,
+      _approx_math(options),
     )
     row_max, log_sum_exp, target, argmax, *rest = outputs
     widths = grid.widths(n_cols, self.tiles.block_v)
@@ -412,7 +425,15 @@ class MosaicChunkCE(base.MatmulThenCE):
     # dlogits overwrite the logits (XLA aliases them where nothing else
     # reads them): each tile is read before it is written.
     ref = jax.new_ref(logits)
-    self._launch(kernel, "mst_ce_dlogits_mosaic", grid, row_values, None, ref)
+    self._launch(
+      kernel,
+      "mst_ce_dlogits_mosaic",
+      grid,
+      row_values,
+      None,
+      ref,
+      _approx_math(options),
+    )
     return jax.freeze(ref)
 
   def forward_backward(
