@@ -52,8 +52,9 @@ _TILE_ROWS, _TILE_BYTES = 8, 128  # what TMA moves: 8 rows of 128 bytes
 def _approx_math(options: ce_math.CEOptions) -> bool:
   """Whether the kernels take Mosaic GPU's approximate math: ``exp`` as
   ``ex2.approx``, as Triton's ``exp`` (the statistics pass is arithmetic
-  bound: docs/benchmarks.md). Not with a softcap: its ``tanh`` would be
-  approximate too, which put 4e-5 of error on float32 target scores of 7."""
+  bound). Not with a softcap: its ``tanh`` would be approximate too, and
+  the target score, which no sum averages, tens of float32 ulps off
+  (docs/benchmarks.md)."""
   return options.logit_softcap is None
 
 
