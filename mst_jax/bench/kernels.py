@@ -189,6 +189,8 @@ def run_kernels(args: argparse.Namespace) -> list[dict]:
 GEMM_HEADS = {
   "llama": (8192, 4096, 128256),
   "gemma": (8192, 2304, 256000),
+  "llama_192": (192, 4096, 128256),
+  "llama_256": (256, 4096, 128256),
   "llama_384": (384, 4096, 128256),
   "llama_512": (512, 4096, 128256),
   "gemma_4096": (4096, 2304, 256000),
@@ -200,8 +202,8 @@ def _dims(lhs_dim: int, rhs_dim: int):
 
 
 # Per (product, layout): lhs, rhs (of hidden [N, D], dlogits [N, V] and the
-# weight), contracted dimensions, output dtype, whether it adds into a float32
-# accumulator. The products of mst_jax._matmul.
+# weight), contracted dimensions, output dtype, whether it adds into an
+# accumulator of that dtype. The products of mst_jax._matmul.
 GEMM_PRODUCTS = {
   ("logits", "vd"): ("hidden", "weight", _dims(1, 1), jnp.bfloat16, False),
   ("logits", "dv"): ("hidden", "weight", _dims(1, 0), jnp.bfloat16, False),
@@ -211,6 +213,8 @@ GEMM_PRODUCTS = {
   ("dweight", "dv"): ("hidden", "dlogits", _dims(0, 0), jnp.bfloat16, False),
   ("dweight+=f32", "vd"): ("dlogits", "hidden", _dims(0, 0), jnp.float32, True),
   ("dweight+=f32", "dv"): ("hidden", "dlogits", _dims(0, 0), jnp.float32, True),
+  ("dweight+=bf16", "vd"): ("dlogits", "hidden", _dims(0, 0), jnp.bfloat16, True),
+  ("dweight+=bf16", "dv"): ("hidden", "dlogits", _dims(0, 0), jnp.bfloat16, True),
 }
 
 
@@ -290,7 +294,7 @@ def run_gemms(args: argparse.Namespace) -> list[dict]:
           acc = None
           if accumulate:
             out_shape = (d, v) if lhs_name == "hidden" else (v, d)
-            acc = jnp.zeros(out_shape, jnp.float32)
+            acc = jnp.zeros(out_shape, out_dtype)
           try:
             seconds = _time_gemm(fn, lhs, rhs, acc, args.reps)
           except Exception as e:  # noqa: BLE001 -- report the failure, time the rest
