@@ -98,14 +98,21 @@ def epilogue_slots(config: GemmConfig) -> int:
 
 
 # Three stages and 128 x 32 epilogue pieces (fewer round trips for an addend
-# loaded ahead): adding into an accumulator, and long contractions (dhidden).
+# loaded ahead): adding into a float32 accumulator, and long contractions
+# (dhidden).
 _FEW_PIECES = GemmConfig(stages=3, epilogue_m=128, epilogue_n=32)
+# Adding into a 16-bit accumulator: two 64 x 128 pieces a warpgroup, so the
+# whole addend tile is loaded during the main loop. A short contraction (a
+# small chunk's dweight) leaves little main loop to hide loads behind.
+_WHOLE_ADDEND = GemmConfig(stages=3, epilogue_m=64, epilogue_n=128)
 # Tuned on an H200 at the Llama-3 head, first match wins:
-# (accumulate, min m, min n, min k) -> config; other shapes take GemmConfig().
-_TUNED: tuple[tuple[tuple[bool, int, int, int], GemmConfig], ...] = (
-  ((True, 0, 0, 0), _FEW_PIECES),
-  ((False, 0, 0, 16384), _FEW_PIECES),  # dhidden: K = V
-  ((False, 0, 16384, 0), GemmConfig(tile_n=192, stages=3)),  # logits, "dv" dweight
+# (accumulate, most output bytes, min m, min n, min k) -> config; other shapes
+# take GemmConfig().
+_TUNED: tuple[tuple[tuple[bool, int, int, int, int], GemmConfig], ...] = (
+  ((True, 2, 0, 0, 0), _WHOLE_ADDEND),
+  ((True, 4, 0, 0, 0), _FEW_PIECES),
+  ((False, 4, 0, 0, 16384), _FEW_PIECES),  # dhidden: K = V
+  ((False, 4, 0, 16384, 0), GemmConfig(tile_n=192, stages=3)),  # logits, "dv" dweight
 )
 
 
@@ -148,11 +155,16 @@ def default_config(
   output of fewer tiles than ``num_sms`` over a long contraction (not
   accumulated) is split along K.
   """
+  out_bytes = jnp.dtype(out_dtype).itemsize
   config = next(
     (
       c
-      for (acc, mm, nn, kk), c in _TUNED
-      if acc == accumulate and m >= mm and n >= nn and k >= kk
+      for (acc, most_bytes, mm, nn, kk), c in _TUNED
+      if acc == accumulate
+      and out_bytes <= most_bytes
+      and m >= mm
+      and n >= nn
+      and k >= kk
     ),
     GemmConfig(),
   )

@@ -88,10 +88,23 @@ def test_head_products(rng, product, layout, shape, in_dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1000, 512, 4160), (264, 320, 32000)])
 @pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("layout", ["vd", "dv"])
-def test_dweight_accumulates(rng, layout, out_dtype):
-  _run(rng, "dweight", layout, (1000, 512, 4160), "bfloat16", out_dtype, True)
+def test_dweight_accumulates(rng, layout, out_dtype, shape):
+  """``dweight += dlogits^T hidden``, over a long and a short (264-row)
+  contraction, into a float32 and a bfloat16 accumulator."""
+  _run(rng, "dweight", layout, shape, "bfloat16", out_dtype, True)
+
+
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float16"])
+def test_16_bit_addend_loaded_whole(out_dtype):
+  """Adding into a 16-bit accumulator, each epilogue piece has a slot of its
+  own, so the whole addend tile is loaded during the main loop."""
+  for m, n, k in [(128256, 4096, 256), (4096, 128256, 512), (256000, 2304, 8192)]:
+    config = mosaic_gemm.default_config(m, n, k, jnp.dtype(out_dtype), True)
+    pieces = (config.tile_m // config.epilogue_m) * (config.tile_n // config.epilogue_n)
+    assert mosaic_gemm.epilogue_slots(config) == pieces
 
 
 @pytest.mark.gpu
