@@ -1,15 +1,16 @@
 """The low-memory frontier of the Llama-3 head: extra memory against time.
 
 Reads benchmark results (``python -m mst_jax.bench`` JSON, or several runs
-keyed by name as in docs/runs/) and plots, for one case, each setting's
-extra memory (steady, and at the first call where measured) against its time
-relative to the naive bfloat16 head (``naive_cast``) of the same run. A
-setting measured in several runs is plotted from the last one given (runs
-in the order of ``--runs``).
+keyed by name as in docs/runs/; one file or more) and plots, for one case,
+each setting's extra memory (steady, and at the first call where measured)
+against its time relative to the naive bfloat16 head (``naive_cast``) of the
+same run. A setting measured in several runs is plotted from the last one
+given (runs in the order of ``--runs``).
 
   python scripts/frontier_plot.py docs/runs/2026-12-01_mosaic_head_runs34-39.json \\
+      docs/runs/2026-12-01_session14_runs64-68.json \\
       --runs 34_main_command 35_mosaic_gemms 36_split_k_small_outputs \\
-      --out docs/frontier_h200_llama.png
+      66_plain 68_whole_addend --out docs/frontier_h200_llama.png
 """
 
 from __future__ import annotations
@@ -29,10 +30,19 @@ MIB = 2**20
 ALIASES = {"mst_jax:impl=pallas": "mst_jax"}
 
 
-def _runs(path: pathlib.Path, names: list[str] | None) -> dict:
-  data = json.loads(path.read_text())
-  runs = {path.stem: data} if "rows" in data else data
+def _runs(paths: list[pathlib.Path], names: list[str] | None) -> dict:
+  runs = {}
+  for path in paths:
+    data = json.loads(path.read_text())
+    runs.update({path.stem: data} if "rows" in data else data)
   return {name: runs[name] for name in names} if names else runs
+
+
+def _canonical(impl: str) -> str:
+  """One name per setting: aliases resolved, options sorted."""
+  impl = ALIASES.get(impl, impl)
+  name, _, options = impl.partition(":")
+  return ":".join([name, ",".join(sorted(options.split(",")))]) if options else name
 
 
 def points(runs: dict, case: str) -> dict[str, tuple]:
@@ -47,7 +57,7 @@ def points(runs: dict, case: str) -> dict[str, tuple]:
       if row.get("extra_bytes") is None:
         continue
       first = row.get("first_call_extra_bytes")
-      found[ALIASES.get(row["impl"], row["impl"])] = (
+      found[_canonical(row["impl"])] = (
         name,
         row["time_ms"] / base["time_ms"],
         row["extra_bytes"] / MIB,
@@ -86,7 +96,7 @@ def plot(found: dict, title: str, out: pathlib.Path) -> None:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("results", type=pathlib.Path)
+  parser.add_argument("results", type=pathlib.Path, nargs="+")
   parser.add_argument("--runs", nargs="+", help="run names in the file (default: all)")
   parser.add_argument("--case", default="llama")
   parser.add_argument("--title", default="Llama-3 head, N=8192, bf16, NVIDIA H200")

@@ -377,6 +377,17 @@ def test_frontier_plot_takes_each_settings_last_run(tmp_path):
   assert found["mst_jax"] == ("a", 1.1, 2000.0, 4000.0)
   frontier.plot(found, "test", tmp_path / "f.png")
   assert (tmp_path / "f.png").stat().st_size > 0
+  # One setting whatever the order of its options, across result files.
+  one = {"rows": [row("naive_cast", 40.0, 6000), row("mst_jax:a=1,b=2", 60.0, 90)]}
+  two = {"rows": [row("naive_cast", 50.0, 6000), row("mst_jax:b=2,a=1", 55.0, 80)]}
+  paths = [tmp_path / "one.json", tmp_path / "two.json"]
+  for path, data in zip(paths, [one, {"c": two}], strict=True):
+    path.write_text(json.dumps(data))
+  found = frontier.points(frontier._runs(paths, None), "llama")
+  assert found == {
+    "naive_cast": ("c", 1.0, 6000.0, None),
+    "mst_jax:a=1,b=2": ("c", 1.1, 80.0, None),
+  }
 
 
 def test_profile_step_sums_device_kernels_per_step(tmp_path):
