@@ -97,6 +97,15 @@ def test_dweight_accumulates(rng, layout, out_dtype, shape):
   _run(rng, "dweight", layout, shape, "bfloat16", out_dtype, True)
 
 
+@pytest.mark.parametrize("rows", [128, 256, 384])
+def test_small_chunk_logits_in_whole_blocks(rows):
+  """A chunk of a few hundred rows' logits: blocks of rows that divide the
+  chunk, so no block is partly idle."""
+  for d, v in [(4096, 128256), (2304, 256000)]:
+    config = mosaic_gemm.default_config(rows, v, d, jnp.dtype(jnp.bfloat16), False)
+    assert rows % config.block_m == 0
+
+
 @pytest.mark.parametrize("out_dtype", ["bfloat16", "float16"])
 def test_16_bit_addend_loaded_whole(out_dtype):
   """Adding into a 16-bit accumulator, each epilogue piece has a slot of its
@@ -175,7 +184,8 @@ def test_config_validation(kwargs):
 @pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_default_config_fits_shared_memory(out_dtype, accumulate):
-  for m, n, k in [(8192, 128256, 4096), (128256, 4096, 8192), (8192, 4096, 256000)]:
+  shapes = [(8192, 128256, 4096), (128256, 4096, 8192), (8192, 4096, 256000)]
+  for m, n, k in shapes + [(256, 128256, 4096), (384, 256000, 2304)]:
     config = mosaic_gemm.default_config(m, n, k, jnp.dtype(out_dtype), accumulate)
     smem = config.smem_bytes(jnp.bfloat16, jnp.dtype(out_dtype), accumulate)
     assert smem <= 227 * 1024
