@@ -110,14 +110,17 @@ _WHOLE_ADDEND = GemmConfig(stages=3, epilogue_m=64, epilogue_n=128)
 _FEW_ROWS = GemmConfig(tile_m=64, tile_n=256, stages=4)
 _ANY = 1 << 62
 # Tuned on an H200 at the Llama-3 head, first match wins:
-# (accumulate, most output bytes, min m, most m, min n, min k) -> config;
-# other shapes take GemmConfig().
-_TUNED: tuple[tuple[tuple[bool, int, int, int, int, int], GemmConfig], ...] = (
-  ((True, 2, 0, _ANY, 0, 0), _WHOLE_ADDEND),
-  ((True, 4, 0, _ANY, 0, 0), _FEW_PIECES),
-  ((False, 4, 0, _ANY, 0, 16384), _FEW_PIECES),  # dhidden: K = V
-  ((False, 4, 0, 511, 16384, 0), _FEW_ROWS),  # a small chunk's logits
-  ((False, 4, 0, _ANY, 16384, 0), GemmConfig(tile_n=192, stages=3)),  # logits
+# (accumulate, most output bytes, most m, min n, min k) -> config; other
+# shapes take GemmConfig().
+_TUNED: tuple[tuple[tuple[bool, int, int, int, int], GemmConfig], ...] = (
+  ((True, 2, _ANY, 0, 0), _WHOLE_ADDEND),
+  ((True, 4, _ANY, 0, 0), _FEW_PIECES),
+  ((False, 4, _ANY, 0, 16384), _FEW_PIECES),  # dhidden: K = V
+  ((False, 4, 511, 16384, 0), _FEW_ROWS),  # a small chunk's logits
+  (
+    (False, 4, _ANY, 16384, 0),
+    GemmConfig(tile_n=192, stages=3),
+  ),  # logits, "dv" dweight
 )
 
 
@@ -164,10 +167,10 @@ def default_config(
   config = next(
     (
       c
-      for (acc, most_bytes, least_m, most_m, least_n, least_k), c in _TUNED
+      for (acc, most_bytes, most_m, least_n, least_k), c in _TUNED
       if acc == accumulate
       and out_bytes <= most_bytes
-      and least_m <= m <= most_m
+      and m <= most_m
       and n >= least_n
       and k >= least_k
     ),

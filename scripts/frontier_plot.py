@@ -97,7 +97,7 @@ def plot(found: dict, title: str, out: pathlib.Path) -> None:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("results", type=pathlib.Path, nargs="+")
-  parser.add_argument("--runs", nargs="+", help="run names in the file (default: all)")
+  parser.add_argument("--runs", nargs="+", help="run names in the files (default: all)")
   parser.add_argument("--case", default="llama")
   parser.add_argument("--title", default="Llama-3 head, N=8192, bf16, NVIDIA H200")
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("frontier.png"))
