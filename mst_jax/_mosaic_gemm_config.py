@@ -117,10 +117,8 @@ _TUNED: tuple[tuple[tuple[bool, int, int, int, int], GemmConfig], ...] = (
   ((True, 4, _ANY, 0, 0), _FEW_PIECES),
   ((False, 4, _ANY, 0, 16384), _FEW_PIECES),  # dhidden: K = V
   ((False, 4, 511, 16384, 0), _FEW_ROWS),  # a small chunk's logits
-  (
-    (False, 4, _ANY, 16384, 0),
-    GemmConfig(tile_n=192, stages=3),
-  ),  # logits, "dv" dweight
+  # logits, and dweight in the "dv" layout
+  ((False, 4, _ANY, 16384, 0), GemmConfig(tile_n=192, stages=3)),
 )
 
 
