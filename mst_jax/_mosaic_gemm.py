@@ -142,24 +142,17 @@ def _operand_specs(problem: _Problem, config: GemmConfig) -> list:
   """
   tile_k, dtype = config.tile_k, problem.in_dtype
 
-  def spec(block: int, k_major: bool, shared: bool):
+  def spec(block: int, k_major: bool):
     if k_major:  # stored [k, block]
       shape, index = (tile_k, block), lambda k: (k, 0)
     else:  # stored [block, k]
       shape, index = (block, tile_k), lambda k: (0, k)
-    return plgpu.BlockSpec(
-      shape,
-      index,
-      transforms=_smem_transforms(shape[1], dtype),
-      memory_space=plgpu.SMEM,
-      delay_release=config.mma_in_flight,
-      collective_axes=("cluster",) if shared else (),
-    )
+    transforms = _smem_transforms(shape[1], dtype)
+    return plgpu.BlockSpec(shape, index, transforms=transforms, memory_space=plgpu.SMEM)
 
-  # A cluster along m shares the rhs tile, one along n the lhs tile.
   return [
-    spec(config.block_m, problem.lhs_transposed, shared=config.cluster == "n"),
-    spec(config.block_n, not problem.rhs_transposed, shared=config.cluster == "m"),
+    spec(config.block_m, k_major=problem.lhs_transposed),
+    spec(config.block_n, k_major=not problem.rhs_transposed),
   ]
 
 
@@ -168,10 +161,7 @@ def _gemm_kernel(a_gmem, b_gmem, out_gmem, *, problem: _Problem, config: GemmCon
   (and with split-K, over the contraction's parts: ``out_gmem`` is then
   ``[k_splits, m, n]``, one partial product per part)."""
   p, c = problem, config
-  # Output tiles of a cluster (the pair of blocks along c.cluster, or one).
-  cluster_m = c.block_m * (c.cluster_size if c.cluster == "m" else 1)
-  cluster_n = c.block_n * (c.cluster_size if c.cluster == "n" else 1)
-  m_iters, n_iters = pl.cdiv(p.m, cluster_m), pl.cdiv(p.n, cluster_n)
+  m_iters, n_iters = pl.cdiv(p.m, c.block_m), pl.cdiv(p.n, c.block_n)
   split_steps = pl.cdiv(pl.cdiv(p.k, c.tile_k), c.k_splits)  # tile_k steps
 
   def pipeline(body, compute_context):
@@ -213,19 +203,13 @@ def _gemm_kernel(a_gmem, b_gmem, out_gmem, *, problem: _Problem, config: GemmCon
       minor = 0 if c.grid_minor == "m" else 1
       grid = (m_iters, n_iters)
       m_index, n_index = plgpu.planar_snake(tile_index, grid, minor, c.grid_tile_width)
-      if c.cluster is not None:  # a block past the array's end reads zeros
-        block = lax.axis_index("cluster")
-        if c.cluster == "m":
-          m_index = m_index * c.cluster_size + block
-        else:
-          n_index = n_index * c.cluster_size + block
       rows = pl.ds(m_index * c.block_m, c.block_m)
       cols = pl.ds(n_index * c.block_n, c.block_n)
       # The last part may run past K: TMA reads zeros there.
       ks = pl.ds(part * split_steps * c.tile_k, split_steps * c.tile_k)
       out = out_gmem.at[part] if c.k_splits > 1 else out_gmem
 
-      def mma(steps, a_smem, b_smem, acc_ref):
+      def mma(_, a_smem, b_smem, acc_ref):
         if p.lhs_transposed:  # [tile_k, block_m] as stored
           a = a_smem.at[:, wg_m].transpose((1, 0))
         else:
@@ -235,22 +219,7 @@ def _gemm_kernel(a_gmem, b_gmem, out_gmem, *, problem: _Problem, config: GemmCon
         else:
           b = b_smem.at[:, wg_n]
         plgpu.wgmma(acc_ref, a, b)
-        if c.mma_in_flight:
-          # The pipeline releases a step's slot after the next step's wait;
-          # the last step waits for all, before the last slot is released
-          # (the next tile's first copies may overwrite every slot).
-          (step,) = steps
-
-          @pl.when(step < split_steps - 1)
-          def _():
-            plgpu.wgmma_wait(1)
-
-          @pl.when(step == split_steps - 1)
-          def _():
-            plgpu.wgmma_wait(0)
-
-        else:
-          plgpu.wgmma_wait(0)
+        plgpu.wgmma_wait(0)
         return acc_ref
 
       def compute_context(run_pipeline):
@@ -348,14 +317,8 @@ def _gemm(lhs, rhs, accumulate, problem: _Problem, config: GemmConfig):
   kernel_problem = problem
   if config.k_splits > 1:
     kernel_problem = dataclasses.replace(problem, out_dtype=jnp.dtype(jnp.float32))
-  clusters = (config.cluster_size,) if config.cluster is not None else ()
   mesh = plgpu.Mesh(
-    grid=(_num_sms() // config.cluster_size,),
-    grid_names=("sm",),
-    cluster=clusters,
-    cluster_names=("cluster",) * len(clusters),
-    num_threads=3,
-    thread_name="wg",
+    grid=(_num_sms(),), grid_names=("sm",), num_threads=3, thread_name="wg"
   )
   kernel = functools.partial(
     pl.kernel,

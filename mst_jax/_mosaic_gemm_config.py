@@ -37,12 +37,6 @@ class GemmConfig:
       blocks into float32 partial outputs that are then summed (split-K: a
       small output over a long contraction, e.g. ``dhidden`` of a few hundred
       rows, keeps every SM busy).
-    mma_in_flight: ``wgmma`` groups a compute warpgroup leaves running when
-      it moves to the next step (0 or 1; 1 needs ``stages`` >= 2): the slot
-      they read is released a step later.
-    cluster: ``None``, ``"m"`` or ``"n"``: blocks run in pairs (a cluster of
-      2) holding neighbouring output tiles along this dimension, and the
-      operand tile they share is loaded once for both (TMA multicast).
   """
 
   tile_m: int = 128
@@ -55,8 +49,6 @@ class GemmConfig:
   epilogue_m: int = 64
   epilogue_n: int = 64
   k_splits: int = 1
-  mma_in_flight: int = 0
-  cluster: str | None = None
 
   def __post_init__(self) -> None:
     def check(ok: bool, name: str, what: str) -> None:
@@ -78,9 +70,6 @@ class GemmConfig:
     check(self.stages >= 1, "stages", ">= 1")
     check(self.grid_tile_width >= 1, "grid_tile_width", ">= 1")
     check(self.k_splits >= 1, "k_splits", ">= 1")
-    check(self.mma_in_flight in (0, 1), "mma_in_flight", "0 or 1")
-    check(self.stages > self.mma_in_flight, "stages", "> mma_in_flight")
-    check(self.cluster in (None, "m", "n"), "cluster", "None, 'm' or 'n'")
 
   @property
   def block_m(self) -> int:
@@ -89,10 +78,6 @@ class GemmConfig:
   @property
   def block_n(self) -> int:
     return self.tile_n * (2 if self.split == "n" else 1)
-
-  @property
-  def cluster_size(self) -> int:
-    return 1 if self.cluster is None else 2
 
   def smem_bytes(self, in_dtype, out_dtype, accumulate: bool) -> int:
     """Shared memory the kernel allocates (operand ring + epilogue slots;

@@ -125,32 +125,12 @@ def test_16_bit_addend_loaded_whole(out_dtype):
     GemmConfig(tile_m=64, tile_n=256),
     GemmConfig(tile_k=128, stages=2),
     GemmConfig(k_splits=3, epilogue_n=32),  # float32 partial products
-    GemmConfig(mma_in_flight=1, stages=2),
-    # Pairs of blocks; 33 column blocks (logits) and 17 row blocks (dweight)
-    # leave the last pair's second block wholly past the output.
-    GemmConfig(cluster="m", mma_in_flight=1),
-    GemmConfig(cluster="n", tile_n=192, stages=3),
-    GemmConfig(cluster="m", k_splits=3, epilogue_n=32),
   ],
   ids=str,
 )
 @pytest.mark.parametrize("product,layout", [("logits", "vd"), ("dweight", "vd")])
 def test_configs(rng, product, layout, config):
   _run(rng, product, layout, (1000, 512, 4160), "bfloat16", "bfloat16", config=config)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-  "config",
-  [GemmConfig(cluster="n", mma_in_flight=1), GemmConfig(cluster="m", stages=2)],
-  ids=str,
-)
-@pytest.mark.parametrize("layout", ["vd", "dv"])
-def test_configs_accumulate(rng, layout, config):
-  """Pairs of blocks and ``wgmma`` left in flight, adding into a bf16 addend
-  over a short (264-row) contraction."""
-  shape = (264, 320, 32000)
-  _run(rng, "dweight", layout, shape, "bfloat16", "bfloat16", True, config=config)
 
 
 @pytest.mark.gpu
@@ -193,15 +173,7 @@ def test_needs_a_hopper_gpu():
 
 @pytest.mark.parametrize(
   "kwargs",
-  [
-    dict(tile_m=96),
-    dict(tile_m=256, tile_n=128),
-    dict(split="k"),
-    dict(stages=0),
-    dict(mma_in_flight=2),
-    dict(mma_in_flight=1, stages=1),
-    dict(cluster="k"),
-  ],
+  [dict(tile_m=96), dict(tile_m=256, tile_n=128), dict(split="k"), dict(stages=0)],
   ids=str,
 )
 def test_config_validation(kwargs):
@@ -240,23 +212,4 @@ def test_lowers_for_hopper(product, layout, n, d, v):
     assert config.k_splits == 22
   fn = jax.jit(lambda a, b: mosaic_gemm._gemm(a, b, None, problem, config))
   text = fn.trace(lhs, rhs).lower(lowering_platforms=("cuda",)).as_text()
-  assert "mosaic_gpu" in text
-
-
-@pytest.mark.parametrize(
-  "config",
-  [GemmConfig(mma_in_flight=1), GemmConfig(cluster="m"), GemmConfig(cluster="n")],
-  ids=str,
-)
-@pytest.mark.parametrize("accumulate", [False, True])
-def test_lowers_with_clusters_and_mma_in_flight(config, accumulate):
-  """Pairs of blocks with multicast operand loads, and ``wgmma`` left in
-  flight across pipeline steps, lower to a Mosaic GPU kernel (no GPU)."""
-  lhs = jax.ShapeDtypeStruct((264, 32000), jnp.bfloat16)  # dlogits, "vd"
-  rhs = jax.ShapeDtypeStruct((264, 320), jnp.bfloat16)  # hidden
-  acc = jax.ShapeDtypeStruct((32000, 320), jnp.bfloat16) if accumulate else None
-  problem = mosaic_gemm._check(lhs, rhs, _dims(0, 0), jnp.dtype(jnp.bfloat16), acc)
-  args = (lhs, rhs) + ((acc,) if accumulate else ())
-  fn = jax.jit(lambda a, b, *c: mosaic_gemm._gemm(a, b, *c or (None,), problem, config))
-  text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text

@@ -219,12 +219,12 @@ GEMM_PRODUCTS = {
 
 
 def parse_gemm_config(text: str) -> mosaic_gemm.GemmConfig:
-  """``"tile_n=192,stages=3,cluster=m"`` -> ``GemmConfig`` (others default)."""
+  """``"tile_n=192,stages=3,split=n"`` -> ``GemmConfig`` (other fields default)."""
   fields = {f.name: f.type for f in dataclasses.fields(mosaic_gemm.GemmConfig)}
   kwargs = {}
   for item in text.split(","):
     name, value = item.split("=")
-    kwargs[name] = int(value) if fields[name] == "int" else value
+    kwargs[name] = value if fields[name] == "str" else int(value)
   return mosaic_gemm.GemmConfig(**kwargs)
 
 
