@@ -108,6 +108,9 @@ _WHOLE_ADDEND = GemmConfig(stages=3, epilogue_m=64, epilogue_n=128)
 # A chunk of fewer than 512 rows' logits: 128 x 256 blocks cover 256 or 384
 # rows whole, where 256-row blocks leave part of a block idle.
 _FEW_ROWS = GemmConfig(tile_m=64, tile_n=256, stages=4)
+# A small chunk's dhidden (few rows over K = V) when 256-row blocks would
+# leave part of a block idle (384 rows): 128 x 192 blocks, split along K.
+_FEW_ROWS_LONG_K = GemmConfig(tile_m=64, tile_n=192, epilogue_n=32)
 _ANY = 1 << 62
 # Tuned on an H200 at the Llama-3 head, first match wins:
 # (accumulate, most output bytes, most m, min n, min k) -> config; other
@@ -159,7 +162,8 @@ def default_config(
   A float32 output's epilogue slots are narrowed to 32 columns, then stages
   dropped (to no fewer than 2), until they fit beside the operand ring. An
   output of fewer tiles than ``num_sms`` over a long contraction (not
-  accumulated) is split along K.
+  accumulated) is split along K, in blocks of 128 rows where 256 rows would
+  leave part of a block idle.
   """
   out_bytes = jnp.dtype(out_dtype).itemsize
   config = next(
@@ -174,6 +178,8 @@ def default_config(
     ),
     GemmConfig(),
   )
+  if not accumulate and k >= 16384 and m < 512 and m % 256 and config.block_m == 256:
+    config = _FEW_ROWS_LONG_K
   if not accumulate:
     config = dataclasses.replace(config, k_splits=_k_splits(m, n, k, config, num_sms))
   fits = lambda c: c.smem_bytes(jnp.bfloat16, out_dtype, accumulate) <= SMEM_BYTES

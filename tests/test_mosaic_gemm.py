@@ -98,12 +98,15 @@ def test_dweight_accumulates(rng, layout, out_dtype, shape):
 
 
 @pytest.mark.parametrize("rows", [128, 256, 384])
-def test_small_chunk_logits_in_whole_blocks(rows):
-  """A chunk of a few hundred rows' logits: blocks of rows that divide the
-  chunk, so no block is partly idle."""
+def test_small_chunk_gemms_in_whole_blocks(rows):
+  """A chunk of a few hundred rows' logits and dhidden: blocks of rows that
+  divide the chunk, so no block is partly idle."""
+  bf16 = jnp.dtype(jnp.bfloat16)
   for d, v in [(4096, 128256), (2304, 256000)]:
-    config = mosaic_gemm.default_config(rows, v, d, jnp.dtype(jnp.bfloat16), False)
-    assert rows % config.block_m == 0
+    logits = mosaic_gemm.default_config(rows, v, d, bf16, False)
+    dhidden = mosaic_gemm.default_config(rows, d, v, bf16, False)
+    assert rows % logits.block_m == 0 and rows % dhidden.block_m == 0
+    assert dhidden.k_splits > 1  # a few output tiles over a long contraction
 
 
 @pytest.mark.parametrize("out_dtype", ["bfloat16", "float16"])
