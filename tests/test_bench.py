@@ -441,3 +441,29 @@ def test_kernel_passes_time_every_backend(monkeypatch, dtype):
     (impl, p) for impl in impls for p in ("forward", "backward", "fused")
   ]
   assert all(r["ms"] > 0 and r["chunk"] == "64x640" for r in rows)
+
+
+def test_gemm_clock_reads_samples_under_load(tmp_path):
+  """scripts/gemm_clock.py: nvidia-smi rows parsed (unreadable ones left
+  out), means over the rows above half the power limit; a small GEMM runs
+  end to end (on a CPU without samples)."""
+  path = os.path.join(os.path.dirname(__file__), "..", "scripts", "gemm_clock.py")
+  spec = importlib.util.spec_from_file_location("gemm_clock", path)
+  gemm_clock = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(gemm_clock)
+  log = tmp_path / "smi.csv"
+  log.write_text(
+    "1980, 120.50, 700.00, 0x0000000000000000\n"
+    "1500, 690.00, 700.00, 0x0000000000000004\n"
+    "[N/A], 650.00, 700.00, 0x0000000000000004\n"
+    "1400, 680.00, 700.00, 0x0000000000000004\n"
+  )
+  samples = gemm_clock.read_samples(str(log))
+  assert [s["mhz"] for s in samples] == [1980.0, 1500.0, 1400.0]
+  summary = gemm_clock.summarise(samples)
+  assert summary["loaded_samples"] == 2
+  assert summary["mean_mhz"] == pytest.approx(1450.0)
+  assert summary["mean_watts"] == pytest.approx(685.0)
+  assert summary["throttle_reasons"] == ["0x0000000000000004"]
+  result = gemm_clock.main(["--shape", "24", "64", "136", "--seconds", "0.05"])
+  assert result["shape"] == [24, 64, 136] and result["ms"] > 0

@@ -228,7 +228,7 @@ def parse_gemm_config(text: str) -> mosaic_gemm.GemmConfig:
   return mosaic_gemm.GemmConfig(**kwargs)
 
 
-def _gemm_fns(dims, out_dtype, accumulate: bool, configs) -> dict:
+def gemm_fns(dims, out_dtype, accumulate: bool, configs) -> dict:
   """``impl name -> jitted fn(lhs, rhs[, acc])``: XLA, then each Mosaic config."""
   if accumulate:
     xla = lambda a, b, c: (
@@ -289,7 +289,7 @@ def run_gemms(args: argparse.Namespace) -> list[dict]:
         lhs_name, rhs_name, dims, out_dtype, accumulate = spec
         lhs, rhs = arrays[lhs_name], arrays[rhs_name]
         reference = None
-        for impl, fn in _gemm_fns(dims, out_dtype, accumulate, configs).items():
+        for impl, fn in gemm_fns(dims, out_dtype, accumulate, configs).items():
           row = {"head": head, "layout": layout, "product": product, "impl": impl}
           acc = None
           if accumulate:
