@@ -1,7 +1,7 @@
 """The SM clock and power draw while one LM-head GEMM runs back to back.
 
 On an H200 the head's GEMMs run at the GPU's power limit, which sets the
-clock and so the tensor cores' peak (docs/benchmarks.md, run 71). This runs
+clock and so the tensor cores' peak (docs/benchmarks.md). This runs
 one product of ``python -m mst_jax.bench --kernels`` (XLA's or the Mosaic
 kernel) for ``--seconds`` while ``nvidia-smi`` samples the SM clock and the
 power draw, and prints one JSON line: the GEMM's TFLOP/s, and the mean clock
