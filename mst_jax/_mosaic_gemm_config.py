@@ -178,8 +178,8 @@ def default_config(
     ),
     GemmConfig(),
   )
-  if not accumulate and k >= 16384 and m < 512 and m % 256 and config.block_m == 256:
-    config = _FEW_ROWS_LONG_K
+  if not accumulate and k >= 16384 and m < 512 and m % config.block_m:
+    config = _FEW_ROWS_LONG_K  # the table's blocks would leave part of one idle
   if not accumulate:
     config = dataclasses.replace(config, k_splits=_k_splits(m, n, k, config, num_sms))
   fits = lambda c: c.smem_bytes(jnp.bfloat16, out_dtype, accumulate) <= SMEM_BYTES
