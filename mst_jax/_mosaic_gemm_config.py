@@ -108,9 +108,16 @@ _WHOLE_ADDEND = GemmConfig(stages=3, epilogue_m=64, epilogue_n=128)
 # A chunk of fewer than 512 rows' logits: 128 x 256 blocks cover 256 or 384
 # rows whole, where 256-row blocks leave part of a block idle.
 _FEW_ROWS = GemmConfig(tile_m=64, tile_n=256, stages=4)
-# A small chunk's dhidden (few rows over K = V) when 256-row blocks would
-# leave part of a block idle (384 rows): 128 x 192 blocks, split along K.
-_FEW_ROWS_LONG_K = GemmConfig(tile_m=64, tile_n=192, epilogue_n=32)
+# dhidden (K = V) in 128 x 192 blocks, taken where they fill the SMs' waves
+# better than the table's 256 x 128: a chunk of 128 or 384 rows, Gemma-2's
+# D = 2304 = 12 x 192.
+_NARROW_LONG_K = GemmConfig(tile_m=64, tile_n=192, epilogue_n=32)
+# logits (and "dv" dweight): 256 x 192 blocks. With a small left operand
+# (_L2_LHS_ELEMENTS, the hidden of a chunk of rows) the tile walk goes down
+# its rows first, so each tile of the long right operand (the weight) is read
+# once while the left one stays in L2.
+_WIDE = GemmConfig(tile_n=192, stages=3)
+_L2_LHS_ELEMENTS = 16 << 20  # 32 MiB of 16-bit elements, of the H200's 50 MB L2
 _ANY = 1 << 62
 # Tuned on an H200 at the Llama-3 head, first match wins:
 # (accumulate, most output bytes, most m, min n, min k) -> config; other
@@ -121,7 +128,7 @@ _TUNED: tuple[tuple[tuple[bool, int, int, int, int], GemmConfig], ...] = (
   ((False, 4, _ANY, 0, 16384), _FEW_PIECES),  # dhidden: K = V
   ((False, 4, 511, 16384, 0), _FEW_ROWS),  # a small chunk's logits
   # logits, and dweight in the "dv" layout
-  ((False, 4, _ANY, 16384, 0), GemmConfig(tile_n=192, stages=3)),
+  ((False, 4, _ANY, 16384, 0), _WIDE),
 )
 
 
@@ -131,6 +138,15 @@ _TUNED: tuple[tuple[tuple[bool, int, int, int, int], GemmConfig], ...] = (
 _MIN_SPLIT_STEPS = 16
 _SPLIT_GAIN = 0.05
 _MAX_PARTIAL_BYTES = 128 << 20
+
+
+def _fill(m: int, n: int, config: GemmConfig, num_sms: int) -> float:
+  """The fraction of the blocks' waves that covers the output: padding past
+  ``m`` and ``n`` and the last wave's idle SMs are lost."""
+  parts = config.k_splits
+  blocks = -(-m // config.block_m) * -(-n // config.block_n) * parts
+  waves = -(-blocks // num_sms)
+  return m * n * parts / (waves * num_sms * config.block_m * config.block_n)
 
 
 def _k_splits(m: int, n: int, k: int, config: GemmConfig, num_sms: int) -> int:
@@ -162,8 +178,10 @@ def default_config(
   A float32 output's epilogue slots are narrowed to 32 columns, then stages
   dropped (to no fewer than 2), until they fit beside the operand ring. An
   output of fewer tiles than ``num_sms`` over a long contraction (not
-  accumulated) is split along K, in blocks of 128 rows where 256 rows would
-  leave part of a block idle.
+  accumulated) is split along K. The logits of a small left operand walk its
+  rows first (``_WIDE``). A long contraction (``dhidden``) takes
+  128 x 192 blocks instead of the table's where they fill the SMs' waves
+  ``_SPLIT_GAIN`` better (``_fill``; a split counts ``_SPLIT_GAIN`` worse).
   """
   out_bytes = jnp.dtype(out_dtype).itemsize
   config = next(
@@ -178,10 +196,18 @@ def default_config(
     ),
     GemmConfig(),
   )
-  if not accumulate and k >= 16384 and m < 512 and m % config.block_m:
-    config = _FEW_ROWS_LONG_K  # the table's blocks would leave part of one idle
+  if config is _WIDE and m * k <= _L2_LHS_ELEMENTS:
+    config = dataclasses.replace(config, grid_minor="m")
   if not accumulate:
-    config = dataclasses.replace(config, k_splits=_k_splits(m, n, k, config, num_sms))
+    split = lambda c: dataclasses.replace(c, k_splits=_k_splits(m, n, k, c, num_sms))
+    # A split costs its float32 partial products and their sum; blocks other
+    # than the table's must fill the waves clearly better.
+    table = split(config)
+    score = lambda c: (
+      _fill(m, n, c, num_sms) - _SPLIT_GAIN * ((c.k_splits > 1) + (c is not table))
+    )
+    options = [table] + ([split(_NARROW_LONG_K)] if k >= 16384 else [])
+    config = max(options, key=score)  # ties: the table's
   fits = lambda c: c.smem_bytes(jnp.bfloat16, out_dtype, accumulate) <= SMEM_BYTES
   if not fits(config) and config.epilogue_n > 32:
     config = dataclasses.replace(config, epilogue_n=32)

@@ -19,6 +19,7 @@ from conftest import has_gpu
 
 from mst_jax import _mosaic_gemm as mosaic_gemm
 from mst_jax._mosaic_gemm import GemmConfig
+from mst_jax._mosaic_gemm_config import _fill
 
 # ||out - ref|| / ||ref|| by output dtype: one rounding of the output (half an
 # ulp: 2^-9 bfloat16, 2^-11 float16) with room for summation order, or float32
@@ -107,6 +108,38 @@ def test_small_chunk_gemms_in_whole_blocks(rows):
     dhidden = mosaic_gemm.default_config(rows, d, v, bf16, False)
     assert rows % logits.block_m == 0 and rows % dhidden.block_m == 0
     assert dhidden.k_splits > 1  # a few output tiles over a long contraction
+
+
+def test_long_contraction_blocks_fill_the_waves():
+  """dhidden over K = V: Gemma-2's 4096-row group in 128 x 192 blocks that
+  fill the SMs' waves without float32 partial products (256 x 128 blocks
+  leave the third wave 82% idle, or need a 3-way split); Llama-3's 8192 rows
+  fill them in the table's blocks."""
+  bf16 = jnp.dtype(jnp.bfloat16)
+  gemma = mosaic_gemm.default_config(4096, 2304, 256000, bf16, False)
+  assert gemma.k_splits == 1 and _fill(4096, 2304, gemma, 132) > 0.95
+  llama = mosaic_gemm.default_config(8192, 4096, 128256, bf16, False)
+  assert llama.k_splits == 1 and _fill(8192, 4096, llama, 132) > 0.95
+
+
+@pytest.mark.parametrize(
+  "rows,d,v", [(512, 4096, 128256), (4096, 2304, 256000), (8192, 4096, 128256)]
+)
+def test_logits_walk_rows_first_while_hidden_fits_l2(rows, d, v):
+  """The logits of a chunk whose hidden fits in L2 (32 MiB) walk the output
+  down its rows first, so each weight tile is read from memory once."""
+  config = mosaic_gemm.default_config(rows, v, d, jnp.dtype(jnp.bfloat16), False)
+  assert config.grid_minor == ("m" if rows * d * 2 <= 32 << 20 else "n")
+
+
+@pytest.mark.gpu
+def test_dhidden_in_narrow_blocks(rng):
+  """A dhidden that the default config computes in 128 x 192 blocks without
+  a split, against float64."""
+  shape = (1000, 2304, 16448)
+  config = mosaic_gemm.default_config(1000, 2304, 16448, jnp.dtype(jnp.bfloat16), False)
+  assert (config.block_m, config.block_n, config.k_splits) == (128, 192, 1)
+  _run(rng, "dhidden", "vd", shape, "bfloat16", "bfloat16")
 
 
 @pytest.mark.parametrize("out_dtype", ["bfloat16", "float16"])
