@@ -118,6 +118,10 @@ _NARROW_LONG_K = GemmConfig(tile_m=64, tile_n=192, epilogue_n=32)
 # once while the left one stays in L2.
 _WIDE = GemmConfig(tile_n=192, stages=3)
 _L2_LHS_ELEMENTS = 16 << 20  # 32 MiB of 16-bit elements, of the H200's 50 MB L2
+# A 16-bit dweight over a contraction of at least this many rows (a main loop
+# long enough to hide the addend's loads) also takes _WIDE's blocks, where
+# 192 columns divide its width (Gemma-2's D = 2304) or it is a vocabulary.
+_WIDE_DWEIGHT_K = 2048
 _ANY = 1 << 62
 # Tuned on an H200 at the Llama-3 head, first match wins:
 # (accumulate, most output bytes, most m, min n, min k) -> config; other
@@ -179,9 +183,11 @@ def default_config(
   dropped (to no fewer than 2), until they fit beside the operand ring. An
   output of fewer tiles than ``num_sms`` over a long contraction (not
   accumulated) is split along K. The logits of a small left operand walk its
-  rows first (``_WIDE``). A long contraction (``dhidden``) takes
-  128 x 192 blocks instead of the table's where they fill the SMs' waves
-  ``_SPLIT_GAIN`` better (``_fill``; a split counts ``_SPLIT_GAIN`` worse).
+  rows first (``_WIDE``); a 16-bit ``dweight`` over many rows takes
+  ``_WIDE``'s blocks where they tile its width. A long contraction
+  (``dhidden``) takes 128 x 192 blocks instead of the table's where they fill
+  the SMs' waves ``_SPLIT_GAIN`` better (``_fill``; a split counts
+  ``_SPLIT_GAIN`` worse).
   """
   out_bytes = jnp.dtype(out_dtype).itemsize
   config = next(
@@ -198,6 +204,13 @@ def default_config(
   )
   if config is _WIDE and m * k <= _L2_LHS_ELEMENTS:
     config = dataclasses.replace(config, grid_minor="m")
+  if (
+    config in (GemmConfig(), _WHOLE_ADDEND)  # dweight: "vd", or added to
+    and out_bytes == 2
+    and _WIDE_DWEIGHT_K <= k < 16384
+    and (n % _WIDE.tile_n == 0 or n >= 16384)
+  ):
+    config = _WIDE
   if not accumulate:
     split = lambda c: dataclasses.replace(c, k_splits=_k_splits(m, n, k, c, num_sms))
     # A split costs its float32 partial products and their sum; blocks other

@@ -142,11 +142,24 @@ def test_dhidden_in_narrow_blocks(rng):
   _run(rng, "dhidden", "vd", shape, "bfloat16", "bfloat16")
 
 
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_gemma_dweight_in_192_column_blocks(accumulate):
+  """Gemma-2's 16-bit dweight over a 4096-row group: 192-column blocks, 12 of
+  them across D = 2304; over a 512-row chunk, whose short main loop would not
+  hide an addend's loads, 128-column ones."""
+  bf16 = jnp.dtype(jnp.bfloat16)
+  config = mosaic_gemm.default_config(256000, 2304, 4096, bf16, accumulate)
+  assert config.block_n == 192
+  config = mosaic_gemm.default_config(256000, 2304, 512, bf16, accumulate)
+  assert config.block_n == 128
+
+
 @pytest.mark.parametrize("out_dtype", ["bfloat16", "float16"])
 def test_16_bit_addend_loaded_whole(out_dtype):
-  """Adding into a 16-bit accumulator, each epilogue piece has a slot of its
-  own, so the whole addend tile is loaded during the main loop."""
-  for m, n, k in [(128256, 4096, 256), (4096, 128256, 512), (256000, 2304, 8192)]:
+  """Adding into a 16-bit accumulator over a short contraction, each epilogue
+  piece has a slot of its own, so the whole addend tile is loaded during the
+  main loop."""
+  for m, n, k in [(128256, 4096, 256), (4096, 128256, 512), (256000, 2304, 512)]:
     config = mosaic_gemm.default_config(m, n, k, jnp.dtype(out_dtype), True)
     pieces = (config.tile_m // config.epilogue_m) * (config.tile_n // config.epilogue_n)
     assert mosaic_gemm.epilogue_slots(config) == pieces
