@@ -123,7 +123,8 @@ _L2_LHS_ELEMENTS = 16 << 20  # 32 MiB of 16-bit elements, of the H200's 50 MB L2
 # 192 columns divide its width (Gemma-2's D = 2304) or it is a vocabulary.
 _WIDE_DWEIGHT_K = 2048
 _ANY = 1 << 62
-# Tuned on an H200 at the Llama-3 head, first match wins:
+# Tuned on an H200 at the Llama-3 head (the rules in default_config at
+# Gemma-2's too), first match wins:
 # (accumulate, most output bytes, most m, min n, min k) -> config; other
 # shapes take GemmConfig().
 _TUNED: tuple[tuple[tuple[bool, int, int, int, int], GemmConfig], ...] = (
