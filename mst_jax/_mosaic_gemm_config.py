@@ -1,7 +1,7 @@
 """Tiles and pipelining of the Mosaic GPU GEMM (``mosaic_gemm``), per shape.
 
 ``GemmConfig`` is the kernel's tuning; ``default_config`` picks one for a
-product's shape from ``_TUNED`` (measured on an H200) and fits it to shared
+product's shape (``_tuned``, measured on an H200) and fits it to shared
 memory.
 """
 
@@ -18,17 +18,20 @@ SMEM_BYTES = 227 * 1024  # an sm_90 block's dynamic shared memory limit
 class GemmConfig:
   """Tiles and pipelining of the Mosaic GPU GEMM.
 
-  A block computes a ``[2 tile_m, tile_n]`` (``split="m"``) or
-  ``[tile_m, 2 tile_n]`` (``split="n"``) output tile, each of its two compute
-  warpgroups a ``[tile_m, tile_n]`` float32 accumulator in registers
-  (``tile_m * tile_n / 128`` per thread).
+  Each of a block's two compute warpgroups holds a ``[tile_m, tile_n]``
+  float32 accumulator in registers (``tile_m * tile_n / 128`` per thread).
+  They split a ``[2 tile_m, tile_n]`` (``split="m"``) or ``[tile_m, 2
+  tile_n]`` (``split="n"``) output tile, or (``split="tiles"``) take the
+  block's ``[tile_m, tile_n]`` tiles in turn, one's epilogue overlapping the
+  other's main loop (a "ping-pong" schedule).
 
   Attributes:
     tile_m: output rows per compute warpgroup, a multiple of 64.
     tile_n: output columns per compute warpgroup, a multiple of 64.
     tile_k: contraction step, a multiple of 64 (one 128-byte swizzle row).
     stages: shared-memory slots of the operand ring (TMA runs ahead by this).
-    split: ``"m"`` or ``"n"``: which output dimension the warpgroups split.
+    split: ``"m"``, ``"n"`` or ``"tiles"``: what the warpgroups split, an
+      output tile's rows, its columns, or the block's tiles.
     grid_minor: ``"m"`` or ``"n"``: the fast dimension of the tile walk.
     grid_tile_width: output tiles per band of the snake along ``grid_minor``.
     epilogue_m: rows of each epilogue store, divides ``tile_m``.
@@ -65,7 +68,7 @@ class GemmConfig:
     for name, tile in (("epilogue_m", self.tile_m), ("epilogue_n", self.tile_n)):
       value = getattr(self, name)
       check(value % 8 == 0 and tile % value == 0, name, f"8 i dividing {tile}")
-    check(self.split in ("m", "n"), "split", "'m' or 'n'")
+    check(self.split in ("m", "n", "tiles"), "split", "'m', 'n' or 'tiles'")
     check(self.grid_minor in ("m", "n"), "grid_minor", "'m' or 'n'")
     check(self.stages >= 1, "stages", ">= 1")
     check(self.grid_tile_width >= 1, "grid_tile_width", ">= 1")
@@ -86,7 +89,7 @@ class GemmConfig:
       out_dtype = jnp.float32
     ring = self.stages * self.tile_k * (self.block_m + self.block_n)
     slots = 2 * epilogue_slots(self) * self.epilogue_m * self.epilogue_n
-    barriers = 8 * (2 * self.stages + 4 * accumulate)
+    barriers = 8 * (3 * self.stages + 4 * accumulate)
     in_bytes, out_bytes = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
     return ring * in_bytes + slots * out_bytes + barriers
 
@@ -97,44 +100,37 @@ def epilogue_slots(config: GemmConfig) -> int:
   return min(2, stores)
 
 
-# Three stages and 128 x 32 epilogue pieces (fewer round trips for an addend
-# loaded ahead): adding into a float32 accumulator, and long contractions
-# (dhidden).
+# Tuned on an H200 at the Llama-3 and Gemma-2 heads. A contraction of at
+# least _LONG_K (dhidden, K = V; or a dweight over as many rows): three stages
+# and 128 x 32 epilogue pieces (fewer round trips for an addend loaded ahead).
+_LONG_K = 16384
 _FEW_PIECES = GemmConfig(stages=3, epilogue_m=128, epilogue_n=32)
-# Adding into a 16-bit accumulator: two 64 x 128 pieces a warpgroup, so the
-# whole addend tile is loaded during the main loop. A short contraction (a
-# small chunk's dweight) leaves little main loop to hide loads behind.
-_WHOLE_ADDEND = GemmConfig(stages=3, epilogue_m=64, epilogue_n=128)
-# A chunk of fewer than 512 rows' logits: 128 x 256 blocks cover 256 or 384
-# rows whole, where 256-row blocks leave part of a block idle.
-_FEW_ROWS = GemmConfig(tile_m=64, tile_n=256, stages=4)
-# dhidden (K = V) in 128 x 192 blocks, taken where they fill the SMs' waves
-# better than the table's 256 x 128: a chunk of 128 or 384 rows, Gemma-2's
-# D = 2304 = 12 x 192.
+# ... or 128 x 192 blocks, taken where they fill the SMs' waves better than
+# 256 x 128 (a chunk of 128 or 384 rows, Gemma-2's D = 2304 = 12 x 192).
 _NARROW_LONG_K = GemmConfig(tile_m=64, tile_n=192, epilogue_n=32)
-# logits (and "dv" dweight): 256 x 192 blocks. With a small left operand
-# (_L2_LHS_ELEMENTS, the hidden of a chunk of rows) the tile walk goes down
-# its rows first, so each tile of the long right operand (the weight) is read
-# once while the left one stays in L2.
+# A shorter contraction (logits, dweight): 128 x 192 tiles that the
+# warpgroups take in turn, so one's epilogue overlaps the other's main loop.
+# A short one (a chunk's dweight) leaves a tile little main loop to hide an
+# epilogue behind. While an operand fits in L2 (_L2_ELEMENTS: a chunk's
+# hidden or dlogits), the walk goes down the rows first, so the other (the
+# weight, or a chunk's dlogits) is read from memory once.
+_TURNS = GemmConfig(tile_n=192, stages=4, split="tiles")
+_L2_ELEMENTS = 16 << 20  # 32 MiB of 16-bit elements, of the H200's 50 MB L2
+# ... except the logits of a left operand larger than L2 (a whole group of
+# rows): 256 x 192 blocks.
 _WIDE = GemmConfig(tile_n=192, stages=3)
-_L2_LHS_ELEMENTS = 16 << 20  # 32 MiB of 16-bit elements, of the H200's 50 MB L2
-# A 16-bit dweight over a contraction of at least this many rows (a main loop
-# long enough to hide the addend's loads) also takes _WIDE's blocks, where
-# 192 columns divide its width (Gemma-2's D = 2304) or it is a vocabulary.
-_WIDE_DWEIGHT_K = 2048
-_ANY = 1 << 62
-# Tuned on an H200 at the Llama-3 head (the rules in default_config at
-# Gemma-2's too), first match wins:
-# (accumulate, most output bytes, most m, min n, min k) -> config; other
-# shapes take GemmConfig().
-_TUNED: tuple[tuple[tuple[bool, int, int, int, int], GemmConfig], ...] = (
-  ((True, 2, _ANY, 0, 0), _WHOLE_ADDEND),
-  ((True, 4, _ANY, 0, 0), _FEW_PIECES),
-  ((False, 4, _ANY, 0, 16384), _FEW_PIECES),  # dhidden: K = V
-  ((False, 4, 511, 16384, 0), _FEW_ROWS),  # a small chunk's logits
-  # logits, and dweight in the "dv" layout
-  ((False, 4, _ANY, 16384, 0), _WIDE),
-)
+_VOCAB = 16384  # an output at least this wide is vocabulary-wide
+
+
+def _tuned(m: int, n: int, k: int, accumulate: bool) -> GemmConfig:
+  """The measured config for an ``[m, k] x [k, n]`` product's shape."""
+  if k >= _LONG_K:
+    return _FEW_PIECES
+  if n >= _VOCAB and m * k > _L2_ELEMENTS and not accumulate:
+    return _WIDE
+  if min(m, n) * k <= _L2_ELEMENTS:
+    return dataclasses.replace(_TURNS, grid_minor="m")
+  return _TURNS
 
 
 # A split of the contraction takes at least this many tile_k steps; a split
@@ -184,45 +180,21 @@ def default_config(
   A float32 output's epilogue slots are narrowed to 32 columns, then stages
   dropped (to no fewer than 2), until they fit beside the operand ring. An
   output of fewer tiles than ``num_sms`` over a long contraction (not
-  accumulated) is split along K. The logits of a small left operand walk its
-  rows first (``_WIDE``); a 16-bit ``dweight`` over many rows takes
-  ``_WIDE``'s blocks where they tile its width. A long contraction
-  (``dhidden``) takes 128 x 192 blocks instead of the table's where they fill
-  the SMs' waves ``_SPLIT_GAIN`` better (``_fill``; a split counts
-  ``_SPLIT_GAIN`` worse).
+  accumulated) is split along K. A long contraction (``dhidden``) takes
+  128 x 192 blocks instead of ``_tuned``'s where they fill the SMs' waves
+  ``_SPLIT_GAIN`` better (``_fill``; a split counts ``_SPLIT_GAIN`` worse).
   """
-  out_bytes = jnp.dtype(out_dtype).itemsize
-  config = next(
-    (
-      c
-      for (acc, most_bytes, most_m, least_n, least_k), c in _TUNED
-      if acc == accumulate
-      and out_bytes <= most_bytes
-      and m <= most_m
-      and n >= least_n
-      and k >= least_k
-    ),
-    GemmConfig(),
-  )
-  if config is _WIDE and m * k <= _L2_LHS_ELEMENTS:
-    config = dataclasses.replace(config, grid_minor="m")
-  if (
-    config in (GemmConfig(), _WHOLE_ADDEND)  # dweight: "vd", or added to
-    and out_bytes == 2
-    and _WIDE_DWEIGHT_K <= k < 16384
-    and (n % _WIDE.tile_n == 0 or n >= 16384)
-  ):
-    config = _WIDE
+  config = _tuned(m, n, k, accumulate)
   if not accumulate:
     split = lambda c: dataclasses.replace(c, k_splits=_k_splits(m, n, k, c, num_sms))
     # A split costs its float32 partial products and their sum; blocks other
-    # than the table's must fill the waves clearly better.
-    table = split(config)
+    # than _tuned's must fill the waves clearly better.
+    tuned = split(config)
     score = lambda c: (
-      _fill(m, n, c, num_sms) - _SPLIT_GAIN * ((c.k_splits > 1) + (c is not table))
+      _fill(m, n, c, num_sms) - _SPLIT_GAIN * ((c.k_splits > 1) + (c is not tuned))
     )
-    options = [table] + ([split(_NARROW_LONG_K)] if k >= 16384 else [])
-    config = max(options, key=score)  # ties: the table's
+    options = [tuned] + ([split(_NARROW_LONG_K)] if k >= _LONG_K else [])
+    config = max(options, key=score)  # ties: _tuned's
   fits = lambda c: c.smem_bytes(jnp.bfloat16, out_dtype, accumulate) <= SMEM_BYTES
   if not fits(config) and config.epilogue_n > 32:
     config = dataclasses.replace(config, epilogue_n=32)

@@ -30,7 +30,8 @@ LAYERS = [
     "mst_jax._distill_math",
     "mst_jax._mosaic_gemm_config",
   ],  # math, heuristics
-  ["mst_jax._mosaic_gemm"],  # the Mosaic GPU GEMM kernel
+  ["mst_jax._mosaic_gemm_kernels"],  # the Mosaic GPU GEMM kernels
+  ["mst_jax._mosaic_gemm"],  # their arguments and config
   [
     "mst_jax._options",
     "mst_jax._matmul",

@@ -20,6 +20,7 @@ from conftest import has_gpu
 from mst_jax import _mosaic_gemm as mosaic_gemm
 from mst_jax._mosaic_gemm import GemmConfig
 from mst_jax._mosaic_gemm_config import _fill
+from mst_jax._mosaic_gemm_kernels import gemm
 
 # ||out - ref|| / ||ref|| by output dtype: one rounding of the output (half an
 # ulp: 2^-9 bfloat16, 2^-11 float16) with room for summation order, or float32
@@ -96,13 +97,43 @@ def test_head_products(rng, product, layout, shape, in_dtype):
 @pytest.mark.parametrize("layout", ["vd", "dv"])
 def test_dweight_accumulates(rng, layout, out_dtype, shape):
   """``dweight += dlogits^T hidden``, over a long and a short (264-row)
-  contraction, into a float32 and a bfloat16 accumulator; over 2104 rows a
-  bfloat16 one takes 192-column blocks, its addend loaded piece by piece."""
+  contraction, into a float32 and a bfloat16 accumulator, with the default
+  config: ping-pong tiles, the addend loaded piece by piece."""
   n, d, v = shape
   m, cols = (v, d) if layout == "vd" else (d, v)
   config = mosaic_gemm.default_config(m, cols, n, jnp.dtype(out_dtype), True)
-  assert (config.tile_n == 192) == (n == 2104 and out_dtype == "bfloat16")
+  assert config.split == "tiles"
   _run(rng, "dweight", layout, shape, "bfloat16", out_dtype, True)
+
+
+# Ping-pong configs: 128 x 128 and 128 x 192 tiles, and float32 partial
+# products of a split contraction.
+TURNS = [
+  GemmConfig(split="tiles", stages=5, epilogue_n=32),
+  GemmConfig(split="tiles", tile_n=192, stages=4, epilogue_n=32),
+  GemmConfig(split="tiles", k_splits=3, epilogue_n=32),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", TURNS, ids=str)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("product,layout", list(PRODUCTS))
+def test_warpgroups_take_tiles_in_turn(rng, product, layout, shape, config):
+  """``split="tiles"``: each compute warpgroup owns whole output tiles, in
+  turn. The shapes give blocks an odd and an even number of tiles (up to
+  120), and blocks with one tile or none."""
+  out_dtype = "float32" if product == "dweight" else "bfloat16"
+  _run(rng, product, layout, shape, "bfloat16", out_dtype, config=config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", TURNS[:2], ids=str)
+@pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("layout", ["vd", "dv"])
+def test_warpgroups_take_tiles_in_turn_accumulating(rng, layout, out_dtype, config):
+  shape = (1000, 512, 4160)
+  _run(rng, "dweight", layout, shape, "bfloat16", out_dtype, True, config=config)
 
 
 @pytest.mark.parametrize("rows", [128, 256, 384])
@@ -132,11 +163,14 @@ def test_long_contraction_blocks_fill_the_waves():
 @pytest.mark.parametrize(
   "rows,d,v", [(512, 4096, 128256), (4096, 2304, 256000), (8192, 4096, 128256)]
 )
-def test_logits_walk_rows_first_while_hidden_fits_l2(rows, d, v):
-  """The logits of a chunk whose hidden fits in L2 (32 MiB) walk the output
-  down its rows first, so each weight tile is read from memory once."""
-  config = mosaic_gemm.default_config(rows, v, d, jnp.dtype(jnp.bfloat16), False)
-  assert config.grid_minor == ("m" if rows * d * 2 <= 32 << 20 else "n")
+def test_walk_rows_first_while_an_operand_fits_l2(rows, d, v):
+  """The logits and the "vd" dweight of a chunk whose hidden fits in L2
+  (32 MiB) walk the output down its rows first, so each tile of the other
+  operand (the weight, dlogits) is read from memory once."""
+  bf16, fits = jnp.dtype(jnp.bfloat16), rows * d * 2 <= 32 << 20
+  logits = mosaic_gemm.default_config(rows, v, d, bf16, False)
+  dweight = mosaic_gemm.default_config(v, d, rows, bf16, True)
+  assert logits.grid_minor == dweight.grid_minor == ("m" if fits else "n")
 
 
 @pytest.mark.gpu
@@ -150,26 +184,23 @@ def test_dhidden_in_narrow_blocks(rng):
 
 
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_gemma_dweight_in_192_column_blocks(accumulate):
-  """Gemma-2's 16-bit dweight over a 4096-row group: 192-column blocks, 12 of
-  them across D = 2304; over a 512-row chunk, whose short main loop would not
-  hide an addend's loads, 128-column ones."""
-  bf16 = jnp.dtype(jnp.bfloat16)
-  config = mosaic_gemm.default_config(256000, 2304, 4096, bf16, accumulate)
-  assert config.block_n == 192
-  config = mosaic_gemm.default_config(256000, 2304, 512, bf16, accumulate)
-  assert config.block_n == 128
-
-
-@pytest.mark.parametrize("out_dtype", ["bfloat16", "float16"])
-def test_16_bit_addend_loaded_whole(out_dtype):
-  """Adding into a 16-bit accumulator over a short contraction, each epilogue
-  piece has a slot of its own, so the whole addend tile is loaded during the
-  main loop."""
-  for m, n, k in [(128256, 4096, 256), (4096, 128256, 512), (256000, 2304, 512)]:
-    config = mosaic_gemm.default_config(m, n, k, jnp.dtype(out_dtype), True)
-    pieces = (config.tile_m // config.epilogue_m) * (config.tile_n // config.epilogue_n)
-    assert mosaic_gemm.epilogue_slots(config) == pieces
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
+def test_short_contractions_take_tiles_in_turn(accumulate, out_dtype):
+  """dweight over a chunk or a group of rows (both layouts, Llama-3 and
+  Gemma-2), and a chunk's logits, run ping-pong; a whole group's logits and
+  dhidden (K = V) keep both warpgroups on each tile, as does the "dv"
+  dweight of 8192 rows, whose shape is such a group's logits."""
+  dtype = jnp.dtype(out_dtype)
+  config = lambda m, n, k: mosaic_gemm.default_config(m, n, k, dtype, accumulate)
+  for rows in (256, 1024, 4096, 8192):
+    for d, v in [(4096, 128256), (2304, 256000)]:
+      assert config(v, d, rows).split == "tiles"  # dweight, "vd"
+      dv_turns = accumulate or rows < 8192
+      assert (config(d, v, rows).split == "tiles") == dv_turns  # dweight, "dv"
+      assert config(rows, d, v).split != "tiles"  # dhidden
+  if not accumulate:
+    assert config(1024, 128256, 4096).split == "tiles"
+    assert config(8192, 128256, 4096).split != "tiles"
 
 
 @pytest.mark.gpu
@@ -267,6 +298,6 @@ def test_lowers_for_hopper(product, layout, n, d, v):
     assert config.k_splits == 1
   elif (n, product) == (264, "dhidden"):
     assert config.k_splits == 22
-  fn = jax.jit(lambda a, b: mosaic_gemm._gemm(a, b, None, problem, config))
+  fn = jax.jit(lambda a, b: gemm(a, b, None, problem, config, num_sms=132))
   text = fn.trace(lhs, rhs).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text

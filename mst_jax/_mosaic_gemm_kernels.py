@@ -1,0 +1,414 @@
+"""The Mosaic GPU GEMM's kernels (Hopper, sm_90a); ``mst_jax._mosaic_gemm``
+checks the arguments and picks the config.
+
+``gemm`` launches one of two kernels for ``out[m, n] = A[m, k] @ B[k, n]``
+(``Problem``), by ``GemmConfig.split``. Both:
+
+1. Run a persistent grid, one block per SM, that walks the output tiles in a
+   planar snake (neighbouring blocks share operand tiles in L2). With
+   ``GemmConfig.k_splits`` > 1 it walks each tile's parts of the contraction
+   too, writing float32 partial products that ``gemm`` sums (split-K: an
+   output of few tiles over a long contraction, such as a small chunk's
+   ``dhidden``, still keeps every SM busy).
+2. Warp-specialize: one warpgroup issues TMA copies of the operands'
+   ``[tile, tile_k]`` tiles into a ring of ``stages`` shared-memory slots;
+   two compute warpgroups issue ``wgmma`` into float32 accumulators.
+3. End each tile with an epilogue in the compute warpgroups (``_TileStore``):
+   the accumulator is rounded to the output dtype, or first added to the
+   ``accumulate`` array's tile (loaded ahead, during the main loop), and
+   stored through shared memory with TMA.
+
+They differ in how the compute warpgroups share the work.
+``_cooperative_kernel`` (``split="m"`` / ``"n"``): both work on each tile,
+each on half of it, through Pallas's warp-specialized pipeline; during the
+epilogue the tensor cores wait. ``_pingpong_kernel`` (``split="tiles"``):
+each takes whole tiles in turn, so one's epilogue runs during the other's
+main loop; the pipeline is written out here, since Pallas's feeds every
+compute warpgroup the same steps.
+
+Sizes need not be multiples of the tiles: TMA fills reads past an array's end
+with zeros (adding nothing to a dot product) and drops writes past it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from mst_jax._mosaic_gemm_config import GemmConfig, epilogue_slots
+
+try:  # Mosaic GPU's Pallas front end; its lowering runs only on a Hopper GPU.
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError as e:  # pragma: no cover -- a jax without Mosaic GPU
+  pl = plgpu = None
+  IMPORT_ERROR: ImportError | None = e
+else:
+  IMPORT_ERROR = None
+
+# Registers per thread: the memory warpgroup gives up what the two compute
+# warpgroups take (an SM's 64K over 3 x 128 threads, in multiples of 8).
+_MEMORY_REGISTERS = 40
+_COMPUTE_REGISTERS = 232
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """The static shape of one call: ``out[m, n] = A[m, k] @ B[k, n]``."""
+
+  m: int
+  n: int
+  k: int
+  lhs_transposed: bool  # lhs is stored [k, m]
+  rhs_transposed: bool  # rhs is stored [n, k]
+  in_dtype: jnp.dtype
+  out_dtype: jnp.dtype
+  accumulate: bool
+
+
+def _smem_transforms(minor_elements: int, dtype) -> tuple:
+  """Tiling and swizzle of a shared-memory tile ``minor_elements`` wide."""
+  bits = jnp.dtype(dtype).itemsize * 8
+  swizzle = plgpu.find_swizzle(minor_elements * bits)
+  tiling = plgpu.TilingTransform((8, swizzle * 8 // bits))
+  return tiling, plgpu.SwizzleTransform(swizzle)
+
+
+def _operand_specs(problem: Problem, config: GemmConfig) -> list:
+  """Block specs of the operand tiles one pipeline step copies.
+
+  Each tile is copied as its operand is stored (``[tile_k, block]`` when the
+  contraction runs along the rows); ``_gemm_kernel`` hands wgmma a transposed
+  view where the stored tile is not the ``[m, k]`` / ``[k, n]`` it expects.
+  """
+  tile_k, dtype = config.tile_k, problem.in_dtype
+
+  def spec(block: int, k_major: bool):
+    if k_major:  # stored [k, block]
+      shape, index = (tile_k, block), lambda k: (k, 0)
+    else:  # stored [block, k]
+      shape, index = (block, tile_k), lambda k: (0, k)
+    transforms = _smem_transforms(shape[1], dtype)
+    return plgpu.BlockSpec(shape, index, transforms=transforms, memory_space=plgpu.SMEM)
+
+  return [
+    spec(config.block_m, k_major=problem.lhs_transposed),
+    spec(config.block_n, k_major=not problem.rhs_transposed),
+  ]
+
+
+def _walk(problem: Problem, config: GemmConfig):
+  """The persistent grid's tiles: ``(count, at)``, where ``at(index)`` gives
+  the ``index``-th block of work's output rows, columns, contraction range and
+  split-K part. Neighbouring blocks take the parts of one tile, then the next
+  tile, along a planar snake (they share operand tiles in L2)."""
+  p, c = problem, config
+  grid = (pl.cdiv(p.m, c.block_m), pl.cdiv(p.n, c.block_n))
+  split_steps = pl.cdiv(pl.cdiv(p.k, c.tile_k), c.k_splits)  # tile_k steps
+  minor = 0 if c.grid_minor == "m" else 1
+
+  def at(index):
+    tile_index, part = index // c.k_splits, index % c.k_splits
+    m_index, n_index = plgpu.planar_snake(tile_index, grid, minor, c.grid_tile_width)
+    rows = pl.ds(m_index * c.block_m, c.block_m)
+    cols = pl.ds(n_index * c.block_n, c.block_n)
+    # The last part may run past K: TMA reads zeros there.
+    ks = pl.ds(part * split_steps * c.tile_k, split_steps * c.tile_k)
+    return rows, cols, ks, part
+
+  return grid[0] * grid[1] * c.k_splits, split_steps, at
+
+
+def _operand_views(problem: Problem, a_smem, b_smem, wg_m, wg_n):
+  """wgmma's ``[m, k]`` and ``[k, n]`` views of stored operand tiles."""
+  if problem.lhs_transposed:  # [tile_k, block_m] as stored
+    a = a_smem.at[:, wg_m].transpose((1, 0))
+  else:
+    a = a_smem.at[wg_m, :]
+  if problem.rhs_transposed:  # [block_n, tile_k] as stored
+    b = b_smem.at[wg_n, :].transpose((1, 0))
+  else:
+    b = b_smem.at[:, wg_n]
+  return a, b
+
+
+def _out_smem(config: GemmConfig, out_dtype):
+  shape = (2, epilogue_slots(config), config.epilogue_m, config.epilogue_n)
+  transforms = _smem_transforms(config.epilogue_n, out_dtype)
+  return plgpu.SMEM(shape, out_dtype, transforms=transforms)
+
+
+def _cooperative_kernel(
+  a_gmem, b_gmem, out_gmem, *, problem: Problem, config: GemmConfig
+):
+  """One block: a persistent walk over ``[block_m, block_n]`` output tiles
+  (and with split-K, over the contraction's parts: ``out_gmem`` is then
+  ``[k_splits, m, n]``, one partial product per part), both compute
+  warpgroups on each tile (``split="m"`` or ``"n"``)."""
+  p, c = problem, config
+  count, split_steps, at = _walk(p, c)
+
+  def pipeline(body, compute_context):
+    return plgpu.emit_pipeline_warp_specialized(
+      body,
+      grid=(split_steps,),
+      memory_registers=_MEMORY_REGISTERS,
+      in_specs=_operand_specs(p, c),
+      wg_axis="wg",
+      num_compute_wgs=2,
+      max_concurrent_steps=c.stages,
+      compute_context=compute_context,
+    )
+
+  slots = epilogue_slots(c)
+  ignore = lambda *_, **__: None  # the allocations do not depend on the bodies
+
+  @functools.partial(
+    pl.run_scoped,
+    allocations=pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
+    out_smem=_out_smem(c, p.out_dtype),
+    load_barrier=plgpu.Barrier(num_barriers=2 * slots) if p.accumulate else None,
+    collective_axes="wg",
+  )
+  def _scope(allocations, out_smem, load_barrier):
+    wg = lax.axis_index("wg")
+    wg_m = pl.ds(wg * c.tile_m, c.tile_m) if c.split == "m" else slice(None)
+    wg_n = pl.ds(wg * c.tile_n, c.tile_n) if c.split == "n" else slice(None)
+
+    @plgpu.nd_loop((count,), collective_axes="sm")
+    def _tile(loop_info):
+      rows, cols, ks, part = at(loop_info.index[0])
+      out = out_gmem.at[part] if c.k_splits > 1 else out_gmem
+
+      def mma(_, a_smem, b_smem, acc_ref):
+        plgpu.wgmma(acc_ref, *_operand_views(p, a_smem, b_smem, wg_m, wg_n))
+        plgpu.wgmma_wait(0)
+        return acc_ref
+
+      def compute_context(run_pipeline):
+        out_tile = out.at[rows, cols].at[wg_m, wg_n]
+        store = _TileStore(out_tile, out_smem.at[wg], load_barrier, wg, p, c)
+        store.begin()
+
+        @functools.partial(
+          pl.run_scoped, acc_ref=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32)
+        )
+        def _accumulator(acc_ref):
+          run_pipeline(acc_ref)
+          store.store(acc_ref[...])
+
+      pipeline(mma, compute_context)(
+        a_gmem.at[ks, rows] if p.lhs_transposed else a_gmem.at[rows, ks],
+        b_gmem.at[cols, ks] if p.rhs_transposed else b_gmem.at[ks, cols],
+        allocations=allocations,
+      )
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last stores' reads
+
+
+def _pingpong_kernel(
+  a_gmem, b_gmem, out_gmem, *, problem: Problem, config: GemmConfig, num_sms: int
+):
+  """One block (``split="tiles"``): the memory warpgroup copies the operand
+  tiles of all the block's output tiles, in order, through one ring of
+  ``stages`` slots; compute warpgroup ``w`` takes the block's tiles ``w, w +
+  2, ...``. The ring orders them: a warpgroup's main loop starts as the
+  other's ends, and its epilogue runs during the other's main loop."""
+  p, c = problem, config
+  count, split_steps, at = _walk(p, c)
+  sm = lax.axis_index("sm")
+  tiles = (count - sm + num_sms - 1) // num_sms  # this block's: sm + i num_sms
+  a_shape, b_shape = (spec.block_shape for spec in _operand_specs(p, c))
+  slots = epilogue_slots(c)
+
+  @functools.partial(
+    pl.run_scoped,
+    a_smem=plgpu.SMEM(
+      (c.stages, *a_shape),
+      p.in_dtype,
+      transforms=_smem_transforms(a_shape[1], p.in_dtype),
+    ),
+    b_smem=plgpu.SMEM(
+      (c.stages, *b_shape),
+      p.in_dtype,
+      transforms=_smem_transforms(b_shape[1], p.in_dtype),
+    ),
+    # [w * stages + slot]: the slot holds a step of warpgroup w's tile. A
+    # barrier's phases are tracked per thread, so each warpgroup waits only
+    # on its own (the memory warpgroup on every "consumed" one).
+    loaded=plgpu.Barrier(num_arrivals=2, num_barriers=2 * c.stages),
+    consumed=plgpu.Barrier(num_arrivals=1, num_barriers=c.stages),
+    out_smem=_out_smem(c, p.out_dtype),
+    load_barrier=plgpu.Barrier(num_barriers=2 * slots) if p.accumulate else None,
+    collective_axes="wg",
+  )
+  def _scope(a_smem, b_smem, loaded, consumed, out_smem, load_barrier):
+    wg = lax.axis_index("wg")
+
+    def memory():
+      plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+
+      @pl.loop(0, tiles)
+      def _tile(local):
+        rows, cols, ks, _ = at(sm + local * num_sms)
+        owner = local % 2
+
+        @pl.loop(0, split_steps)
+        def _step(step):
+          index = local * split_steps + step
+          slot = index % c.stages
+          barrier = loaded.at[owner * c.stages + slot]
+
+          @pl.when(index >= c.stages)
+          def _():
+            plgpu.barrier_wait(consumed.at[slot])
+
+          k = pl.ds(ks.start + step * c.tile_k, c.tile_k)
+          a_tile = a_gmem.at[k, rows] if p.lhs_transposed else a_gmem.at[rows, k]
+          b_tile = b_gmem.at[cols, k] if p.rhs_transposed else b_gmem.at[k, cols]
+          plgpu.copy_gmem_to_smem(a_tile, a_smem.at[slot], barrier)
+          plgpu.copy_gmem_to_smem(b_tile, b_smem.at[slot], barrier)
+
+    def compute():
+      plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+
+      @pl.loop(wg, tiles, step=2)
+      def _tile(local):
+        rows, cols, _, part = at(sm + local * num_sms)
+        out = out_gmem.at[part] if c.k_splits > 1 else out_gmem
+        store = _TileStore(out.at[rows, cols], out_smem.at[wg], load_barrier, wg, p, c)
+        store.begin()
+
+        @functools.partial(
+          pl.run_scoped, acc_ref=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32)
+        )
+        def _accumulator(acc_ref):
+          first = local * split_steps
+
+          @pl.loop(0, split_steps)
+          def _step(step):
+            slot = (first + step) % c.stages
+            plgpu.barrier_wait(loaded.at[wg * c.stages + slot])
+            whole = slice(None)
+            a, b = _operand_views(p, a_smem.at[slot], b_smem.at[slot], whole, whole)
+            plgpu.wgmma(acc_ref, a, b)
+            plgpu.wgmma_wait(1)  # the step before's wgmma is done: free its slot
+
+            @pl.when(step > 0)
+            def _():
+              plgpu.barrier_arrive(consumed.at[(first + step - 1) % c.stages])
+
+          plgpu.wgmma_wait(0)
+          plgpu.barrier_arrive(consumed.at[(first + split_steps - 1) % c.stages])
+          store.store(acc_ref[...])
+
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last stores' reads
+
+    lax.cond(wg == 2, memory, compute)
+
+
+def _pieces(c: GemmConfig) -> list[tuple[slice, slice]]:
+  """A warpgroup tile's ``[epilogue_m, epilogue_n]`` pieces, in store order."""
+  em, en = c.epilogue_m, c.epilogue_n
+  return [
+    (slice(i * em, (i + 1) * em), slice(j * en, (j + 1) * en))
+    for i in range(c.tile_m // em)
+    for j in range(c.tile_n // en)
+  ]
+
+
+@dataclasses.dataclass(frozen=True)
+class _TileStore:
+  """The epilogue of one warpgroup's ``[tile_m, tile_n]`` output tile.
+
+  Pieces go through the warpgroup's shared-memory slots by TMA (rows and
+  columns past the array's end are read as zeros and not written). With
+  ``accumulate``, each piece's addend is loaded into its slot ahead of time:
+  the first ``slots`` during the main loop, each later one as soon as the
+  store before it in its slot has read the slot.
+  """
+
+  out_tile: object  # GMEM [tile_m, tile_n] view
+  out_smem: object  # SMEM [slots, epilogue_m, epilogue_n]
+  load_barrier: object  # [2 * slots] barriers, or None
+  wg: jax.Array
+  p: Problem
+  c: GemmConfig
+
+  def begin(self) -> None:
+    """Before the main loop: the slots' last stores have read them; the
+    addend's first pieces are loaded (they arrive during the loop)."""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    if self.p.accumulate:
+      for index in range(min(epilogue_slots(self.c), len(_pieces(self.c)))):
+        self.load_addend(index)
+
+  def _slot(self, index: int) -> tuple[int, object]:
+    slot = index % epilogue_slots(self.c)
+    return slot, self.load_barrier.at[self.wg * epilogue_slots(self.c) + slot]
+
+  def load_addend(self, index: int) -> None:
+    rows, cols = _pieces(self.c)[index]
+    slot, barrier = self._slot(index)
+    plgpu.copy_gmem_to_smem(
+      self.out_tile.at[rows, cols], self.out_smem.at[slot], barrier
+    )
+
+  def store(self, acc: jax.Array) -> None:
+    pieces, slots = _pieces(self.c), epilogue_slots(self.c)
+    for index, (rows, cols) in enumerate(pieces):
+      slot = index % slots
+      piece = acc[rows, cols]  # [epilogue_m, epilogue_n] float32
+      if self.p.accumulate:
+        plgpu.barrier_wait(self._slot(index)[1])
+        piece = piece + self.out_smem[slot].astype(jnp.float32)
+      else:
+        plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+      self.out_smem[slot] = piece.astype(self.p.out_dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(self.out_smem.at[slot], self.out_tile.at[rows, cols])
+      if self.p.accumulate and index + slots < len(pieces):
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this store read the slot
+        self.load_addend(index + slots)
+
+
+def gemm(lhs, rhs, accumulate, problem: Problem, config: GemmConfig, num_sms: int):
+  """Launches the kernel; ``accumulate`` (or None) is updated through a Ref.
+
+  Split along K, the blocks write float32 partial products, summed here.
+  """
+  if config.k_splits > 1 and accumulate is not None:
+    raise ValueError("split-K (k_splits > 1) does not accumulate")
+  kernel_problem = problem
+  if config.k_splits > 1:
+    kernel_problem = dataclasses.replace(problem, out_dtype=jnp.dtype(jnp.float32))
+  mesh = plgpu.Mesh(
+    grid=(num_sms,), grid_names=("sm",), num_threads=3, thread_name="wg"
+  )
+  if config.split == "tiles":
+    body = functools.partial(_pingpong_kernel, num_sms=num_sms)
+  else:
+    body = _cooperative_kernel
+  kernel = functools.partial(
+    pl.kernel,
+    functools.partial(body, problem=kernel_problem, config=config),
+    mesh=mesh,
+    compiler_params=plgpu.CompilerParams(
+      lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+    ),
+    name="mst_jax_mosaic_gemm",
+  )
+  if config.k_splits > 1:
+    shape = (config.k_splits, problem.m, problem.n)
+    parts = kernel(out_type=jax.ShapeDtypeStruct(shape, jnp.float32))(lhs, rhs)
+    return jnp.sum(parts, axis=0).astype(problem.out_dtype)
+  if accumulate is None:
+    out_type = jax.ShapeDtypeStruct((problem.m, problem.n), problem.out_dtype)
+    return kernel(out_type=out_type)(lhs, rhs)
+  out_ref = jax.new_ref(accumulate)
+  kernel(out_type=())(lhs, rhs, out_ref)
+  return jax.freeze(out_ref)
