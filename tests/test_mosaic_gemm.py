@@ -222,12 +222,13 @@ def test_configs(rng, product, layout, config):
 
 @pytest.mark.gpu
 def test_dhidden_split_to_fill_the_last_wave(rng):
-  """A dhidden of fewer output blocks than fill the SMs' waves (4096 x 2304
-  over K = 4096: 192 blocks on 132 SMs leave the second wave half idle): the
-  default config splits K so they fill it, and the float32 parts sum right."""
-  shape = (4096, 2304, 4096)
-  config = mosaic_gemm.default_config(4096, 2304, 4096, jnp.dtype(jnp.bfloat16), False)
-  assert config.k_splits > 1 and _fill(4096, 2304, config, 132) > 0.95
+  """A dhidden of fewer output blocks than fill the SMs' waves (2048 x 2304
+  over K = 16448: 192 blocks of 128 x 192 on 132 SMs leave the second wave
+  half idle): the default config splits K so they fill it, and the float32
+  parts sum right."""
+  shape = (2048, 2304, 16448)
+  config = mosaic_gemm.default_config(2048, 2304, 16448, jnp.dtype(jnp.bfloat16), False)
+  assert config.k_splits > 1 and _fill(2048, 2304, config, 132) > 0.95
   _run(rng, "dhidden", "vd", shape, "bfloat16", "bfloat16")
 
 
