@@ -126,8 +126,8 @@ def select_gemm(impl: str | None, platform: str) -> str:
 
   ``impl="mosaic"``: the Mosaic GPU kernel on a Hopper GPU, which is never
   autotuned (a step's first call needs no more memory than the next) but
-  measured within 1% of XLA's GEMMs at the Llama-3 head and 3% slower at
-  Gemma-2's, in a step, and 10-20% slower on a masked chunk's ``dweight``;
+  measured up to 2% slower than XLA's GEMMs in a step at the Llama-3 and
+  Gemma-2 heads, and 1-5% slower with masked tokens (docs/benchmarks.md);
   elsewhere XLA's, with one warning. Every other ``impl``: XLA's.
   """
   if impl != "mosaic":
