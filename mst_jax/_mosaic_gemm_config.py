@@ -29,7 +29,8 @@ class GemmConfig:
     tile_m: output rows per compute warpgroup, a multiple of 64.
     tile_n: output columns per compute warpgroup, a multiple of 64.
     tile_k: contraction step, a multiple of 64 (one 128-byte swizzle row).
-    stages: shared-memory slots of the operand ring (TMA runs ahead by this).
+    stages: shared-memory slots of the operand ring (TMA runs ahead by this);
+      at least 2 with ``split="tiles"``.
     split: ``"m"``, ``"n"`` or ``"tiles"``: what the warpgroups split, an
       output tile's rows, its columns, or the block's tiles.
     grid_minor: ``"m"`` or ``"n"``: the fast dimension of the tile walk.
@@ -70,7 +71,9 @@ class GemmConfig:
       check(value % 8 == 0 and tile % value == 0, name, f"8 i dividing {tile}")
     check(self.split in ("m", "n", "tiles"), "split", "'m', 'n' or 'tiles'")
     check(self.grid_minor in ("m", "n"), "grid_minor", "'m' or 'n'")
-    check(self.stages >= 1, "stages", ">= 1")
+    # Ping-pong frees a slot a step late (one wgmma left in flight).
+    least_stages = 2 if self.split == "tiles" else 1
+    check(self.stages >= least_stages, "stages", f">= {least_stages}")
     check(self.grid_tile_width >= 1, "grid_tile_width", ">= 1")
     check(self.k_splits >= 1, "k_splits", ">= 1")
 

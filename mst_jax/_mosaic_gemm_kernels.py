@@ -82,7 +82,7 @@ def _operand_specs(problem: Problem, config: GemmConfig) -> list:
   """Block specs of the operand tiles one pipeline step copies.
 
   Each tile is copied as its operand is stored (``[tile_k, block]`` when the
-  contraction runs along the rows); ``_gemm_kernel`` hands wgmma a transposed
+  contraction runs along the rows); ``_operand_views`` hands wgmma a transposed
   view where the stored tile is not the ``[m, k]`` / ``[k, n]`` it expects.
   """
   tile_k, dtype = config.tile_k, problem.in_dtype
@@ -102,8 +102,9 @@ def _operand_specs(problem: Problem, config: GemmConfig) -> list:
 
 
 def _walk(problem: Problem, config: GemmConfig):
-  """The persistent grid's tiles: ``(count, at)``, where ``at(index)`` gives
-  the ``index``-th block of work's output rows, columns, contraction range and
+  """The persistent grid's work: ``(count, split_steps, at)``: ``count``
+  pieces of ``split_steps`` contraction steps each, where ``at(index)`` gives
+  the ``index``-th piece's output rows, columns, contraction range and
   split-K part. Neighbouring blocks take the parts of one tile, then the next
   tile, along a planar snake (they share operand tiles in L2)."""
   p, c = problem, config

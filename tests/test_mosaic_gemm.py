@@ -262,7 +262,13 @@ def test_needs_a_hopper_gpu():
 
 @pytest.mark.parametrize(
   "kwargs",
-  [dict(tile_m=96), dict(tile_m=256, tile_n=128), dict(split="k"), dict(stages=0)],
+  [
+    dict(tile_m=96),
+    dict(tile_m=256, tile_n=128),
+    dict(split="k"),
+    dict(stages=0),
+    dict(split="tiles", stages=1),
+  ],
   ids=str,
 )
 def test_config_validation(kwargs):
