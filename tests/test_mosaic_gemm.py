@@ -308,3 +308,23 @@ def test_lowers_for_hopper(product, layout, n, d, v):
   fn = jax.jit(lambda a, b: gemm(a, b, None, problem, config, num_sms=132))
   text = fn.trace(lhs, rhs).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("layout", ["vd", "dv"])
+def test_accumulating_dweight_lowers_for_hopper(layout, out_dtype):
+  """``dweight +=`` over a 1024-row chunk of the Llama-3 head lowers with its
+  default (ping-pong) config, the addend loaded through the epilogue slots."""
+  n, d, v = 1024, 4096, 128256
+  lhs_name, rhs_name, dims = PRODUCTS["dweight", layout]
+  shapes = {"hidden": (n, d), "dlogits": (n, v)}
+  lhs = jax.ShapeDtypeStruct(shapes[lhs_name], jnp.bfloat16)
+  rhs = jax.ShapeDtypeStruct(shapes[rhs_name], jnp.bfloat16)
+  out_dtype = jnp.dtype(out_dtype)
+  acc = jax.ShapeDtypeStruct((v, d) if layout == "vd" else (d, v), out_dtype)
+  problem = mosaic_gemm._check(lhs, rhs, dims, out_dtype, acc)
+  config = mosaic_gemm.default_config(problem.m, problem.n, problem.k, out_dtype, True)
+  assert config.split == "tiles"
+  fn = jax.jit(lambda a, b, c: gemm(a, b, c, problem, config, num_sms=132))
+  text = fn.trace(lhs, rhs, acc).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
