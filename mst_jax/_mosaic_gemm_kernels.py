@@ -124,6 +124,14 @@ def _walk(problem: Problem, config: GemmConfig):
   return grid[0] * grid[1] * c.k_splits, split_steps, at
 
 
+def _operand_tiles(problem: Problem, a_gmem, b_gmem, rows, cols, ks):
+  """The operands' ``rows`` / ``cols`` over contraction range ``ks``, as
+  stored (``_operand_specs``' layouts)."""
+  a = a_gmem.at[ks, rows] if problem.lhs_transposed else a_gmem.at[rows, ks]
+  b = b_gmem.at[cols, ks] if problem.rhs_transposed else b_gmem.at[ks, cols]
+  return a, b
+
+
 def _operand_views(problem: Problem, a_smem, b_smem, wg_m, wg_n):
   """wgmma's ``[m, k]`` and ``[k, n]`` views of stored operand tiles."""
   if problem.lhs_transposed:  # [tile_k, block_m] as stored
@@ -203,9 +211,7 @@ def _cooperative_kernel(
           store.store(acc_ref[...])
 
       pipeline(mma, compute_context)(
-        a_gmem.at[ks, rows] if p.lhs_transposed else a_gmem.at[rows, ks],
-        b_gmem.at[cols, ks] if p.rhs_transposed else b_gmem.at[ks, cols],
-        allocations=allocations,
+        *_operand_tiles(p, a_gmem, b_gmem, rows, cols, ks), allocations=allocations
       )
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last stores' reads
@@ -223,21 +229,16 @@ def _pingpong_kernel(
   count, split_steps, at = _walk(p, c)
   sm = lax.axis_index("sm")
   tiles = (count - sm + num_sms - 1) // num_sms  # this block's: sm + i num_sms
-  a_shape, b_shape = (spec.block_shape for spec in _operand_specs(p, c))
+  a_smem, b_smem = (  # rings of the pipeline's operand tiles
+    plgpu.SMEM((c.stages, *spec.block_shape), p.in_dtype, transforms=spec.transforms)
+    for spec in _operand_specs(p, c)
+  )
   slots = epilogue_slots(c)
 
   @functools.partial(
     pl.run_scoped,
-    a_smem=plgpu.SMEM(
-      (c.stages, *a_shape),
-      p.in_dtype,
-      transforms=_smem_transforms(a_shape[1], p.in_dtype),
-    ),
-    b_smem=plgpu.SMEM(
-      (c.stages, *b_shape),
-      p.in_dtype,
-      transforms=_smem_transforms(b_shape[1], p.in_dtype),
-    ),
+    a_smem=a_smem,
+    b_smem=b_smem,
     # [w * stages + slot]: the slot holds a step of warpgroup w's tile. A
     # barrier's phases are tracked per thread, so each warpgroup waits only
     # on its own (the memory warpgroup on every "consumed" one).
@@ -269,8 +270,7 @@ def _pingpong_kernel(
             plgpu.barrier_wait(consumed.at[slot])
 
           k = pl.ds(ks.start + step * c.tile_k, c.tile_k)
-          a_tile = a_gmem.at[k, rows] if p.lhs_transposed else a_gmem.at[rows, k]
-          b_tile = b_gmem.at[cols, k] if p.rhs_transposed else b_gmem.at[k, cols]
+          a_tile, b_tile = _operand_tiles(p, a_gmem, b_gmem, rows, cols, k)
           plgpu.copy_gmem_to_smem(a_tile, a_smem.at[slot], barrier)
           plgpu.copy_gmem_to_smem(b_tile, b_smem.at[slot], barrier)
 
