@@ -161,6 +161,35 @@ def logits_matmul(
   return (logits + bias.astype(acc)[None, :]).astype(dtype)
 
 
+def logits_with_rows(
+  hidden: jax.Array,
+  weight: jax.Array,
+  layout: str,
+  dtype,
+  row_epilogue: _mosaic_gemm.RowEpilogue,
+  row_inputs: tuple,
+):
+  """``hidden @ weight`` in ``dtype`` by the Mosaic GEMM, with
+  ``row_epilogue``'s per-row reductions of each output tile (computed as
+  it is stored): ``(logits, outputs, part_cols)``, each output ``[parts,
+  rows]`` over parts of ``part_cols`` columns. None where the Mosaic GEMM
+  does not take the product (then form the logits with ``logits_matmul``)."""
+  dims = _LOGITS_DIMS[layout]
+  if not _mosaic_gemm.takes(hidden, weight, dims, dtype):
+    return None
+  config = _mosaic_gemm.row_epilogue_config(hidden, weight, dims, dtype, row_epilogue)
+  logits, outputs = _mosaic_gemm.matmul(
+    hidden,
+    weight,
+    dims,
+    dtype,
+    config=config,
+    row_epilogue=row_epilogue,
+    row_inputs=row_inputs,
+  )
+  return logits, outputs, config.tile_n
+
+
 def dhidden_matmul(
   dlogits: jax.Array,
   weight: jax.Array,

@@ -33,8 +33,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from mst_jax._mosaic_gemm_config import GemmConfig, default_config
-from mst_jax._mosaic_gemm_kernels import IMPORT_ERROR, Problem, gemm
+from mst_jax._mosaic_gemm_config import GemmConfig, Problem, default_config
+from mst_jax._mosaic_gemm_epilogue import RowEpilogue
+from mst_jax._mosaic_gemm_kernels import IMPORT_ERROR, gemm
 
 _INPUT_DTYPES = ("bfloat16", "float16")
 _OUTPUT_DTYPES = ("bfloat16", "float16", "float32")
@@ -91,7 +92,21 @@ def _num_sms() -> int:
   return getattr(jax.devices()[0], "core_count", None) or 132
 
 
-_STATIC_ARGS = ("dimension_numbers", "out_dtype", "config")
+def _row_config(p: Problem, row_epilogue: RowEpilogue) -> GemmConfig:
+  vectors = len(row_epilogue.input_dtypes) + len(row_epilogue.out_dtypes)
+  return default_config(p.m, p.n, p.k, p.out_dtype, False, _num_sms(), vectors)
+
+
+def row_epilogue_config(
+  lhs, rhs, dimension_numbers, out_dtype, row_epilogue: RowEpilogue
+) -> GemmConfig:
+  """The config ``matmul`` runs ``row_epilogue`` with by default: its row
+  outputs' parts are ``tile_n`` columns wide."""
+  problem = _check(lhs, rhs, dimension_numbers, out_dtype, None)
+  return _row_config(problem, row_epilogue)
+
+
+_STATIC_ARGS = ("dimension_numbers", "out_dtype", "config", "row_epilogue")
 
 
 @functools.cache
@@ -130,7 +145,9 @@ def matmul(
   *,
   accumulate: jax.Array | None = None,
   config: GemmConfig | None = None,
-) -> jax.Array:
+  row_epilogue: RowEpilogue | None = None,
+  row_inputs: tuple = (),
+):
   """``lax.dot_general(lhs, rhs, dimension_numbers)`` (2-D) on Hopper's wgmma.
 
   Accumulates in float32 and rounds once to ``out_dtype``. Either operand may
@@ -162,9 +179,16 @@ def matmul(
       (in place when the caller no longer needs ``accumulate``: XLA aliases
       it with the result).
     config: tiles and pipelining (default: ``default_config``).
+    row_epilogue: per-row reductions of each ``[tile_m, tile_n]`` output
+      tile as stored, computed in the kernel's epilogue (``RowEpilogue``;
+      not with ``accumulate``); the config must then be ping-pong
+      (``split="tiles"``) and unsplit.
+    row_inputs: ``row_epilogue``'s ``[M]`` row inputs.
 
   Returns:
-    ``[M, N]`` in ``out_dtype``.
+    ``[M, N]`` in ``out_dtype``; with ``row_epilogue``, also a list of its
+    outputs, each ``[cdiv(N, tile_n), M]``: row ``j`` of the output columns
+    ``j tile_n`` to ``(j + 1) tile_n``.
 
   Raises:
     ValueError: shapes that do not contract, or ``accumulate`` of another shape.
@@ -178,7 +202,20 @@ def matmul(
   if (reason := unavailable_reason()) is not None:
     raise NotImplementedError(f"mosaic_gemm.matmul: {reason}; use lax.dot_general.")
   p = problem
-  config = config or default_config(
-    p.m, p.n, p.k, p.out_dtype, p.accumulate, _num_sms()
-  )
-  return gemm(lhs, rhs, accumulate, problem, config, _num_sms())
+  if row_epilogue is None:
+    config = config or default_config(
+      p.m, p.n, p.k, p.out_dtype, p.accumulate, _num_sms()
+    )
+    return gemm(lhs, rhs, accumulate, problem, config, _num_sms())
+  if accumulate is not None:
+    raise ValueError("a row_epilogue does not run with accumulate")
+  if len(row_inputs) != len(row_epilogue.input_dtypes) or any(
+    x.shape != (p.m,) for x in row_inputs
+  ):
+    raise ValueError(
+      f"row_inputs must be {len(row_epilogue.input_dtypes)} arrays of shape"
+      f" ({p.m},), got {[x.shape for x in row_inputs]}"
+    )
+  config = config or _row_config(p, row_epilogue)
+  rows = (row_epilogue, list(row_inputs))
+  return gemm(lhs, rhs, None, problem, config, _num_sms(), rows=rows)

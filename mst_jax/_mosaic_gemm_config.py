@@ -85,16 +85,35 @@ class GemmConfig:
   def block_n(self) -> int:
     return self.tile_n * (2 if self.split == "n" else 1)
 
-  def smem_bytes(self, in_dtype, out_dtype, accumulate: bool) -> int:
+  def smem_bytes(
+    self, in_dtype, out_dtype, accumulate: bool, row_vectors: int = 0
+  ) -> int:
     """Shared memory the kernel allocates (operand ring + epilogue slots;
-    split along K, the slots hold float32 partial products)."""
+    split along K, the slots hold float32 partial products; ``row_vectors``:
+    a row epilogue's inputs and outputs, a 4-byte ``[tile_m]`` buffer and a
+    barrier each per compute warpgroup)."""
     if self.k_splits > 1:
       out_dtype = jnp.float32
     ring = self.stages * self.tile_k * (self.block_m + self.block_n)
     slots = 2 * epilogue_slots(self) * self.epilogue_m * self.epilogue_n
-    barriers = 8 * (3 * self.stages + 4 * accumulate)
+    barriers = 8 * (3 * self.stages + 4 * accumulate + 2 * row_vectors)
     in_bytes, out_bytes = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
-    return ring * in_bytes + slots * out_bytes + barriers
+    rows = 2 * 4 * self.tile_m * row_vectors
+    return ring * in_bytes + slots * out_bytes + barriers + rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """The static shape of one call: ``out[m, n] = A[m, k] @ B[k, n]``."""
+
+  m: int
+  n: int
+  k: int
+  lhs_transposed: bool  # lhs is stored [k, m]
+  rhs_transposed: bool  # rhs is stored [n, k]
+  in_dtype: jnp.dtype
+  out_dtype: jnp.dtype
+  accumulate: bool
 
 
 def epilogue_slots(config: GemmConfig) -> int:
@@ -176,9 +195,18 @@ def _k_splits(m: int, n: int, k: int, config: GemmConfig, num_sms: int) -> int:
 
 
 def default_config(
-  m: int, n: int, k: int, out_dtype, accumulate: bool, num_sms: int = 132
+  m: int,
+  n: int,
+  k: int,
+  out_dtype,
+  accumulate: bool,
+  num_sms: int = 132,
+  row_vectors: int | None = None,
 ) -> GemmConfig:
   """The config for an ``[m, k] x [k, n]`` product, fitted to shared memory.
+
+  With ``row_vectors`` (a row epilogue's inputs and outputs), the product
+  runs ping-pong (the only kernel with row epilogues) and unsplit.
 
   A float32 output's epilogue slots are narrowed to 32 columns, then stages
   dropped (to no fewer than 2), until they fit beside the operand ring. An
@@ -188,7 +216,10 @@ def default_config(
   ``_SPLIT_GAIN`` better (``_fill``; a split counts ``_SPLIT_GAIN`` worse).
   """
   config = _tuned(m, n, k, accumulate)
-  if not accumulate:
+  if row_vectors is not None:
+    rows_first = min(m, n) * k <= _L2_ELEMENTS
+    config = dataclasses.replace(_TURNS, grid_minor="m") if rows_first else _TURNS
+  elif not accumulate:
     split = lambda c: dataclasses.replace(c, k_splits=_k_splits(m, n, k, c, num_sms))
     # A split costs its float32 partial products and their sum; blocks other
     # than _tuned's must fill the waves clearly better.
@@ -198,7 +229,9 @@ def default_config(
     )
     options = [tuned] + ([split(_NARROW_LONG_K)] if k >= _LONG_K else [])
     config = max(options, key=score)  # ties: _tuned's
-  fits = lambda c: c.smem_bytes(jnp.bfloat16, out_dtype, accumulate) <= SMEM_BYTES
+  fits = lambda c: (
+    c.smem_bytes(jnp.bfloat16, out_dtype, accumulate, row_vectors or 0) <= SMEM_BYTES
+  )
   if not fits(config) and config.epilogue_n > 32:
     config = dataclasses.replace(config, epilogue_n=32)
   while not fits(config) and config.stages > 2:

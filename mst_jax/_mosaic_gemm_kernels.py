@@ -13,10 +13,10 @@ checks the arguments and picks the config.
 2. Warp-specialize: one warpgroup issues TMA copies of the operands'
    ``[tile, tile_k]`` tiles into a ring of ``stages`` shared-memory slots;
    two compute warpgroups issue ``wgmma`` into float32 accumulators.
-3. End each tile with an epilogue in the compute warpgroups (``_TileStore``):
-   the accumulator is rounded to the output dtype, or first added to the
-   ``accumulate`` array's tile (loaded ahead, during the main loop), and
-   stored through shared memory with TMA.
+3. End each tile with an epilogue in the compute warpgroups
+   (``_mosaic_gemm_epilogue``): the accumulator is rounded to the output
+   dtype, or first added to the ``accumulate`` array's tile (loaded ahead,
+   during the main loop), and stored through shared memory with TMA.
 
 They differ in how the compute warpgroups share the work.
 ``_cooperative_kernel`` (``split="m"`` / ``"n"``): both work on each tile,
@@ -24,7 +24,9 @@ each on half of it, through Pallas's warp-specialized pipeline; during the
 epilogue the tensor cores wait. ``_pingpong_kernel`` (``split="tiles"``):
 each takes whole tiles in turn, so one's epilogue runs during the other's
 main loop; the pipeline is written out here, since Pallas's feeds every
-compute warpgroup the same steps.
+compute warpgroup the same steps. Only it runs a ``RowEpilogue`` (per-row
+reductions of each tile, such as the cross-entropy's statistics of a tile
+of logits), which its schedule hides behind the other warpgroup's ``wgmma``.
 
 Sizes need not be multiples of the tiles: TMA fills reads past an array's end
 with zeros (adding nothing to a dot product) and drops writes past it.
@@ -39,7 +41,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mst_jax._mosaic_gemm_config import GemmConfig, epilogue_slots
+from mst_jax import _mosaic_gemm_epilogue as epilogues
+from mst_jax._mosaic_gemm_config import GemmConfig, Problem, epilogue_slots
 
 try:  # Mosaic GPU's Pallas front end; its lowering runs only on a Hopper GPU.
   from jax.experimental import pallas as pl
@@ -56,28 +59,6 @@ _MEMORY_REGISTERS = 40
 _COMPUTE_REGISTERS = 232
 
 
-@dataclasses.dataclass(frozen=True)
-class Problem:
-  """The static shape of one call: ``out[m, n] = A[m, k] @ B[k, n]``."""
-
-  m: int
-  n: int
-  k: int
-  lhs_transposed: bool  # lhs is stored [k, m]
-  rhs_transposed: bool  # rhs is stored [n, k]
-  in_dtype: jnp.dtype
-  out_dtype: jnp.dtype
-  accumulate: bool
-
-
-def _smem_transforms(minor_elements: int, dtype) -> tuple:
-  """Tiling and swizzle of a shared-memory tile ``minor_elements`` wide."""
-  bits = jnp.dtype(dtype).itemsize * 8
-  swizzle = plgpu.find_swizzle(minor_elements * bits)
-  tiling = plgpu.TilingTransform((8, swizzle * 8 // bits))
-  return tiling, plgpu.SwizzleTransform(swizzle)
-
-
 def _operand_specs(problem: Problem, config: GemmConfig) -> list:
   """Block specs of the operand tiles one pipeline step copies.
 
@@ -92,7 +73,7 @@ def _operand_specs(problem: Problem, config: GemmConfig) -> list:
       shape, index = (tile_k, block), lambda k: (k, 0)
     else:  # stored [block, k]
       shape, index = (block, tile_k), lambda k: (0, k)
-    transforms = _smem_transforms(shape[1], dtype)
+    transforms = epilogues.smem_transforms(shape[1], dtype)
     return plgpu.BlockSpec(shape, index, transforms=transforms, memory_space=plgpu.SMEM)
 
   return [
@@ -145,12 +126,6 @@ def _operand_views(problem: Problem, a_smem, b_smem, wg_m, wg_n):
   return a, b
 
 
-def _out_smem(config: GemmConfig, out_dtype):
-  shape = (2, epilogue_slots(config), config.epilogue_m, config.epilogue_n)
-  transforms = _smem_transforms(config.epilogue_n, out_dtype)
-  return plgpu.SMEM(shape, out_dtype, transforms=transforms)
-
-
 def _cooperative_kernel(
   a_gmem, b_gmem, out_gmem, *, problem: Problem, config: GemmConfig
 ):
@@ -179,7 +154,7 @@ def _cooperative_kernel(
   @functools.partial(
     pl.run_scoped,
     allocations=pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
-    out_smem=_out_smem(c, p.out_dtype),
+    out_smem=epilogues.out_smem(c, p.out_dtype),
     load_barrier=plgpu.Barrier(num_barriers=2 * slots) if p.accumulate else None,
     collective_axes="wg",
   )
@@ -200,7 +175,7 @@ def _cooperative_kernel(
 
       def compute_context(run_pipeline):
         out_tile = out.at[rows, cols].at[wg_m, wg_n]
-        store = _TileStore(out_tile, out_smem.at[wg], load_barrier, wg, p, c)
+        store = epilogues.TileStore(out_tile, out_smem.at[wg], load_barrier, wg, p, c)
         store.begin()
 
         @functools.partial(
@@ -218,14 +193,30 @@ def _cooperative_kernel(
 
 
 def _pingpong_kernel(
-  a_gmem, b_gmem, out_gmem, *, problem: Problem, config: GemmConfig, num_sms: int
+  a_gmem,
+  b_gmem,
+  *refs,
+  problem: Problem,
+  config: GemmConfig,
+  num_sms: int,
+  rows_epilogue: epilogues.RowEpilogue | None = None,
 ):
   """One block (``split="tiles"``): the memory warpgroup copies the operand
   tiles of all the block's output tiles, in order, through one ring of
   ``stages`` slots; compute warpgroup ``w`` takes the block's tiles ``w, w +
   2, ...``. The ring orders them: a warpgroup's main loop starts as the
-  other's ends, and its epilogue runs during the other's main loop."""
+  other's ends, and its epilogue runs during the other's main loop.
+
+  ``refs``: the output (a Ref when accumulating), or with ``rows_epilogue``
+  its ``[m]`` row inputs, the output and its ``[n / tile_n, m]`` row outputs.
+  """
   p, c = problem, config
+  row_inputs, row_outputs = [], []
+  if rows_epilogue is None:
+    (out_gmem,) = refs
+  else:
+    inputs = len(rows_epilogue.input_dtypes)
+    row_inputs, (out_gmem, *row_outputs) = refs[:inputs], refs[inputs:]
   count, split_steps, at = _walk(p, c)
   sm = lax.axis_index("sm")
   tiles = (count - sm + num_sms - 1) // num_sms  # this block's: sm + i num_sms
@@ -244,11 +235,12 @@ def _pingpong_kernel(
     # on its own (the memory warpgroup on every "consumed" one).
     loaded=plgpu.Barrier(num_arrivals=2, num_barriers=2 * c.stages),
     consumed=plgpu.Barrier(num_arrivals=1, num_barriers=c.stages),
-    out_smem=_out_smem(c, p.out_dtype),
+    out_smem=epilogues.out_smem(c, p.out_dtype),
     load_barrier=plgpu.Barrier(num_barriers=2 * slots) if p.accumulate else None,
+    row_scratch=epilogues.row_scratch(rows_epilogue, c),
     collective_axes="wg",
   )
-  def _scope(a_smem, b_smem, loaded, consumed, out_smem, load_barrier):
+  def _scope(a_smem, b_smem, loaded, consumed, out_smem, load_barrier, row_scratch):
     wg = lax.axis_index("wg")
 
     def memory():
@@ -281,8 +273,15 @@ def _pingpong_kernel(
       def _tile(local):
         rows, cols, _, part = at(sm + local * num_sms)
         out = out_gmem.at[part] if c.k_splits > 1 else out_gmem
-        store = _TileStore(out.at[rows, cols], out_smem.at[wg], load_barrier, wg, p, c)
+        store = epilogues.TileStore(
+          out.at[rows, cols], out_smem.at[wg], load_barrier, wg, p, c
+        )
         store.begin()
+        if rows_epilogue is not None:
+          row_outs = epilogues.RowOutputs(
+            rows_epilogue, row_inputs, row_outputs, row_scratch, wg, c
+          )
+          row_outs.begin(rows)
 
         @functools.partial(
           pl.run_scoped, acc_ref=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32)
@@ -305,110 +304,75 @@ def _pingpong_kernel(
 
           plgpu.wgmma_wait(0)
           plgpu.barrier_arrive(consumed.at[(first + split_steps - 1) % c.stages])
-          store.store(acc_ref[...])
+          if rows_epilogue is None:
+            store.store(acc_ref[...])
+          else:  # rounded once: the reductions see the tile as stored
+            tile = acc_ref[...].astype(p.out_dtype)
+            store.store(tile)
+            row_outs.finish(tile, rows, cols)
 
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last stores' reads
 
     lax.cond(wg == 2, memory, compute)
 
 
-def _pieces(c: GemmConfig) -> list[tuple[slice, slice]]:
-  """A warpgroup tile's ``[epilogue_m, epilogue_n]`` pieces, in store order."""
-  em, en = c.epilogue_m, c.epilogue_n
-  return [
-    (slice(i * em, (i + 1) * em), slice(j * en, (j + 1) * en))
-    for i in range(c.tile_m // em)
-    for j in range(c.tile_n // en)
-  ]
-
-
-@dataclasses.dataclass(frozen=True)
-class _TileStore:
-  """The epilogue of one warpgroup's ``[tile_m, tile_n]`` output tile.
-
-  Pieces go through the warpgroup's shared-memory slots by TMA (rows and
-  columns past the array's end are read as zeros and not written). With
-  ``accumulate``, each piece's addend is loaded into its slot ahead of time:
-  the first ``slots`` during the main loop, each later one as soon as the
-  store before it in its slot has read the slot.
-  """
-
-  out_tile: object  # GMEM [tile_m, tile_n] view
-  out_smem: object  # SMEM [slots, epilogue_m, epilogue_n]
-  load_barrier: object  # [2 * slots] barriers, or None
-  wg: jax.Array
-  p: Problem
-  c: GemmConfig
-
-  def begin(self) -> None:
-    """Before the main loop: the slots' last stores have read them; the
-    addend's first pieces are loaded (they arrive during the loop)."""
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    if self.p.accumulate:
-      for index in range(min(epilogue_slots(self.c), len(_pieces(self.c)))):
-        self.load_addend(index)
-
-  def _slot(self, index: int) -> tuple[int, object]:
-    slot = index % epilogue_slots(self.c)
-    return slot, self.load_barrier.at[self.wg * epilogue_slots(self.c) + slot]
-
-  def load_addend(self, index: int) -> None:
-    rows, cols = _pieces(self.c)[index]
-    slot, barrier = self._slot(index)
-    plgpu.copy_gmem_to_smem(
-      self.out_tile.at[rows, cols], self.out_smem.at[slot], barrier
-    )
-
-  def store(self, acc: jax.Array) -> None:
-    pieces, slots = _pieces(self.c), epilogue_slots(self.c)
-    for index, (rows, cols) in enumerate(pieces):
-      slot = index % slots
-      piece = acc[rows, cols]  # [epilogue_m, epilogue_n] float32
-      if self.p.accumulate:
-        plgpu.barrier_wait(self._slot(index)[1])
-        piece = piece + self.out_smem[slot].astype(jnp.float32)
-      else:
-        plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
-      self.out_smem[slot] = piece.astype(self.p.out_dtype)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(self.out_smem.at[slot], self.out_tile.at[rows, cols])
-      if self.p.accumulate and index + slots < len(pieces):
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this store read the slot
-        self.load_addend(index + slots)
-
-
-def gemm(lhs, rhs, accumulate, problem: Problem, config: GemmConfig, num_sms: int):
+def gemm(
+  lhs,
+  rhs,
+  accumulate,
+  problem: Problem,
+  config: GemmConfig,
+  num_sms: int,
+  rows: tuple[epilogues.RowEpilogue, list] | None = None,
+):
   """Launches the kernel; ``accumulate`` (or None) is updated through a Ref.
 
   Split along K, the blocks write float32 partial products, summed here.
+  With ``rows=(epilogue, inputs)`` (ping-pong only), returns the output and
+  the epilogue's ``[n / tile_n, m]`` row outputs.
   """
   if config.k_splits > 1 and accumulate is not None:
     raise ValueError("split-K (k_splits > 1) does not accumulate")
+  if rows is not None and (
+    config.split != "tiles" or config.k_splits > 1 or accumulate is not None
+  ):
+    raise ValueError("a RowEpilogue runs in unsplit ping-pong products only")
   kernel_problem = problem
   if config.k_splits > 1:
     kernel_problem = dataclasses.replace(problem, out_dtype=jnp.dtype(jnp.float32))
   mesh = plgpu.Mesh(
     grid=(num_sms,), grid_names=("sm",), num_threads=3, thread_name="wg"
   )
+  epilogue, inputs = rows or (None, [])
   if config.split == "tiles":
-    body = functools.partial(_pingpong_kernel, num_sms=num_sms)
+    body = functools.partial(_pingpong_kernel, num_sms=num_sms, rows_epilogue=epilogue)
   else:
     body = _cooperative_kernel
+  # Named by shape, so that a profile tells a step's products apart.
+  name = f"mst_jax_mosaic_gemm_{problem.m}x{problem.n}x{problem.k}"
   kernel = functools.partial(
     pl.kernel,
     functools.partial(body, problem=kernel_problem, config=config),
     mesh=mesh,
     compiler_params=plgpu.CompilerParams(
-      lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+      approx_math=epilogue is not None and epilogue.approx_math,
+      lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
     ),
-    name="mst_jax_mosaic_gemm",
+    name=name
+    + ("_add" if accumulate is not None else "")
+    + ("_rows" if epilogue is not None else ""),
   )
   if config.k_splits > 1:
     shape = (config.k_splits, problem.m, problem.n)
     parts = kernel(out_type=jax.ShapeDtypeStruct(shape, jnp.float32))(lhs, rhs)
     return jnp.sum(parts, axis=0).astype(problem.out_dtype)
+  out_type = jax.ShapeDtypeStruct((problem.m, problem.n), problem.out_dtype)
+  if epilogue is not None:
+    row_types = epilogues.row_out_types(epilogue, problem, config)
+    padded = [epilogues.pad_rows(x, config) for x in inputs]
+    out, *row_outputs = kernel(out_type=[out_type, *row_types])(lhs, rhs, *padded)
+    return out, [x[:, : problem.m] for x in row_outputs]
   if accumulate is None:
-    out_type = jax.ShapeDtypeStruct((problem.m, problem.n), problem.out_dtype)
     return kernel(out_type=out_type)(lhs, rhs)
   out_ref = jax.new_ref(accumulate)
   kernel(out_type=())(lhs, rhs, out_ref)

@@ -267,6 +267,7 @@ def unfused_forward_backward(
   vocab_size: int | None = None,
   class_weights: jax.Array | None = None,
   classes: ClassRows | None = None,
+  stats: RowStats | None = None,
 ) -> tuple[RowStats, jax.Array]:
   """``forward_backward`` as a ``forward`` then a ``backward``.
 
@@ -274,11 +275,15 @@ def unfused_forward_backward(
   combined between the two, before any shard's ``dlogits``. ``vocab_size``:
   the whole vocabulary (default: the logits' width). ``class_weights`` (the
   columns') and ``classes`` (the rows') when there are class weights.
+  ``stats``: the ``forward`` of these columns when already known (formed
+  with the logits), else computed here.
   """
   vocab_size = vocab_size or logits.shape[-1]
   weights = {} if class_weights is None else {"class_weights": class_weights}
   local = relative_labels(labels, columns.offset())
-  stats = columns.combine(backend.forward(logits, local, options, **weights), labels)
+  if stats is None:
+    stats = backend.forward(logits, local, options, **weights)
+  stats = columns.combine(stats, labels)
   rows = _ce_math.backward_rows(
     g_loss,
     jnp.zeros_like(stats.lse),

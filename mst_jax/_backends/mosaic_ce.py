@@ -38,7 +38,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from mst_jax import _ce_math as ce_math
-from mst_jax._backends import base, online
+from mst_jax import _matmul
+from mst_jax._backends import base, mosaic_stats
 from mst_jax._backends.xla import XlaChunkCE
 
 try:  # Mosaic GPU's Pallas front end (lowering needs a Hopper GPU)
@@ -47,15 +48,6 @@ except ImportError:  # pragma: no cover -- a jax without Mosaic GPU
   plgpu = None
 
 _TILE_ROWS, _TILE_BYTES = 8, 128  # what TMA moves: 8 rows of 128 bytes
-
-
-def _approx_math(options: ce_math.CEOptions) -> bool:
-  """Whether the kernels take Mosaic GPU's approximate math: ``exp`` as
-  ``ex2.approx``, as Triton's ``exp`` (the statistics pass is arithmetic
-  bound). Not with a softcap: its ``tanh`` would be approximate too, and
-  the target score, which no sum averages, tens of float32 ulps off
-  (docs/benchmarks.md)."""
-  return options.logit_softcap is None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,13 +93,6 @@ class _Grid:
     parts = min(tiles, max(1, pl.cdiv(blocks.programs, row_blocks)))
     steps = pl.cdiv(tiles, parts)
     return cls(row_blocks, pl.cdiv(tiles, steps), steps)
-
-  def widths(self, n_cols: int, block_v: int) -> jax.Array:
-    """Each part's number of columns, float32 ``[parts, 1]``."""
-    starts = jnp.arange(self.parts) * self.steps * block_v
-    return jnp.minimum(n_cols - starts, self.steps * block_v)[:, None].astype(
-      jnp.float32
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,42 +197,24 @@ class _Program:
 def _stats_kernel(
   logits_ref,  # [R, V] 16-bit
   labels_ref,  # [R] int32
-  *out_refs,  # [parts, R] each: max, log-sum-exp, target, argmax, [total], [E]
+  *out_refs,  # [parts, R] each: mosaic_stats.finish's values
   program: _Program,
   options: ce_math.CEOptions,
   n_cols: int,
 ):
-  shape = (program.blocks.block_rows, program.blocks.block_v)
-
   def body(labels, first_col, tile_ref, carry):
-    running, target, argmax = carry
-    cols = first_col + lax.broadcasted_iota(jnp.int32, shape, 1)
-    capped = ce_math.scores(tile_ref[...].astype(jnp.float32), options)
-    new, live, block_max = online.update(running, capped, cols < n_cols, options)
-    at_label = cols == ce_math.per_row(labels, shape)
-    target = target + jnp.where(at_label, live, 0.0).sum(axis=1)
-    # The first column of the block's max, kept if it beats the earlier blocks.
-    at_max = live == ce_math.per_row(block_max, shape)
-    first = jnp.where(at_max, cols, n_cols).min(axis=1)
-    argmax = jnp.where(block_max > running.row_max, first, argmax)
-    return new, target, argmax
+    tile = tile_ref[...].astype(jnp.float32)
+    return mosaic_stats.merge(carry, tile, first_col, labels, options, n_cols)
 
   def with_labels(values):
     (labels,) = values
-    zeros = jnp.zeros(labels.shape, jnp.float32)
-    init = (online.start(labels.shape[0]), zeros, jnp.zeros_like(labels))
     walk_body = functools.partial(body, labels)
-    return program.walk(walk_body, [logits_ref], init=init)
+    return program.walk(
+      walk_body, [logits_ref], init=mosaic_stats.start(labels.shape[0])
+    )
 
-  (row_max, sum_exp, total, weighted), target, argmax = program.with_rows(
-    [labels_ref], with_labels
-  )
-  values = [row_max, jnp.log(sum_exp), target, argmax]
-  if options.label_smoothing:
-    values.append(total)
-  if options.entropy:
-    values.append(weighted / sum_exp)
-  program.store_rows(out_refs, values)
+  carry = program.with_rows([labels_ref], with_labels)
+  program.store_rows(out_refs, mosaic_stats.finish(carry, options))
 
 
 def _dlogits_kernel(
@@ -368,15 +335,62 @@ class MosaicChunkCE(base.MatmulThenCE):
         return None
     return None if out_type is None else [o[:, :n_rows] for o in outputs]
 
+  def _logits_and_stats(self, x: base.ChunkInputs, head: base.HeadSpec, offset):
+    """The chunk's logits and their ``RowStats`` from one Mosaic GEMM, the
+    statistics computed in its epilogue (``mosaic_stats.TileStats``), so
+    nothing reads the logits back for them; None where that GEMM does not
+    run (XLA's GEMMs, a bias, class weights, shapes it does not take)."""
+    if head.gemm != "mosaic" or x.bias is not None or x.class_weights is not None:
+      return None
+    n_cols = _matmul.vocab_size(x.weight, head.weight_layout)
+    epilogue = mosaic_stats.TileStats(head.options, n_cols)
+    labels = base.relative_labels(x.labels, offset).astype(jnp.int32)
+    fused = _matmul.logits_with_rows(
+      x.hidden, x.weight, head.weight_layout, head.logits_dtype, epilogue, (labels,)
+    )
+    if fused is None:
+      return None
+    logits, outputs, part_cols = fused
+    widths = mosaic_stats.part_widths(n_cols, part_cols)
+    return logits, mosaic_stats.combine(outputs, widths, n_cols, head.options)
+
+  def chunk_forward(self, x, head, *, offset=0, logits=None):
+    if logits is None and (fused := self._logits_and_stats(x, head, offset)):
+      return fused[1]
+    return super().chunk_forward(x, head, offset=offset, logits=logits)
+
+  def chunk_forward_backward(self, x, g_loss, head, out_dtype, *, valid, columns, into):
+    fused = (
+      None if into is not None else self._logits_and_stats(x, head, columns.offset())
+    )
+    if fused is None:
+      return super().chunk_forward_backward(
+        x, g_loss, head, out_dtype, valid=valid, columns=columns, into=into
+      )
+    logits, stats = fused
+    return base.unfused_forward_backward(
+      self,
+      logits,
+      x.labels,
+      valid,
+      g_loss,
+      head.options,
+      out_dtype,
+      into=None,
+      columns=columns,
+      vocab_size=head.vocab_size,
+      stats=stats,
+    )
+
   def forward(self, logits, labels, options):
     if not takes(logits):
       return self.fallback.forward(logits, labels, options)
     n_rows, n_cols = logits.shape
     grid = _Grid.of(n_rows, n_cols, self.tiles)
-    part_rows = jax.ShapeDtypeStruct((grid.parts, n_rows), jnp.float32)
-    part_index = jax.ShapeDtypeStruct((grid.parts, n_rows), jnp.int32)
-    extra = bool(options.label_smoothing) + options.entropy
-    out_type = [part_rows, part_rows, part_rows, part_index] + [part_rows] * extra
+    out_type = [
+      jax.ShapeDtypeStruct((grid.parts, n_rows), dtype)
+      for dtype in mosaic_stats.out_dtypes(options)
+    ]
     kernel = functools.partial(_stats_kernel, options=options, n_cols=n_cols)
     outputs = self._launch(
       kernel,
@@ -385,30 +399,10 @@ class MosaicChunkCE(base.MatmulThenCE):
       [labels],
       out_type,
       logits,
-      _approx_math(options),
+      mosaic_stats.approx_math(options),
     )
-    row_max, log_sum_exp, target, argmax, *rest = outputs
-    widths = grid.widths(n_cols, self.tiles.block_v)
-    total = rest.pop(0) if options.label_smoothing else jnp.zeros_like(target)
-    parts = ce_math.RowStats(
-      row_max,
-      log_sum_exp,
-      target,
-      total / widths,
-      argmax,
-      expected_score=rest.pop(0) if options.entropy else None,
-    )
-    # Each part's target is 0 unless it holds the label; argmax is global.
-    return ce_math.combine_stats(
-      parts,
-      jnp.ones(target.shape, bool),
-      0,
-      widths,
-      n_cols,
-      reduce_max=functools.partial(jnp.max, axis=0),
-      reduce_sum=functools.partial(jnp.sum, axis=0),
-      reduce_min=functools.partial(jnp.min, axis=0),
-    )
+    widths = mosaic_stats.part_widths(n_cols, grid.steps * self.tiles.block_v)
+    return mosaic_stats.combine(outputs, widths, n_cols, options)
 
   def backward(self, logits, labels, rows, options, out_dtype, vocab_size=None):
     if not takes(logits) or jnp.dtype(out_dtype) != logits.dtype:
@@ -433,7 +427,7 @@ class MosaicChunkCE(base.MatmulThenCE):
       row_values,
       None,
       ref,
-      _approx_math(options),
+      mosaic_stats.approx_math(options),
     )
     return jax.freeze(ref)
 
