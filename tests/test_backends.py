@@ -19,7 +19,8 @@ from conftest import assert_close, has_gpu
 
 from mst_jax import _backends as backends
 from mst_jax import _ce_math as ce_math
-from mst_jax import reference
+from mst_jax import _mosaic_gemm, reference
+from mst_jax._backends.mosaic_ce import MosaicChunkCE
 from mst_jax._backends.pallas_triton import KernelBlocks, PallasTritonChunkCE
 
 ALL_OPTIONS = ce_math.CEOptions(label_smoothing=0.1, z_loss=1e-3, logit_softcap=30.0)
@@ -255,9 +256,16 @@ def test_pallas_gpu_edge_cases(rng, case):
 
 
 @pytest.mark.gpu
-def test_select_uses_pallas_on_gpu():
+def test_select_on_gpu():
+  """impl=None: the Mosaic GPU kernels on a Hopper GPU (Triton's behind
+  them), the Triton ones on other GPUs."""
   assert backends.pallas_unavailable_reason("gpu") is None
-  assert isinstance(backends.select(None, "gpu"), PallasTritonChunkCE)
+  chosen = backends.select(None, "gpu")
+  if _mosaic_gemm.unavailable_reason() is None:
+    assert isinstance(chosen, MosaicChunkCE)
+    assert isinstance(chosen.fallback, PallasTritonChunkCE)
+  else:
+    assert isinstance(chosen, PallasTritonChunkCE)
 
 
 def test_unavailable_triton_falls_back_to_xla_with_one_warning(monkeypatch):
@@ -267,6 +275,7 @@ def test_unavailable_triton_falls_back_to_xla_with_one_warning(monkeypatch):
     raise NotImplementedError("no Triton lowering in this jax")
 
   monkeypatch.setattr(pallas_triton, "smoke_test", broken)
+  monkeypatch.setattr(_mosaic_gemm, "unavailable_reason", lambda: "not a Hopper GPU")
   backends.pallas_unavailable_reason.cache_clear()
   backends._warn_fallback.cache_clear()
   try:

@@ -138,29 +138,52 @@ def test_tiles_are_validated():
 
 
 def test_selection_on_hopper(monkeypatch):
-  """impl="mosaic": the Mosaic kernels with Triton's behind them; a jax
-  without the Triton lowering: the Mosaic kernels for impl=None too, with
-  one warning."""
+  """impl=None and "mosaic": the Mosaic kernels with Triton's behind them; a
+  jax without the Triton lowering: XLA's behind them, without a warning;
+  "pallas" and "xla" as asked, and a CPU: XLA."""
   monkeypatch.setattr(_mosaic_gemm, "unavailable_reason", lambda: None)
   monkeypatch.setattr(backends, "pallas_unavailable_reason", lambda platform: None)
-  chosen = backends.select("mosaic", "gpu")
-  assert isinstance(chosen, MosaicChunkCE) and not chosen.interpret
-  assert isinstance(chosen.fallback, pallas_triton.PallasTritonChunkCE)
-  assert isinstance(backends.select(None, "gpu"), pallas_triton.PallasTritonChunkCE)
-  assert isinstance(backends.select("mosaic", "cpu"), backends.XlaChunkCE)
+  for impl in (None, "mosaic"):
+    chosen = backends.select(impl, "gpu")
+    assert isinstance(chosen, MosaicChunkCE) and not chosen.interpret
+    assert isinstance(chosen.fallback, pallas_triton.PallasTritonChunkCE)
+    assert backends.select_gemm(impl, "gpu") == "mosaic"
+  assert isinstance(backends.select("pallas", "gpu"), pallas_triton.PallasTritonChunkCE)
+  assert backends.select_gemm("pallas", "gpu") == "xla"
+  backends._warn_fallback.cache_clear()
+  with pytest.warns(RuntimeWarning, match="XLA's GEMMs instead of Mosaic"):
+    assert isinstance(backends.select("mosaic", "cpu"), backends.XlaChunkCE)
+  # Class weights: XLA's cross-entropy, on the Mosaic GEMMs.
+  assert isinstance(backends.select(None, "gpu", xla_only="w"), backends.XlaChunkCE)
 
   reason = "no Triton lowering in this jax"
   monkeypatch.setattr(backends, "pallas_unavailable_reason", lambda platform: reason)
   backends._warn_fallback.cache_clear()
   try:
-    with pytest.warns(RuntimeWarning, match="Mosaic GPU kernels instead of Triton"):
-      chosen = backends.select(None, "gpu")
-    assert isinstance(chosen, MosaicChunkCE)
-    assert isinstance(chosen.fallback, backends.XlaChunkCE)
     with warnings.catch_warnings():
-      warnings.simplefilter("error")  # once per process
-      assert isinstance(backends.select("mosaic", "gpu"), MosaicChunkCE)
-    assert isinstance(backends.select("xla", "gpu"), backends.XlaChunkCE)
+      warnings.simplefilter("error")
+      for impl in (None, "mosaic"):
+        chosen = backends.select(impl, "gpu")
+        assert isinstance(chosen, MosaicChunkCE)
+        assert isinstance(chosen.fallback, backends.XlaChunkCE)
+      assert isinstance(backends.select("xla", "gpu"), backends.XlaChunkCE)
+  finally:
+    backends._warn_fallback.cache_clear()
+
+
+def test_impl_none_off_hopper_keeps_quiet(monkeypatch):
+  """impl=None on another GPU: XLA's GEMMs and no warning; "mosaic" warns."""
+  monkeypatch.setattr(_mosaic_gemm, "unavailable_reason", lambda: "compute 8.0")
+  monkeypatch.setattr(backends, "pallas_unavailable_reason", lambda platform: None)
+  backends._warn_fallback.cache_clear()
+  try:
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      assert backends.select_gemm(None, "gpu") == "xla"
+      chosen = backends.select(None, "gpu")
+      assert isinstance(chosen, pallas_triton.PallasTritonChunkCE)
+    with pytest.warns(RuntimeWarning, match="XLA's GEMMs instead of Mosaic"):
+      assert backends.select_gemm("mosaic", "gpu") == "xla"
   finally:
     backends._warn_fallback.cache_clear()
 

@@ -79,34 +79,31 @@ def select(
   impl: str | None, platform: str, *, xla_only: str | None = None
 ) -> ChunkBackend:
   """The per-chunk cross-entropy backend for ``impl`` (None, "xla", "pallas"
-  or "mosaic") on ``platform``: the Pallas kernels where ``_use_pallas`` says
-  so, else XLA (``select_gemm`` picks what runs their matmuls).
+  or "mosaic") on ``platform``.
 
-  ``impl="mosaic"`` on a Hopper GPU: the Mosaic GPU kernels, with the Triton
-  ones for what they do not take. A Hopper GPU whose jax cannot lower Triton
-  kernels gets the Mosaic ones for every ``impl`` but "xla" and "pallas".
+  ``impl=None`` and ``"mosaic"`` on a Hopper GPU (where ``select_gemm``
+  gives the Mosaic GEMMs): the Mosaic GPU kernels, with the Triton ones (or
+  XLA's, where Triton cannot lower) for what they do not take. Otherwise
+  the Pallas Triton kernels where ``_use_pallas`` says so, else XLA.
   """
   if (
     impl in (None, "mosaic")
     and not xla_only
-    and platform == "gpu"
-    and pallas_unavailable_reason(platform) is not None
-    and _mosaic_gemm.unavailable_reason() is None
+    and select_gemm(impl, platform) == "mosaic"
   ):
     from mst_jax._backends import mosaic_ce
 
-    _warn_fallback(pallas_unavailable_reason(platform), what="Triton")
-    return mosaic_ce.MosaicChunkCE()
+    fallback = XlaChunkCE()
+    if pallas_unavailable_reason(platform) is None:
+      from mst_jax._backends import pallas_triton
+
+      fallback = pallas_triton.PallasTritonChunkCE()
+    return mosaic_ce.MosaicChunkCE(fallback=fallback)
   if not _use_pallas(impl, platform, xla_only):
     return XlaChunkCE()
   from mst_jax._backends import pallas_triton
 
-  triton = pallas_triton.PallasTritonChunkCE(interpret=platform != "gpu")
-  if impl == "mosaic" and select_gemm(impl, platform) == "mosaic":
-    from mst_jax._backends import mosaic_ce
-
-    return mosaic_ce.MosaicChunkCE(fallback=triton)
-  return triton
+  return pallas_triton.PallasTritonChunkCE(interpret=platform != "gpu")
 
 
 def select_distill(impl: str | None, platform: str):
@@ -124,26 +121,26 @@ def select_gemm(impl: str | None, platform: str) -> str:
   """What runs the head's matmuls (``_matmul``'s ``gemm``: "xla" or "mosaic")
   for ``impl``.
 
-  ``impl="mosaic"``: the Mosaic GPU kernel on a Hopper GPU, which is never
-  autotuned (a step's first call needs no more memory than the next) but
-  measured up to 2% slower than XLA's GEMMs in a step at the Llama-3 and
-  Gemma-2 heads, and 1-5% slower with masked tokens (docs/benchmarks.md);
-  elsewhere XLA's, with one warning. Every other ``impl``: XLA's.
+  ``impl=None`` and ``"mosaic"``: the Mosaic GPU kernel on a Hopper GPU,
+  which is never autotuned (a step's first call needs no more memory than
+  the next) and computes the cross-entropy's statistics in the logits
+  GEMM's epilogue; elsewhere XLA's, with one warning for ``"mosaic"``.
+  ``"xla"`` and ``"pallas"``: XLA's.
   """
-  if impl != "mosaic":
+  if impl not in (None, "mosaic"):
     return "xla"
   reason = _mosaic_gemm.unavailable_reason()
   if platform != "gpu":
     reason = f"it needs a Hopper GPU, the platform is a {platform}"
   if reason is None:
     return "mosaic"
-  _warn_fallback(reason, what="GEMMs")
+  if impl == "mosaic":
+    _warn_fallback(reason, what="GEMMs")
   return "xla"
 
 
 _INSTEAD = {
   "backend": "the XLA per-chunk backend instead of Pallas",
-  "Triton": "the Mosaic GPU kernels instead of Triton's",
   "GEMMs": "XLA's GEMMs instead of Mosaic GPU's",
 }
 
