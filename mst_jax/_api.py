@@ -132,16 +132,18 @@ def linear_cross_entropy(
       ``dweight`` accumulates in the weight's dtype unless ``accum_dtype``
       says otherwise. Multiples of 128 suit tensor cores; V need not be a
       multiple. None (default): whole-row chunks.
-    impl: None (automatic: ``"pallas"`` on a GPU, ``"xla"`` elsewhere),
-      ``"xla"`` (chunked, per-chunk math in XLA), ``"pallas"`` (chunked,
-      per-chunk math in Pallas kernels; on a CPU they run in interpret mode,
-      slowly: for tests), ``"mosaic"`` (as ``"pallas"``, with the matmuls as
-      Mosaic GPU kernels on a Hopper GPU where the arrays are whole TMA
-      tiles: not autotuned, so the first call peaks like later ones, at a
-      few percent more time; XLA's matmuls elsewhere, with one warning off
-      Hopper) or ``"reference"`` (full logits; for tests and small
-      problems). If the Pallas Triton lowering is unavailable, ``"pallas"``
-      falls back to ``"xla"`` with one warning.
+    impl: None (automatic: ``"mosaic"`` on a Hopper GPU, ``"pallas"`` on
+      other GPUs, ``"xla"`` elsewhere), ``"xla"`` (chunked, per-chunk math
+      and matmuls in XLA), ``"pallas"`` (chunked, per-chunk math in Pallas
+      Triton kernels and XLA's matmuls; on a CPU the kernels run in
+      interpret mode, slowly: for tests), ``"mosaic"`` (on a Hopper GPU the
+      matmuls and the per-chunk cross-entropy as Mosaic GPU kernels, the
+      statistics in the logits matmul's epilogue, where the arrays are whole
+      TMA tiles, the Triton kernels and XLA's matmuls for other shapes; not
+      autotuned, so the first call peaks like later ones; elsewhere as
+      ``"pallas"``, with one warning) or ``"reference"`` (full logits; for
+      tests and small problems). If the Pallas Triton lowering is
+      unavailable, ``"pallas"`` falls back to ``"xla"`` with one warning.
     accum_dtype: dtype of the ``dweight`` / ``dbias`` accumulators across
       groups. None (default): with at most 2 groups, ``dweight`` accumulates
       in the weight's dtype, in place in its output, one rounding per group

@@ -128,9 +128,10 @@ def linear_distillation_loss(
     vocab_block_size: not supported (raises ``NotImplementedError``): use
       ``chunk_size`` or ``memory_budget`` to bound the memory.
     impl: None (chunked; on a GPU each chunk's loss and ``dlogits`` in one
-      Pallas kernel, elsewhere in XLA), ``"pallas"`` (the kernel everywhere;
-      interpret mode off a GPU, slow), ``"xla"`` (the per-chunk math in XLA),
-      ``"mosaic"`` (as None, with Mosaic GPU GEMMs on a Hopper GPU), or
+      Pallas kernel, with Mosaic GPU GEMMs on a Hopper GPU; elsewhere in
+      XLA), ``"pallas"`` (the kernel everywhere, XLA's GEMMs; interpret mode
+      off a GPU, slow), ``"xla"`` (the per-chunk math in XLA), ``"mosaic"``
+      (as None; XLA's GEMMs with one warning off Hopper), or
       ``"reference"`` (both heads' full logits, differentiated by autodiff;
       for tests and small problems).
     accum_dtype: the ``dweight`` / ``dbias`` accumulators' dtype. None, as

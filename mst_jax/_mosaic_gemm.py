@@ -11,7 +11,10 @@ The kernels (``mst_jax._mosaic_gemm_kernels``) run a persistent grid of
 warp-specialized blocks: a warpgroup issuing TMA copies into a ring of
 shared-memory slots, two issuing ``wgmma``, either both on each output tile
 or (ping-pong) each on its own tiles in turn; ``default_config`` picks the
-tiles and the schedule per shape.
+tiles and the schedule per shape. A ping-pong product may also run a
+``RowEpilogue`` (``_mosaic_gemm_epilogue``): per-row reductions of each
+output tile as it is stored, such as the cross-entropy's statistics of the
+logits.
 
 Sizes need not be multiples of the tiles: TMA fills reads past an array's end
 with zeros (adding nothing to a dot product) and drops writes past it. Mosaic

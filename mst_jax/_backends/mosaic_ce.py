@@ -13,7 +13,9 @@ Two kernels over a chunk's 16-bit logits ``[R, V]`` (all math in float32 and
 
 A loss and its gradient in one sweep are the two kernels in turn (the Triton
 backend fuses them into one launch, which measured faster on the H200:
-docs/benchmarks.md).
+docs/benchmarks.md). Where the Mosaic GEMM forms the chunk's logits (no bias,
+no class weights), the statistics come from that GEMM's epilogue instead
+(``mosaic_stats.TileStats``) and only ``_dlogits_kernel`` reads the logits.
 
 TMA moves whole shared-memory tiles of 8 rows x 128 bytes, so the kernels take
 logits of ``8 i`` rows and ``64 j`` columns (V = 32000, 128256 or 256000, not
@@ -261,7 +263,8 @@ def takes(logits: jax.Array) -> bool:
 class MosaicChunkCE(base.MatmulThenCE):
   """The logits GEMM, then the cross-entropy as Pallas kernels lowered
   through Mosaic GPU where they take the logits (``takes``), else by
-  ``fallback``.
+  ``fallback``; with the Mosaic GEMMs (``HeadSpec.gemm``), the statistics
+  in the logits GEMM's epilogue (``_logits_and_stats``).
 
   Attributes:
     fallback: the ``LogitsCE`` for what the kernels do not take (other
