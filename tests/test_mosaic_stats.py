@@ -142,8 +142,8 @@ def test_row_epilogues_take_unsplit_ping_pong_products_only():
 
 
 def test_no_fusion_off_the_mosaic_gemm_or_with_a_bias(rng):
-  """XLA's GEMMs or a bias: the chunk's statistics come from the logits
-  (``None`` here), as for the other backends."""
+  """XLA's GEMMs or a bias: the GEMM gives the logits alone (statistics
+  None: the cross-entropy kernels form them, as for the other backends)."""
   x = base.ChunkInputs(
     jnp.zeros((64, 64), jnp.bfloat16),
     jnp.zeros((128, 64), jnp.bfloat16),
@@ -151,10 +151,11 @@ def test_no_fusion_off_the_mosaic_gemm_or_with_a_bias(rng):
     jnp.zeros(64, jnp.int32),
   )
   head = base.HeadSpec("vd", jnp.dtype(jnp.bfloat16), PLAIN, 128, gemm="xla")
-  assert MosaicChunkCE()._logits_and_stats(x, head, 0) is None
+  logits, stats = MosaicChunkCE().logits_and_stats(x, head, 0)
+  assert logits.shape == (64, 128) and stats is None
   biased = x._replace(bias=jnp.zeros(128, jnp.bfloat16))
   head = dataclasses.replace(head, gemm="mosaic")
-  assert MosaicChunkCE()._logits_and_stats(biased, head, 0) is None
+  assert MosaicChunkCE().logits_and_stats(biased, head, 0)[1] is None
 
 
 # ---- On a Hopper GPU: the compiled kernel at real sizes. ----
@@ -194,7 +195,7 @@ def test_gpu_statistics_in_the_epilogue_match_the_oracle(rng, n, d, v, layout, o
   )
   head = base.HeadSpec(layout, jnp.dtype(jnp.bfloat16), options, v, gemm="mosaic")
   backend = MosaicChunkCE()
-  logits, stats = jax.jit(lambda x: backend._logits_and_stats(x, head, 0))(x)
+  logits, stats = jax.jit(lambda x: backend.logits_and_stats(x, head, 0))(x)
   with jax.enable_x64(True):
     h64, w64 = (jnp.asarray(np.asarray(a, np.float64)) for a in (x.hidden, x.weight))
     want = h64 @ (w64.T if layout == "vd" else w64)

@@ -212,8 +212,16 @@ class MatmulThenCE:
       gemm=head.gemm,
     )
 
+  def logits_and_stats(self, x: ChunkInputs, head: HeadSpec, offset):
+    """The chunk's logits, and the ``RowStats`` of these columns (labels
+    relative to ``offset``) where the GEMM forms them too, else None."""
+    return self.chunk_logits(x, head), None
+
   def chunk_forward(self, x, head, *, offset=0, logits=None):
-    logits = self.chunk_logits(x, head) if logits is None else logits
+    if logits is None:
+      logits, stats = self.logits_and_stats(x, head, offset)
+      if stats is not None:
+        return stats
     labels = relative_labels(x.labels, offset)
     return self.forward(logits, labels, head.options, **_weights(x))
 
@@ -225,8 +233,12 @@ class MatmulThenCE:
     )
 
   def chunk_forward_backward(self, x, g_loss, head, out_dtype, *, valid, columns, into):
-    logits = self.chunk_logits(x, head)
-    if not columns.split and x.class_weights is None:
+    # Into a group's buffer, the fused sweep writes dlogits in place (the
+    # GEMM's statistics would leave the backward a copy into it).
+    logits, stats = self.chunk_logits(x, head), None
+    if into is None:
+      logits, stats = self.logits_and_stats(x, head, columns.offset())
+    if stats is None and not columns.split and x.class_weights is None:
       options = head.options
       return self.forward_backward(
         logits, x.labels, valid, g_loss, options, out_dtype, into=into
@@ -243,6 +255,7 @@ class MatmulThenCE:
       columns=columns,
       vocab_size=head.vocab_size,
       classes=x.classes,
+      stats=stats,
       **_weights(x),
     )
 

@@ -264,7 +264,7 @@ class MosaicChunkCE(base.MatmulThenCE):
   """The logits GEMM, then the cross-entropy as Pallas kernels lowered
   through Mosaic GPU where they take the logits (``takes``), else by
   ``fallback``; with the Mosaic GEMMs (``HeadSpec.gemm``), the statistics
-  in the logits GEMM's epilogue (``_logits_and_stats``).
+  in the logits GEMM's epilogue (``logits_and_stats``).
 
   Attributes:
     fallback: the ``LogitsCE`` for what the kernels do not take (other
@@ -338,13 +338,14 @@ class MosaicChunkCE(base.MatmulThenCE):
         return None
     return None if out_type is None else [o[:, :n_rows] for o in outputs]
 
-  def _logits_and_stats(self, x: base.ChunkInputs, head: base.HeadSpec, offset):
+  def logits_and_stats(self, x: base.ChunkInputs, head: base.HeadSpec, offset):
     """The chunk's logits and their ``RowStats`` from one Mosaic GEMM, the
     statistics computed in its epilogue (``mosaic_stats.TileStats``), so
-    nothing reads the logits back for them; None where that GEMM does not
-    run (XLA's GEMMs, a bias, class weights, shapes it does not take)."""
+    nothing reads the logits back for them; the logits alone (statistics
+    None) where that GEMM does not run (XLA's GEMMs, a bias, class weights,
+    shapes it does not take)."""
     if head.gemm != "mosaic" or x.bias is not None or x.class_weights is not None:
-      return None
+      return super().logits_and_stats(x, head, offset)
     n_cols = _matmul.vocab_size(x.weight, head.weight_layout)
     epilogue = mosaic_stats.TileStats(head.options, n_cols)
     labels = base.relative_labels(x.labels, offset).astype(jnp.int32)
@@ -352,38 +353,10 @@ class MosaicChunkCE(base.MatmulThenCE):
       x.hidden, x.weight, head.weight_layout, head.logits_dtype, epilogue, (labels,)
     )
     if fused is None:
-      return None
+      return super().logits_and_stats(x, head, offset)
     logits, outputs, part_cols = fused
     widths = mosaic_stats.part_widths(n_cols, part_cols)
     return logits, mosaic_stats.combine(outputs, widths, n_cols, head.options)
-
-  def chunk_forward(self, x, head, *, offset=0, logits=None):
-    if logits is None and (fused := self._logits_and_stats(x, head, offset)):
-      return fused[1]
-    return super().chunk_forward(x, head, offset=offset, logits=logits)
-
-  def chunk_forward_backward(self, x, g_loss, head, out_dtype, *, valid, columns, into):
-    fused = (
-      None if into is not None else self._logits_and_stats(x, head, columns.offset())
-    )
-    if fused is None:
-      return super().chunk_forward_backward(
-        x, g_loss, head, out_dtype, valid=valid, columns=columns, into=into
-      )
-    logits, stats = fused
-    return base.unfused_forward_backward(
-      self,
-      logits,
-      x.labels,
-      valid,
-      g_loss,
-      head.options,
-      out_dtype,
-      into=None,
-      columns=columns,
-      vocab_size=head.vocab_size,
-      stats=stats,
-    )
 
   def forward(self, logits, labels, options):
     if not takes(logits):
