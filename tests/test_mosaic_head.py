@@ -100,6 +100,27 @@ def test_the_gpu_program_lowers_for_cuda(as_if_on_hopper, kwargs):
   assert ("triton" in text) == float32_logits
 
 
+@pytest.mark.parametrize("kwargs", [dict(), dict(chunk_size=256)], ids=str)
+def test_the_default_on_hopper_is_the_mosaic_program(as_if_on_hopper, kwargs):
+  """impl=None on a Hopper GPU lowers to the program impl="mosaic" does (the
+  statistics in the logits GEMM's epilogue), not to XLA's GEMMs; "pallas"
+  keeps XLA's GEMMs and the Triton kernels."""
+  h = jax.ShapeDtypeStruct((1000, 320), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((32000, 320), jnp.bfloat16)
+  y = jax.ShapeDtypeStruct((1000,), jnp.int32)
+
+  def text(**options):
+    loss = lambda h, w, y: mst_jax.linear_cross_entropy(h, w, y, **kwargs, **options)
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    return step.trace(h, w, y).lower(lowering_platforms=("cuda",)).as_text()
+
+  default = text()
+  assert "_rows_mosaic" in default and "triton" not in default
+  assert default == text(impl="mosaic")
+  pallas = text(impl="pallas")
+  assert "mosaic_gpu" not in pallas and "triton" in pallas
+
+
 # (dtype, weight layout, V, options): TMA-aligned vocabularies (every product
 # on the Mosaic kernel), GPT-2's 50257 (the products touching V on XLA), both
 # gradient modes, the loss options, the bf16 accumulator, vocabulary blocks;
