@@ -141,6 +141,26 @@ def test_row_epilogues_take_unsplit_ping_pong_products_only():
     gemm(None, None, None, problem, cooperative, 132, rows=rows)
 
 
+def test_matmul_checks_the_row_inputs(monkeypatch):
+  monkeypatch.setattr(_mosaic_gemm, "unavailable_reason", lambda: None)
+  a, b = jnp.zeros((64, 64), jnp.bfloat16), jnp.zeros((128, 64), jnp.bfloat16)
+  dims = _matmul._LOGITS_DIMS["vd"]
+  epilogue = mosaic_stats.TileStats(PLAIN, 128)
+  with pytest.raises(ValueError, match=r"1 arrays of shape \(64,\), got \[\(63,\)\]"):
+    _mosaic_gemm.matmul(
+      a, b, dims, row_epilogue=epilogue, row_inputs=(jnp.zeros(63, jnp.int32),)
+    )
+  with pytest.raises(ValueError, match="does not run with accumulate"):
+    _mosaic_gemm.matmul(
+      a,
+      b,
+      dims,
+      accumulate=jnp.zeros((64, 128), jnp.bfloat16),
+      row_epilogue=epilogue,
+      row_inputs=(jnp.zeros(64, jnp.int32),),
+    )
+
+
 def test_no_fusion_off_the_mosaic_gemm_or_with_a_bias(rng):
   """XLA's GEMMs or a bias: the GEMM gives the logits alone (statistics
   None: the cross-entropy kernels form them, as for the other backends)."""
