@@ -104,8 +104,8 @@ def test_part_widths():
 @pytest.mark.parametrize("layout", ["vd", "dv"])
 @pytest.mark.parametrize(
   "options, out_dtype",
-  [(PLAIN, "bfloat16"), (ENTROPY, "bfloat16"), (ALL_OPTIONS, "float32")],
-  ids=["plain", "entropy", "all-float32"],
+  [(PLAIN, "bfloat16"), (ENTROPY, "bfloat16"), (ALL_OPTIONS, "float16")],
+  ids=["plain", "entropy", "all-float16"],
 )
 def test_the_fused_gemm_lowers_for_hopper(layout, options, out_dtype):
   """The logits GEMM with the statistics in its epilogue lowers to one
@@ -161,9 +161,10 @@ def test_matmul_checks_the_row_inputs(monkeypatch):
     )
 
 
-def test_no_fusion_off_the_mosaic_gemm_or_with_a_bias(rng):
-  """XLA's GEMMs or a bias: the GEMM gives the logits alone (statistics
-  None: the cross-entropy kernels form them, as for the other backends)."""
+def test_no_fusion_off_the_mosaic_gemm_with_a_bias_or_float32_logits(rng):
+  """XLA's GEMMs, a bias or float32 logits: the GEMM gives the logits alone
+  (statistics None: the cross-entropy kernels form them, as for the other
+  backends)."""
   x = base.ChunkInputs(
     jnp.zeros((64, 64), jnp.bfloat16),
     jnp.zeros((128, 64), jnp.bfloat16),
@@ -176,6 +177,9 @@ def test_no_fusion_off_the_mosaic_gemm_or_with_a_bias(rng):
   biased = x._replace(bias=jnp.zeros(128, jnp.bfloat16))
   head = dataclasses.replace(head, gemm="mosaic")
   assert MosaicChunkCE().logits_and_stats(biased, head, 0)[1] is None
+  wide = dataclasses.replace(head, logits_dtype=jnp.dtype(jnp.float32))
+  logits, stats = MosaicChunkCE().logits_and_stats(x, wide, 0)
+  assert logits.dtype == jnp.float32 and stats is None
 
 
 # ---- On a Hopper GPU: the compiled kernel at real sizes. ----

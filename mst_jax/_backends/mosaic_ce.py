@@ -13,8 +13,8 @@ Two kernels over a chunk's 16-bit logits ``[R, V]`` (all math in float32 and
 
 A loss and its gradient in one sweep are the two kernels in turn (the Triton
 backend fuses them into one launch, which measured faster on the H200:
-docs/benchmarks.md). Where the Mosaic GEMM forms the chunk's logits (no bias,
-no class weights), the statistics come from that GEMM's epilogue instead
+docs/benchmarks.md). Where the Mosaic GEMM forms the chunk's 16-bit logits (no
+bias, no class weights), the statistics come from that GEMM's epilogue instead
 (``mosaic_stats.TileStats``) and only ``_dlogits_kernel`` reads the logits.
 
 TMA moves whole shared-memory tiles of 8 rows x 128 bytes, so the kernels take
@@ -343,8 +343,14 @@ class MosaicChunkCE(base.MatmulThenCE):
     statistics computed in its epilogue (``mosaic_stats.TileStats``), so
     nothing reads the logits back for them; the logits alone (statistics
     None) where that GEMM does not run (XLA's GEMMs, a bias, class weights,
-    shapes it does not take)."""
-    if head.gemm != "mosaic" or x.bias is not None or x.class_weights is not None:
+    shapes it does not take) and for float32 logits (whose tile would take
+    all of the epilogue's registers)."""
+    if (
+      head.gemm != "mosaic"
+      or x.bias is not None
+      or x.class_weights is not None
+      or jnp.dtype(head.logits_dtype).itemsize != 2
+    ):
       return super().logits_and_stats(x, head, offset)
     n_cols = _matmul.vocab_size(x.weight, head.weight_layout)
     epilogue = mosaic_stats.TileStats(head.options, n_cols)
