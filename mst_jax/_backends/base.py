@@ -233,11 +233,10 @@ class MatmulThenCE:
     )
 
   def chunk_forward_backward(self, x, g_loss, head, out_dtype, *, valid, columns, into):
-    # Into a group's buffer, the fused sweep writes dlogits in place (the
-    # GEMM's statistics would leave the backward a copy into it).
-    logits, stats = self.chunk_logits(x, head), None
     if into is None:
       logits, stats = self.logits_and_stats(x, head, columns.offset())
+    else:  # the fused sweep writes dlogits into the group's buffer in place
+      logits, stats = self.chunk_logits(x, head), None
     if stats is None and not columns.split and x.class_weights is None:
       options = head.options
       return self.forward_backward(
