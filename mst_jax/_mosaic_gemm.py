@@ -109,6 +109,26 @@ def row_epilogue_config(
   return _row_config(problem, row_epilogue)
 
 
+VMAP_ERROR = (
+  "mst_jax: the Mosaic GPU kernels (impl='mosaic', the default on a Hopper GPU)"
+  " have no batching rule, so they do not run under jax.vmap; pass"
+  " impl='pallas', or put the batch axis into the rows (a [B, T, D] hidden)."
+)
+
+
+def unbatched(fn):
+  """``fn`` (of arrays), which raises ``NotImplementedError(VMAP_ERROR)``
+  under ``jax.vmap`` instead of Pallas's own error (Mosaic GPU kernels have
+  no batching rule)."""
+  fn = jax.custom_batching.custom_vmap(fn)
+
+  @fn.def_vmap
+  def _rule(axis_size, in_batched, *args):
+    raise NotImplementedError(VMAP_ERROR)
+
+  return fn
+
+
 _STATIC_ARGS = ("dimension_numbers", "out_dtype", "config", "row_epilogue")
 
 
@@ -209,7 +229,10 @@ def matmul(
     config = config or default_config(
       p.m, p.n, p.k, p.out_dtype, p.accumulate, _num_sms()
     )
-    return gemm(lhs, rhs, accumulate, problem, config, _num_sms())
+    if accumulate is not None:  # (a Ref inside: no custom_vmap around it)
+      return gemm(lhs, rhs, accumulate, problem, config, _num_sms())
+    run = lambda lhs, rhs: gemm(lhs, rhs, None, problem, config, _num_sms())
+    return unbatched(run)(lhs, rhs)
   if accumulate is not None:
     raise ValueError("a row_epilogue does not run with accumulate")
   if len(row_inputs) != len(row_epilogue.input_dtypes) or any(
@@ -220,5 +243,9 @@ def matmul(
       f" ({p.m},), got {[x.shape for x in row_inputs]}"
     )
   config = config or _row_config(p, row_epilogue)
-  rows = (row_epilogue, list(row_inputs))
-  return gemm(lhs, rhs, None, problem, config, _num_sms(), rows=rows)
+
+  def run(lhs, rhs, *row_inputs):
+    rows = (row_epilogue, list(row_inputs))
+    return gemm(lhs, rhs, None, problem, config, _num_sms(), rows=rows)
+
+  return unbatched(run)(lhs, rhs, *row_inputs)

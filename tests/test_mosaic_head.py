@@ -122,6 +122,24 @@ def test_the_default_on_hopper_is_the_mosaic_program(as_if_on_hopper, kwargs):
   assert "mosaic_gpu" not in pallas and "triton" in pallas
 
 
+def test_vmap_on_hopper_says_to_pass_pallas(as_if_on_hopper):
+  """The Mosaic GPU kernels have no batching rule: under jax.vmap the default
+  on a Hopper GPU raises a clear error; impl="pallas" lowers."""
+  h = jax.ShapeDtypeStruct((2, 500, 320), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((32000, 320), jnp.bfloat16)
+  y = jax.ShapeDtypeStruct((2, 500), jnp.int32)
+
+  def lower(**options):
+    loss = lambda h, w, y: jnp.sum(mst_jax.linear_cross_entropy(h, w, y, **options))
+    step = jax.vmap(jax.value_and_grad(loss, argnums=(0, 1)), in_axes=(0, None, 0))
+    return jax.jit(step).trace(h, w, y).lower(lowering_platforms=("cuda",))
+
+  for options in (dict(), dict(grad_mode="recompute"), dict(reduction="none")):
+    with pytest.raises(NotImplementedError, match="no batching rule.*impl='pallas'"):
+      lower(**{"chunk_size": 256, **options})
+  assert "triton" in lower(impl="pallas", chunk_size=256).as_text()
+
+
 # (dtype, weight layout, V, options): TMA-aligned vocabularies (every product
 # on the Mosaic kernel), GPT-2's 50257 (the products touching V on XLA), both
 # gradient modes, the loss options, the bf16 accumulator, vocabulary blocks;

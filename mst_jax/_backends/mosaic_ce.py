@@ -40,7 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from mst_jax import _ce_math as ce_math
-from mst_jax import _matmul
+from mst_jax import _matmul, _mosaic_gemm
 from mst_jax._backends import base, mosaic_stats
 from mst_jax._backends.xla import XlaChunkCE
 
@@ -374,15 +374,11 @@ class MosaicChunkCE(base.MatmulThenCE):
       for dtype in mosaic_stats.out_dtypes(options)
     ]
     kernel = functools.partial(_stats_kernel, options=options, n_cols=n_cols)
-    outputs = self._launch(
-      kernel,
-      "mst_ce_stats_mosaic",
-      grid,
-      [labels],
-      out_type,
-      logits,
-      mosaic_stats.approx_math(options),
+    approx = mosaic_stats.approx_math(options)
+    launch = lambda logits, labels: self._launch(
+      kernel, "mst_ce_stats_mosaic", grid, [labels], out_type, logits, approx
     )
+    outputs = _mosaic_gemm.unbatched(launch)(logits, labels)
     widths = mosaic_stats.part_widths(n_cols, grid.steps * self.tiles.block_v)
     return mosaic_stats.combine(outputs, widths, n_cols, options)
 
