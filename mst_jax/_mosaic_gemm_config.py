@@ -150,6 +150,11 @@ def _tuned(m: int, n: int, k: int, accumulate: bool) -> GemmConfig:
     return _FEW_PIECES
   if n >= _VOCAB and m * k > _L2_ELEMENTS and not accumulate:
     return _WIDE
+  return _turns(m, n, k)
+
+
+def _turns(m: int, n: int, k: int) -> GemmConfig:
+  """Ping-pong tiles, walked down the rows first while an operand fits L2."""
   if min(m, n) * k <= _L2_ELEMENTS:
     return dataclasses.replace(_TURNS, grid_minor="m")
   return _TURNS
@@ -217,8 +222,7 @@ def default_config(
   """
   config = _tuned(m, n, k, accumulate)
   if row_vectors is not None:
-    rows_first = min(m, n) * k <= _L2_ELEMENTS
-    config = dataclasses.replace(_TURNS, grid_minor="m") if rows_first else _TURNS
+    config = _turns(m, n, k)
   elif not accumulate:
     split = lambda c: dataclasses.replace(c, k_splits=_k_splits(m, n, k, c, num_sms))
     # A split costs its float32 partial products and their sum; blocks other
