@@ -37,6 +37,9 @@ class GemmConfig:
     grid_tile_width: output tiles per band of the snake along ``grid_minor``.
     epilogue_m: rows of each epilogue store, divides ``tile_m``.
     epilogue_n: columns of each epilogue store, divides ``tile_n``.
+    epilogue_buffers: shared-memory slots per compute warpgroup for the
+      epilogue's pieces (at most one per piece): with an ``accumulate``
+      addend, how many of a tile's pieces load during the main loop.
     k_splits: contiguous parts of the contraction computed by separate
       blocks into float32 partial outputs that are then summed (split-K: a
       small output over a long contraction, e.g. ``dhidden`` of a few hundred
@@ -52,6 +55,7 @@ class GemmConfig:
   grid_tile_width: int = 8
   epilogue_m: int = 64
   epilogue_n: int = 64
+  epilogue_buffers: int = 2
   k_splits: int = 1
 
   def __post_init__(self) -> None:
@@ -76,6 +80,7 @@ class GemmConfig:
     check(self.stages >= least_stages, "stages", f">= {least_stages}")
     check(self.grid_tile_width >= 1, "grid_tile_width", ">= 1")
     check(self.k_splits >= 1, "k_splits", ">= 1")
+    check(self.epilogue_buffers >= 1, "epilogue_buffers", ">= 1")
 
   @property
   def block_m(self) -> int:
@@ -95,8 +100,9 @@ class GemmConfig:
     if self.k_splits > 1:
       out_dtype = jnp.float32
     ring = self.stages * self.tile_k * (self.block_m + self.block_n)
-    slots = 2 * epilogue_slots(self) * self.epilogue_m * self.epilogue_n
-    barriers = 8 * (3 * self.stages + 4 * accumulate + 2 * row_vectors)
+    slots_per_wg = epilogue_slots(self)
+    slots = 2 * slots_per_wg * self.epilogue_m * self.epilogue_n
+    barriers = 8 * (3 * self.stages + 2 * slots_per_wg * accumulate + 2 * row_vectors)
     in_bytes, out_bytes = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
     rows = 2 * 4 * self.tile_m * row_vectors
     return ring * in_bytes + slots * out_bytes + barriers + rows
@@ -117,9 +123,10 @@ class Problem:
 
 
 def epilogue_slots(config: GemmConfig) -> int:
-  """Epilogue staging slots per warpgroup: 2 (double buffered), or 1 if one store."""
+  """Epilogue staging slots per warpgroup: ``epilogue_buffers``, at most
+  one per piece of the tile."""
   stores = (config.tile_m // config.epilogue_m) * (config.tile_n // config.epilogue_n)
-  return min(2, stores)
+  return min(config.epilogue_buffers, stores)
 
 
 # Tuned on an H200 at the Llama-3 and Gemma-2 heads. A contraction of at
