@@ -145,14 +145,22 @@ _NARROW_LONG_K = GemmConfig(tile_m=64, tile_n=192, epilogue_n=32)
 # weight, or a chunk's dlogits) is read from memory once.
 _TURNS = GemmConfig(tile_n=192, stages=4, split="tiles")
 _L2_ELEMENTS = 16 << 20  # 32 MiB of 16-bit elements, of the H200's 50 MB L2
+# A 16-bit addend over a contraction of at most _SHORT_K (a small chunk's
+# dweight +=): 128 x 128 tiles in two 64 x 128 epilogue pieces, each with its
+# own slot, so the whole tile's addend loads during the main loop (4-8 steps,
+# too short to hide the round trips of pieces loaded one after another).
+_SHORT_K = 512
+_ADDEND_AHEAD = dict(tile_n=128, epilogue_n=128)
 # ... except the logits of a left operand larger than L2 (a whole group of
 # rows): 256 x 192 blocks.
 _WIDE = GemmConfig(tile_n=192, stages=3)
 _VOCAB = 16384  # an output at least this wide is vocabulary-wide
 
 
-def _tuned(m: int, n: int, k: int, accumulate: bool) -> GemmConfig:
+def _tuned(m: int, n: int, k: int, out_dtype, accumulate: bool) -> GemmConfig:
   """The measured config for an ``[m, k] x [k, n]`` product's shape."""
+  if accumulate and k <= _SHORT_K and jnp.dtype(out_dtype).itemsize == 2:
+    return dataclasses.replace(_turns(m, n, k), **_ADDEND_AHEAD)
   if k >= _LONG_K:
     return _FEW_PIECES
   if n >= _VOCAB and m * k > _L2_ELEMENTS and not accumulate:
@@ -227,7 +235,7 @@ def default_config(
   128 x 192 blocks instead of ``_tuned``'s where they fill the SMs' waves
   ``_SPLIT_GAIN`` better (``_fill``; a split counts ``_SPLIT_GAIN`` worse).
   """
-  config = _tuned(m, n, k, accumulate)
+  config = _tuned(m, n, k, out_dtype, accumulate)
   if row_vectors is not None:
     config = _turns(m, n, k)
   elif not accumulate:

@@ -19,7 +19,7 @@ from conftest import has_gpu
 
 from mst_jax import _mosaic_gemm as mosaic_gemm
 from mst_jax._mosaic_gemm import GemmConfig
-from mst_jax._mosaic_gemm_config import _fill
+from mst_jax._mosaic_gemm_config import SMEM_BYTES, _fill, epilogue_slots
 from mst_jax._mosaic_gemm_kernels import gemm
 
 # ||out - ref|| / ||ref|| by output dtype: one rounding of the output (half an
@@ -98,7 +98,8 @@ def test_head_products(rng, product, layout, shape, in_dtype):
 def test_dweight_accumulates(rng, layout, out_dtype, shape):
   """``dweight += dlogits^T hidden``, over a long and a short (264-row)
   contraction, into a float32 and a bfloat16 accumulator, with the default
-  config: ping-pong tiles, the addend loaded piece by piece."""
+  config: ping-pong tiles (over at most 512 rows, the whole addend loaded
+  during the main loop)."""
   n, d, v = shape
   m, cols = (v, d) if layout == "vd" else (d, v)
   config = mosaic_gemm.default_config(m, cols, n, jnp.dtype(out_dtype), True)
@@ -134,6 +135,27 @@ def test_warpgroups_take_tiles_in_turn(rng, product, layout, shape, config):
 def test_warpgroups_take_tiles_in_turn_accumulating(rng, layout, out_dtype, config):
   shape = (1000, 512, 4160)
   _run(rng, "dweight", layout, shape, "bfloat16", out_dtype, True, config=config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["vd", "dv"])
+def test_an_addend_slot_for_every_piece(rng, layout):
+  """More epilogue slots than two (one per 64 x 128 piece of 192 x 128
+  tiles): each piece's addend loads ahead, none after a store."""
+  config = GemmConfig(
+    split="tiles", tile_m=192, tile_n=128, stages=3, epilogue_n=128, epilogue_buffers=3
+  )
+  assert epilogue_slots(config) == 3
+  _run(
+    rng,
+    "dweight",
+    layout,
+    (264, 512, 4160),
+    "bfloat16",
+    "bfloat16",
+    True,
+    config=config,
+  )
 
 
 @pytest.mark.parametrize("rows", [128, 256, 384])
@@ -201,6 +223,22 @@ def test_short_contractions_take_tiles_in_turn(accumulate, out_dtype):
   if not accumulate:
     assert config(1024, 128256, 4096).split == "tiles"
     assert config(8192, 128256, 4096).split != "tiles"
+
+
+@pytest.mark.parametrize("rows", [192, 256, 512, 513, 1024])
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float16", "float32"])
+def test_a_short_dweight_loads_its_whole_addend_ahead(rows, out_dtype):
+  """A chunk's dweight += over at most 512 rows (a 16-bit accumulator) gives
+  each epilogue piece its own slot, so the whole addend tile loads during the
+  main loop; longer contractions and float32 accumulators keep the other
+  tiles. Both fit shared memory."""
+  dtype = jnp.dtype(out_dtype)
+  config = mosaic_gemm.default_config(128256, 4096, rows, dtype, True)
+  pieces = (config.tile_m // config.epilogue_m) * (config.tile_n // config.epilogue_n)
+  ahead = rows <= 512 and dtype.itemsize == 2
+  assert (epilogue_slots(config) == pieces) == ahead, config
+  assert config.split == "tiles"
+  assert config.smem_bytes(jnp.bfloat16, dtype, True) <= SMEM_BYTES
 
 
 @pytest.mark.gpu
