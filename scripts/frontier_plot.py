@@ -7,10 +7,9 @@ against its time relative to the naive bfloat16 head (``naive_cast``) of the
 same run. A setting measured in several runs is plotted from the last one
 given (runs in the order of ``--runs``).
 
-  python scripts/frontier_plot.py docs/runs/2026-12-01_mosaic_head_runs34-39.json \\
-      docs/runs/2026-12-01_session14_runs64-69.json --runs 66_plain \\
-      34_main_command 35_mosaic_gemms 36_split_k_small_outputs \\
-      65_hybrid_dweight_only_mosaic 68_whole_addend --out docs/frontier_h200_llama.png
+  python scripts/frontier_plot.py docs/runs/2026-12-02_session19_runs96-101.json \\
+      --runs run97_low_memory_9c3c389 run101_low_memory_9c3c389 \\
+      --out docs/frontier_h200_llama.png
 """
 
 from __future__ import annotations
