@@ -145,16 +145,16 @@ _NARROW_LONG_K = GemmConfig(tile_m=64, tile_n=192, epilogue_n=32)
 # weight, or a chunk's dlogits) is read from memory once.
 _TURNS = GemmConfig(tile_n=192, stages=4, split="tiles")
 _L2_ELEMENTS = 16 << 20  # 32 MiB of 16-bit elements, of the H200's 50 MB L2
+# ... except the logits of a left operand larger than L2 (a whole group of
+# rows): 256 x 192 blocks.
+_WIDE = GemmConfig(tile_n=192, stages=3)
+_VOCAB = 16384  # an output at least this wide is vocabulary-wide
 # A 16-bit addend over a contraction of at most _SHORT_K (a small chunk's
 # dweight +=): 128 x 128 tiles in two 64 x 128 epilogue pieces, each with its
 # own slot, so the whole tile's addend loads during the main loop (4-8 steps,
 # too short to hide the round trips of pieces loaded one after another).
 _SHORT_K = 512
 _ADDEND_AHEAD = dict(tile_n=128, epilogue_n=128)
-# ... except the logits of a left operand larger than L2 (a whole group of
-# rows): 256 x 192 blocks.
-_WIDE = GemmConfig(tile_n=192, stages=3)
-_VOCAB = 16384  # an output at least this wide is vocabulary-wide
 
 
 def _tuned(m: int, n: int, k: int, out_dtype, accumulate: bool) -> GemmConfig:
