@@ -306,6 +306,7 @@ def test_needs_a_hopper_gpu():
     dict(split="k"),
     dict(stages=0),
     dict(split="tiles", stages=1),
+    dict(epilogue_buffers=0),
   ],
   ids=str,
 )
