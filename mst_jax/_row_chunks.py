@@ -353,8 +353,7 @@ class RowChunks:
     chunk = chunk_of(x.hidden.shape[0], x.valid, 0)
     config.announce("forward", chunk.start)
     rows = x.chunk(chunk)
-    logits = config.backend.chunk_logits(rows, config.head)
-    stats = config.whole_row_stats(rows, logits)
+    logits, stats = config.logits_and_row_stats(rows)
     outputs = config.row_outputs(stats, rows.labels, chunk.valid, rows.classes)
     return outputs, logits
 

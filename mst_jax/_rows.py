@@ -101,12 +101,20 @@ class SweepConfig:
       classes=classes,
     )
 
-  def whole_row_stats(self, x: ChunkInputs, logits=None) -> _ce_math.RowStats:
-    """A chunk's statistics over the whole vocabulary, combined across shards
-    (of ``logits`` when given, else of logits formed here)."""
-    offset = self.columns.offset()
-    stats = self.backend.chunk_forward(x, self.head, offset=offset, logits=logits)
+  def whole_row_stats(self, x: ChunkInputs) -> _ce_math.RowStats:
+    """A chunk's statistics over the whole vocabulary, combined across shards."""
+    stats = self.backend.chunk_forward(x, self.head, offset=self.columns.offset())
     return self.columns.combine(stats, x.labels)
+
+  def logits_and_row_stats(self, x: ChunkInputs) -> tuple[jax.Array, _ce_math.RowStats]:
+    """A chunk's logits and their ``whole_row_stats``: from the logits GEMM's
+    epilogue where the backend computes them there, else read back from the
+    logits."""
+    offset = self.columns.offset()
+    logits, stats = self.backend.logits_and_stats(x, self.head, offset)
+    if stats is None:
+      stats = self.backend.chunk_forward(x, self.head, offset=offset, logits=logits)
+    return logits, self.columns.combine(stats, x.labels)
 
 
 class RowInputs(NamedTuple):

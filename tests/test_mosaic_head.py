@@ -101,6 +101,28 @@ def test_the_gpu_program_lowers_for_cuda(as_if_on_hopper, kwargs):
   assert ("triton" in text) == float32_logits
 
 
+@pytest.mark.parametrize("return_entropy", [False, True], ids=str)
+def test_kept_logits_take_their_statistics_from_the_epilogue(
+  as_if_on_hopper, return_entropy
+):
+  """Per-token outputs whose logits fit the budget as one group keep them for
+  the backward (``Plan.keep_logits``); their statistics come from the logits
+  GEMM's epilogue, with no statistics kernel reading the logits back."""
+  h = jax.ShapeDtypeStruct((1000, 320), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((32000, 320), jnp.bfloat16)
+  y = jax.ShapeDtypeStruct((1000,), jnp.int32)
+
+  def loss(h, w, y):
+    out = mst_jax.linear_log_probs(h, w, y, return_entropy=return_entropy)
+    return sum(jnp.sum(x) for x in jax.tree.leaves(out))
+
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+  text = step.trace(h, w, y).lower(lowering_platforms=("cuda",)).as_text()
+  # The three products and the dlogits kernel; no statistics kernel.
+  assert "_rows_mosaic" in text
+  assert text.count("custom_call @mosaic_gpu") == 4
+
+
 @pytest.mark.parametrize("kwargs", [dict(), dict(chunk_size=256)], ids=str)
 def test_the_default_on_hopper_is_the_mosaic_program(as_if_on_hopper, kwargs):
   """impl=None on a Hopper GPU lowers to the program impl="mosaic" does (the

@@ -126,6 +126,13 @@ class ChunkBackend(Protocol):
     """The chunk's logits ``[rows, columns]`` in ``head.logits_dtype``."""
     ...
 
+  def logits_and_stats(
+    self, x: ChunkInputs, head: HeadSpec, offset
+  ) -> tuple[jax.Array, RowStats | None]:
+    """``chunk_logits``, and the ``RowStats`` of these columns (labels
+    relative to ``offset``) where the logits GEMM forms them too, else None."""
+    ...
+
   def chunk_forward(
     self, x: ChunkInputs, head: HeadSpec, *, offset=0, logits=None
   ) -> RowStats:
