@@ -282,10 +282,16 @@ def test_clusters_share_multicast_tiles(rng, product, layout, shape, config):
 @pytest.mark.parametrize("config", CLUSTERS[:2], ids=str)
 @pytest.mark.parametrize("layout", ["vd", "dv"])
 def test_clusters_accumulate_and_split(rng, layout, config):
-  # A float32 addend's slots fit shared memory beside three stages.
-  narrow = dataclasses.replace(config, stages=3, epilogue_n=32)
-  shape = (1000, 512, 4160)
-  _run(rng, "dweight", layout, shape, "bfloat16", "float32", True, config=narrow)
+  _run(
+    rng,
+    "dweight",
+    layout,
+    (1000, 512, 4160),
+    "bfloat16",
+    "float32",
+    True,
+    config=config,
+  )
   split = dataclasses.replace(config, k_splits=3, epilogue_n=32)
   _run(rng, "dhidden", layout, (264, 320, 32000), "bfloat16", "bfloat16", config=split)
 
