@@ -44,11 +44,6 @@ class GemmConfig:
       blocks into float32 partial outputs that are then summed (split-K: a
       small output over a long contraction, e.g. ``dhidden`` of a few hundred
       rows, keeps every SM busy).
-    cluster: None, or ``"m"`` / ``"n"``: blocks run in clusters of two that
-      take neighbouring blocks along this dimension and share the other
-      operand's tiles, each TMA copy of them multicast to both blocks' shared
-      memory (half the operand's reads from L2). Cooperative kernels only
-      (``split`` ``"m"`` or ``"n"``).
   """
 
   tile_m: int = 128
@@ -62,7 +57,6 @@ class GemmConfig:
   epilogue_n: int = 64
   epilogue_buffers: int = 2
   k_splits: int = 1
-  cluster: str | None = None
 
   def __post_init__(self) -> None:
     def check(ok: bool, name: str, what: str) -> None:
@@ -87,12 +81,6 @@ class GemmConfig:
     check(self.grid_tile_width >= 1, "grid_tile_width", ">= 1")
     check(self.k_splits >= 1, "k_splits", ">= 1")
     check(self.epilogue_buffers >= 1, "epilogue_buffers", ">= 1")
-    check(self.cluster in (None, "m", "n"), "cluster", "None, 'm' or 'n'")
-    check(
-      self.cluster is None or self.split != "tiles",
-      "cluster",
-      "None with split='tiles' (clusters run in the cooperative kernel)",
-    )
 
   @property
   def block_m(self) -> int:
@@ -101,11 +89,6 @@ class GemmConfig:
   @property
   def block_n(self) -> int:
     return self.tile_n * (2 if self.split == "n" else 1)
-
-  @property
-  def cluster_shape(self) -> tuple[int, int]:
-    """Blocks per cluster along the output's rows and columns."""
-    return (2 if self.cluster == "m" else 1), (2 if self.cluster == "n" else 1)
 
   def smem_bytes(
     self, in_dtype, out_dtype, accumulate: bool, row_vectors: int = 0

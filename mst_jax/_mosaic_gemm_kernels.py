@@ -65,46 +65,37 @@ def _operand_specs(problem: Problem, config: GemmConfig) -> list:
   Each tile is copied as its operand is stored (``[tile_k, block]`` when the
   contraction runs along the rows); ``_operand_views`` hands wgmma a transposed
   view where the stored tile is not the ``[m, k]`` / ``[k, n]`` it expects.
-  In a cluster the operand its blocks share (the rhs for ``cluster="m"``) is
-  multicast to both.
   """
   tile_k, dtype = config.tile_k, problem.in_dtype
 
-  def spec(block: int, k_major: bool, shared: bool):
+  def spec(block: int, k_major: bool):
     if k_major:  # stored [k, block]
       shape, index = (tile_k, block), lambda k: (k, 0)
     else:  # stored [block, k]
       shape, index = (block, tile_k), lambda k: (0, k)
     transforms = epilogues.smem_transforms(shape[1], dtype)
-    collective = dict(collective_axes=("cluster",)) if shared else {}
-    return plgpu.BlockSpec(
-      shape, index, transforms=transforms, memory_space=plgpu.SMEM, **collective
-    )
+    return plgpu.BlockSpec(shape, index, transforms=transforms, memory_space=plgpu.SMEM)
 
   return [
-    spec(config.block_m, problem.lhs_transposed, config.cluster == "n"),
-    spec(config.block_n, not problem.rhs_transposed, config.cluster == "m"),
+    spec(config.block_m, k_major=problem.lhs_transposed),
+    spec(config.block_n, k_major=not problem.rhs_transposed),
   ]
 
 
 def _walk(problem: Problem, config: GemmConfig):
   """The persistent grid's work: ``(count, split_steps, at)``: ``count``
-  pieces of ``split_steps`` contraction steps each, where ``at(index, cta)``
-  gives the ``index``-th piece's output rows, columns, contraction range and
-  split-K part for block ``cta`` of a cluster (0 without clusters: the two
-  blocks of a cluster take neighbouring blocks of one piece). Neighbouring
-  blocks (clusters) take the parts of one tile, then the next tile, along a
-  planar snake (they share operand tiles in L2)."""
+  pieces of ``split_steps`` contraction steps each, where ``at(index)`` gives
+  the ``index``-th piece's output rows, columns, contraction range and
+  split-K part. Neighbouring blocks take the parts of one tile, then the next
+  tile, along a planar snake (they share operand tiles in L2)."""
   p, c = problem, config
-  cm, cn = c.cluster_shape
-  grid = (pl.cdiv(p.m, c.block_m * cm), pl.cdiv(p.n, c.block_n * cn))
+  grid = (pl.cdiv(p.m, c.block_m), pl.cdiv(p.n, c.block_n))
   split_steps = pl.cdiv(pl.cdiv(p.k, c.tile_k), c.k_splits)  # tile_k steps
   minor = 0 if c.grid_minor == "m" else 1
 
-  def at(index, cta=0):
+  def at(index):
     tile_index, part = index // c.k_splits, index % c.k_splits
     m_index, n_index = plgpu.planar_snake(tile_index, grid, minor, c.grid_tile_width)
-    m_index, n_index = m_index * cm + cta * (cm - 1), n_index * cn + cta * (cn - 1)
     rows = pl.ds(m_index * c.block_m, c.block_m)
     cols = pl.ds(n_index * c.block_n, c.block_n)
     # The last part may run past K: TMA reads zeros there.
@@ -171,11 +162,10 @@ def _cooperative_kernel(
     wg = lax.axis_index("wg")
     wg_m = pl.ds(wg * c.tile_m, c.tile_m) if c.split == "m" else slice(None)
     wg_n = pl.ds(wg * c.tile_n, c.tile_n) if c.split == "n" else slice(None)
-    cta = 0 if c.cluster is None else lax.axis_index("cluster")
 
     @plgpu.nd_loop((count,), collective_axes="sm")
     def _tile(loop_info):
-      rows, cols, ks, part = at(loop_info.index[0], cta)
+      rows, cols, ks, part = at(loop_info.index[0])
       out = out_gmem.at[part] if c.k_splits > 1 else out_gmem
 
       def mma(_, a_smem, b_smem, acc_ref):
@@ -350,15 +340,8 @@ def gemm(
   kernel_problem = problem
   if config.k_splits > 1:
     kernel_problem = dataclasses.replace(problem, out_dtype=jnp.dtype(jnp.float32))
-  cluster = (
-    {} if config.cluster is None else dict(cluster=(2,), cluster_names=("cluster",))
-  )
   mesh = plgpu.Mesh(
-    grid=(num_sms // (2 if cluster else 1),),
-    grid_names=("sm",),
-    num_threads=3,
-    thread_name="wg",
-    **cluster,
+    grid=(num_sms,), grid_names=("sm",), num_threads=3, thread_name="wg"
   )
   epilogue, inputs = rows or (None, [])
   if config.split == "tiles":

@@ -11,8 +11,6 @@ need a Hopper GPU; the argument checks and the lowering run everywhere.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -260,42 +258,6 @@ def test_configs(rng, product, layout, config):
   _run(rng, product, layout, (1000, 512, 4160), "bfloat16", "bfloat16", config=config)
 
 
-CLUSTERS = [
-  GemmConfig(cluster="m"),
-  GemmConfig(split="n", cluster="n"),
-  GemmConfig(stages=3, epilogue_m=128, epilogue_n=32, cluster="n"),
-]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("config", CLUSTERS, ids=str)
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("product,layout", list(PRODUCTS))
-def test_clusters_share_multicast_tiles(rng, product, layout, shape, config):
-  """Blocks in clusters of two, one operand's tiles multicast to both: odd
-  numbers of blocks along the cluster leave a cluster's second block past
-  the output, reading zeros and storing nothing."""
-  _run(rng, product, layout, shape, "bfloat16", "bfloat16", config=config)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("config", CLUSTERS[:2], ids=str)
-@pytest.mark.parametrize("layout", ["vd", "dv"])
-def test_clusters_accumulate_and_split(rng, layout, config):
-  _run(
-    rng,
-    "dweight",
-    layout,
-    (1000, 512, 4160),
-    "bfloat16",
-    "float32",
-    True,
-    config=config,
-  )
-  split = dataclasses.replace(config, k_splits=3, epilogue_n=32)
-  _run(rng, "dhidden", layout, (264, 320, 32000), "bfloat16", "bfloat16", config=split)
-
-
 @pytest.mark.gpu
 def test_dhidden_split_to_fill_the_last_wave(rng):
   """A dhidden of fewer output blocks than fill the SMs' waves (2048 x 2304
@@ -345,8 +307,6 @@ def test_needs_a_hopper_gpu():
     dict(stages=0),
     dict(split="tiles", stages=1),
     dict(epilogue_buffers=0),
-    dict(cluster="k"),
-    dict(split="tiles", cluster="m"),
   ],
   ids=str,
 )

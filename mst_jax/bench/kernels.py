@@ -220,15 +220,12 @@ GEMM_PRODUCTS = {
 
 
 def parse_gemm_config(text: str) -> mosaic_gemm.GemmConfig:
-  """``"tile_n=192,stages=3,split=n,cluster=m"`` -> ``GemmConfig`` (other fields
-  default; ``none`` for None)."""
+  """``"tile_n=192,stages=3,split=n"`` -> ``GemmConfig`` (other fields default)."""
   fields = {f.name: f.type for f in dataclasses.fields(mosaic_gemm.GemmConfig)}
   kwargs = {}
   for item in text.split(","):
     name, value = item.split("=")
-    if "str" not in fields[name]:
-      value = int(value)
-    kwargs[name] = None if value == "none" else value
+    kwargs[name] = value if fields[name] == "str" else int(value)
   return mosaic_gemm.GemmConfig(**kwargs)
 
 
