@@ -11,15 +11,7 @@ import dataclasses
 
 import jax
 
-from mst_jax import (
-  _backends,
-  _full_logits,
-  _inputs,
-  _matmul,
-  _mesh,
-  _options,
-  _planning,
-)
+from mst_jax import _backends, _full_logits, _inputs, _mesh, _options, _planning
 from mst_jax._ce_math import at_least_float32
 from mst_jax._driver import Plan, reduced_loss, row_losses
 from mst_jax._inputs import Rows
@@ -159,13 +151,9 @@ def linear_cross_entropy(
       full-logits autodiff; 4 groups measured 1.9x); with more, in float32,
       whose ``V x D`` buffer and traffic cost less than the error of many
       roundings would. That buffer comes out of ``memory_budget``; when it
-      would take more than half, a 16-bit ``dweight`` summed by the Mosaic
-      GPU matmul (Hopper) becomes a compensated sum: its output and a low
-      part of the same dtype holding the rounding error (half the float32
-      buffer, the error of a float32 accumulator); elsewhere ``dweight``
-      stays in place up to 32 groups (``_planning.plan_with_accumulator``),
-      with the error of their roundings. With ``vocab_block_size``, always
-      in the weight's dtype.
+      would take more than half, ``dweight`` stays in place up to 32 groups
+      (``_planning.plan_with_accumulator``), with that error. With
+      ``vocab_block_size``, always in the weight's dtype.
     logits_dtype: the dtype the logits matmul writes (it accumulates in
       float32 either way; the cross-entropy math is float32). None (default):
       bfloat16 for bfloat16 inputs, as a bfloat16 ``Dense`` head feeding a
@@ -285,10 +273,7 @@ def resolve(
   bias_dtype = rows.weight.dtype if rows.bias is None else rows.bias.dtype
   platform = _platform(layout)
   tile = _planning.MATMUL_TILE if platform == "cpu" else None
-  gemm = _backends.select_gemm(perf.impl, platform)
-  order, accum = _loop_order(rows, perf, logits_dtype, layout, gemm, platform == "cpu")
-  compensated = accum == _planning.COMPENSATED
-  accum = None if compensated else accum
+  order, accum = _loop_order(rows, perf, logits_dtype, layout, cpu=platform == "cpu")
   config = SweepConfig(
     backend=_backends.select(
       perf.impl, platform, xla_only=_xla_only(rows.class_weights)
@@ -299,11 +284,10 @@ def resolve(
       dataclasses.replace(options.ce, entropy=entropy),
       rows.vocab_size,
       matmul_tile=tile,
-      gemm=gemm,
+      gemm=_backends.select_gemm(perf.impl, platform),
     ),
     dweight_dtype=accum or rows.weight.dtype,
     dbias_dtype=accum or at_least_float32(bias_dtype),
-    dweight_compensated=compensated,
   )
   if layout is not None:
     if layout.vocab_axis is not None:
@@ -353,11 +337,9 @@ def _xla_only(class_weights) -> str | None:
   return None if class_weights is None else "class weights"
 
 
-def _loop_order(rows: Rows, perf: PerfOptions, logits_dtype, layout, gemm, cpu):
+def _loop_order(rows: Rows, perf: PerfOptions, logits_dtype, layout, *, cpu: bool):
   """``(order, accum_dtype)``: the loop order planned for the rows and the
-  vocabulary one device holds, and the accumulators' dtype (None: in place;
-  ``_planning.COMPENSATED``: a compensated ``dweight``, where ``gemm`` sums
-  one in place)."""
+  vocabulary one device holds, and the accumulators' dtype (None: in place)."""
   row_devices = vocab_devices = 1
   if layout is not None:
     row_devices = layout.axis_size(layout.batch_axis)
@@ -394,9 +376,6 @@ def _loop_order(rows: Rows, perf: PerfOptions, logits_dtype, layout, gemm, cpu):
     memory_budget=budget or DEFAULT_MEMORY_BUDGET // vocab_devices,
     logits_dtype=logits_dtype,
     cpu=cpu,
-    # (the CPU's tiled dweight rounds each tile's sum)
-    compensate=not cpu
-    and _matmul.compensates(vocab, rows.hidden.shape[1], dtype, gemm),
   )
   return RowChunks(chunk, group), perf.accum_dtype or accum
 

@@ -23,7 +23,6 @@ one tile at a time.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -96,66 +95,9 @@ def over_columns(
   return carry
 
 
-class Compensated(NamedTuple):
-  """A running sum of 16-bit arrays kept as two: ``high``, the sum rounded to
-  the dtype, and ``low``, the rounding error rounded (``high + low`` is the
-  sum to about 16 significant bits, where ``high`` alone keeps 8 in
-  bfloat16). The ``dweight`` accumulator where a float32 one would not fit
-  the memory budget: ``high`` is the output, ``low`` half a float32
-  accumulator's size."""
-
-  high: jax.Array
-  low: jax.Array
-
-  @property
-  def dtype(self) -> jnp.dtype:
-    return self.high.dtype
-
-  @property
-  def shape(self) -> tuple[int, ...]:
-    return self.high.shape
-
-  @classmethod
-  def zeros(cls, shape, dtype) -> Compensated:
-    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-
-  def astype(self, dtype) -> jax.Array:
-    """The sum in ``dtype``: ``high`` (``round(high + low)`` is ``high``)."""
-    return self.high.astype(dtype)
-
-  def add(self, product: jax.Array) -> Compensated:
-    """The sum plus a float32 ``product``: ``s = high + low + product``,
-    ``high = round(s)``, ``low = round(s - high)``."""
-    total = self.high.astype(jnp.float32) + self.low.astype(jnp.float32) + product
-    high = total.astype(self.dtype)
-    return Compensated(high, (total - high.astype(jnp.float32)).astype(self.dtype))
-
-
-def compensates(vocab: int, dim: int, dtype, gemm: str) -> bool:
-  """Whether ``dweight_matmul`` adds a group's product to a ``Compensated``
-  ``dweight`` of ``vocab x dim`` in place: where the Mosaic GEMM takes the
-  shapes and sums it in its epilogue (XLA's ``dot_general`` would form a
-  float32 product of ``dweight``'s size first)."""
-  rows = lambda width: jax.ShapeDtypeStruct((128, width), dtype)
-  out = jax.ShapeDtypeStruct((vocab, dim), dtype)
-  return gemm == "mosaic" and _mosaic_gemm.takes(
-    rows(vocab), rows(dim), _CONTRACT_ROWS, dtype, out, out
-  )
-
-
 def _dot(lhs, rhs, dims, dtype, gemm: str, accumulate=None) -> jax.Array:
   """``accumulate + lax.dot_general(lhs, rhs, dims)`` written in ``dtype``
-  (``accumulate`` None: the product alone; a ``Compensated`` sum: one
-  returned), run by ``gemm``."""
-  if isinstance(accumulate, Compensated):
-    high, low = accumulate
-    if gemm == "mosaic" and _mosaic_gemm.takes(lhs, rhs, dims, dtype, high, low):
-      return Compensated(
-        *_mosaic_gemm.matmul(lhs, rhs, dims, dtype, accumulate=high, low=low)
-      )
-    return accumulate.add(
-      lax.dot_general(lhs, rhs, dims, preferred_element_type=jnp.float32)
-    )
+  (``accumulate`` None: the product alone), run by ``gemm``."""
   if gemm == "mosaic" and _mosaic_gemm.takes(lhs, rhs, dims, dtype, accumulate):
     return _mosaic_gemm.matmul(lhs, rhs, dims, dtype, accumulate=accumulate)
   product = lax.dot_general(lhs, rhs, dims, preferred_element_type=dtype)
@@ -294,14 +236,8 @@ def dweight_matmul(
   With ``into`` (a weight-shaped ``dweight``), returns ``into`` plus the
   product (``add``) or the product in its place (``add=False``: ``into`` is
   a buffer whose values are never read). Tiling needs ``into``: each tile's
-  columns are written into it. A ``Compensated`` ``into`` (not tiled) always
-  gets the product added: its zeros start the sum.
+  columns are written into it.
   """
-  if isinstance(into, Compensated):
-    if tile is not None:
-      raise NotImplementedError("a Compensated dweight is not summed in tiles")
-    operands = (dlogits, hidden) if layout == "vd" else (hidden, dlogits)
-    return _dot(*operands, _CONTRACT_ROWS, dtype, gemm, into)
   if tile is not None and into is not None:
     axis = vocab_axis(layout)
 

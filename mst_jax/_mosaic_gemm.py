@@ -45,7 +45,7 @@ _OUTPUT_DTYPES = ("bfloat16", "float16", "float32")
 _SWIZZLE_BYTES = 128  # shared-memory tiles are 8 rows of 128 swizzled bytes
 
 
-def _check(lhs, rhs, dimension_numbers, out_dtype, accumulate, low=None) -> Problem:
+def _check(lhs, rhs, dimension_numbers, out_dtype, accumulate) -> Problem:
   """Validates the arguments at trace time; returns the problem they pose."""
   (lhs_contract, rhs_contract), batch = dimension_numbers
   if lhs.ndim != 2 or rhs.ndim != 2 or any(batch):
@@ -75,16 +75,6 @@ def _check(lhs, rhs, dimension_numbers, out_dtype, accumulate, low=None) -> Prob
       )
     if accumulate.dtype != out_dtype:
       raise TypeError(f"accumulate is {accumulate.dtype}, out_dtype {out_dtype}")
-  if low is not None:
-    if accumulate is None:
-      raise ValueError("low is the low part of an accumulate; pass accumulate too")
-    if low.shape != accumulate.shape or low.dtype != out_dtype:
-      raise ValueError(
-        f"low must match accumulate ({accumulate.shape}, {out_dtype}), got"
-        f" {low.shape}, {low.dtype}"
-      )
-    if out_dtype.itemsize != 2:
-      raise TypeError(f"a compensated sum is of 16-bit parts, got {out_dtype}")
   for name, shape, dtype in (
     ("lhs", lhs.shape, lhs.dtype),
     ("rhs", rhs.shape, rhs.dtype),
@@ -98,9 +88,7 @@ def _check(lhs, rhs, dimension_numbers, out_dtype, accumulate, low=None) -> Prob
         " tiles; use lax.dot_general."
       )
   in_dtype, has_accumulate = jnp.dtype(lhs.dtype), accumulate is not None
-  return Problem(
-    m, n, k, lc == 0, rc == 1, in_dtype, out_dtype, has_accumulate, low is not None
-  )
+  return Problem(m, n, k, lc == 0, rc == 1, in_dtype, out_dtype, has_accumulate)
 
 
 def _num_sms() -> int:
@@ -158,14 +146,14 @@ def unavailable_reason() -> str | None:
   return None
 
 
-def takes(lhs, rhs, dimension_numbers, out_dtype, accumulate=None, low=None) -> bool:
+def takes(lhs, rhs, dimension_numbers, out_dtype, accumulate=None) -> bool:
   """Whether ``matmul`` runs these arguments here (a Hopper GPU, bf16/f16
   operands, arrays of whole TMA tiles); ``mst_jax._matmul`` uses
   ``lax.dot_general`` for the rest."""
   if unavailable_reason() is not None:
     return False
   try:
-    _check(lhs, rhs, dimension_numbers, out_dtype, accumulate, low)
+    _check(lhs, rhs, dimension_numbers, out_dtype, accumulate)
   except (NotImplementedError, TypeError, ValueError):
     return False
   return True
@@ -179,7 +167,6 @@ def matmul(
   out_dtype=None,
   *,
   accumulate: jax.Array | None = None,
-  low: jax.Array | None = None,
   config: GemmConfig | None = None,
   row_epilogue: RowEpilogue | None = None,
   row_inputs: tuple = (),
@@ -214,12 +201,6 @@ def matmul(
       ``accumulate + lhs @ rhs``, each tile read and rewritten by the kernel
       (in place when the caller no longer needs ``accumulate``: XLA aliases
       it with the result).
-    low: with a 16-bit ``accumulate``, the low part of a compensated sum
-      (``accumulate + low`` is the running total, ``low`` the rounding error
-      of ``accumulate``); the result is then the pair ``(high, low)`` of
-      ``s = accumulate + low + lhs @ rhs`` (float32): ``high = round(s)``,
-      ``low = round(s - high)``. Summing many products this way keeps about
-      16 significant bits where rounding each sum to bfloat16 keeps 8.
     config: tiles and pipelining (default: ``default_config``).
     row_epilogue: per-row reductions of each ``[tile_m, tile_n]`` output
       tile as stored, computed in the kernel's epilogue (``RowEpilogue``;
@@ -228,8 +209,7 @@ def matmul(
     row_inputs: ``row_epilogue``'s ``[M]`` row inputs.
 
   Returns:
-    ``[M, N]`` in ``out_dtype`` (with ``low``, a pair of them); with
-    ``row_epilogue``, also a list of its
+    ``[M, N]`` in ``out_dtype``; with ``row_epilogue``, also a list of its
     outputs, each ``[cdiv(N, tile_n), M]``: row ``j`` of the output columns
     ``j tile_n`` to ``(j + 1) tile_n``.
 
@@ -241,17 +221,15 @@ def matmul(
   """
   if out_dtype is None:
     out_dtype = lhs.dtype if accumulate is None else accumulate.dtype
-  problem = _check(lhs, rhs, dimension_numbers, out_dtype, accumulate, low)
+  problem = _check(lhs, rhs, dimension_numbers, out_dtype, accumulate)
   if (reason := unavailable_reason()) is not None:
     raise NotImplementedError(f"mosaic_gemm.matmul: {reason}; use lax.dot_general.")
   p = problem
   if row_epilogue is None:
     config = config or default_config(
-      p.m, p.n, p.k, p.out_dtype, p.accumulate, _num_sms(), low=p.low
+      p.m, p.n, p.k, p.out_dtype, p.accumulate, _num_sms()
     )
-    if low is not None:  # (Refs inside: no custom_vmap around it)
-      return gemm(lhs, rhs, (accumulate, low), problem, config, _num_sms())
-    if accumulate is not None:
+    if accumulate is not None:  # (a Ref inside: no custom_vmap around it)
       return gemm(lhs, rhs, accumulate, problem, config, _num_sms())
     run = lambda lhs, rhs: gemm(lhs, rhs, None, problem, config, _num_sms())
     return unbatched(run)(lhs, rhs)

@@ -91,23 +91,17 @@ class GemmConfig:
     return self.tile_n * (2 if self.split == "n" else 1)
 
   def smem_bytes(
-    self,
-    in_dtype,
-    out_dtype,
-    accumulate: bool,
-    row_vectors: int = 0,
-    low: bool = False,
+    self, in_dtype, out_dtype, accumulate: bool, row_vectors: int = 0
   ) -> int:
     """Shared memory the kernel allocates (operand ring + epilogue slots;
     split along K, the slots hold float32 partial products; ``row_vectors``:
     a row epilogue's inputs and outputs, a 4-byte ``[tile_m]`` buffer and a
-    barrier each per compute warpgroup; ``low``: a second set of slots for
-    a compensated sum's low part)."""
+    barrier each per compute warpgroup)."""
     if self.k_splits > 1:
       out_dtype = jnp.float32
     ring = self.stages * self.tile_k * (self.block_m + self.block_n)
     slots_per_wg = epilogue_slots(self)
-    slots = 2 * slots_per_wg * self.epilogue_m * self.epilogue_n * (1 + low)
+    slots = 2 * slots_per_wg * self.epilogue_m * self.epilogue_n
     barriers = 8 * (3 * self.stages + 2 * slots_per_wg * accumulate + 2 * row_vectors)
     in_bytes, out_bytes = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
     rows = 2 * 4 * self.tile_m * row_vectors
@@ -126,7 +120,6 @@ class Problem:
   in_dtype: jnp.dtype
   out_dtype: jnp.dtype
   accumulate: bool
-  low: bool = False  # accumulate a compensated sum: also the total's low part
 
 
 def epilogue_slots(config: GemmConfig) -> int:
@@ -229,7 +222,6 @@ def default_config(
   accumulate: bool,
   num_sms: int = 132,
   row_vectors: int | None = None,
-  low: bool = False,
 ) -> GemmConfig:
   """The config for an ``[m, k] x [k, n]`` product, fitted to shared memory.
 
@@ -257,8 +249,7 @@ def default_config(
     options = [tuned] + ([split(_NARROW_LONG_K)] if k >= _LONG_K else [])
     config = max(options, key=score)  # ties: _tuned's
   fits = lambda c: (
-    c.smem_bytes(jnp.bfloat16, out_dtype, accumulate, row_vectors or 0, low)
-    <= SMEM_BYTES
+    c.smem_bytes(jnp.bfloat16, out_dtype, accumulate, row_vectors or 0) <= SMEM_BYTES
   )
   if not fits(config) and config.epilogue_n > 32:
     config = dataclasses.replace(config, epilogue_n=32)

@@ -3,13 +3,10 @@ finished ``[tile_m, tile_n]`` float32 accumulator (``_mosaic_gemm_kernels``).
 
 ``TileStore`` rounds it to the output dtype (after adding the ``accumulate``
 array's tile, loaded ahead during the main loop) and stores it through
-shared memory with TMA; a compensated sum (``Problem.low``) also loads,
-adds and stores the running total's low part, the rounding error of the
-high part kept in a second array of the output dtype. ``RowOutputs`` runs
-a ``RowEpilogue`` over the tile as stored: per-row reductions of each output
-tile (the cross-entropy's statistics of a vocabulary tile of logits), written
-as ``[n / tile_n, m]`` arrays, so that nothing reads the output again for
-them.
+shared memory with TMA. ``RowOutputs`` runs a ``RowEpilogue`` over the tile
+as stored: per-row reductions of each output tile (the cross-entropy's
+statistics of a vocabulary tile of logits), written as ``[n / tile_n, m]``
+arrays, so that nothing reads the output again for them.
 """
 
 from __future__ import annotations
@@ -85,10 +82,7 @@ class TileStore:
   columns past the array's end are read as zeros and not written). With
   ``accumulate``, each piece's addend is loaded into its slot ahead of time:
   the first ``slots`` during the main loop, each later one as soon as the
-  store before it in its slot has read the slot. With a low part
-  (``Problem.low``: ``low_tile`` and ``low_smem``), its piece travels beside
-  the high part's, on the same barrier: the piece's float32 sum ``s = acc +
-  high + low`` is stored as ``high = round(s)`` and ``low = round(s - high)``.
+  store before it in its slot has read the slot.
   """
 
   out_tile: object  # GMEM [tile_m, tile_n] view
@@ -97,8 +91,6 @@ class TileStore:
   wg: jax.Array
   p: Problem
   c: GemmConfig
-  low_tile: object = None  # GMEM [tile_m, tile_n] view of the low part
-  low_smem: object = None  # SMEM [slots, epilogue_m, epilogue_n]
 
   def begin(self) -> None:
     """Before the main loop: the slots' last stores have read them; the
@@ -118,10 +110,6 @@ class TileStore:
     plgpu.copy_gmem_to_smem(
       self.out_tile.at[rows, cols], self.out_smem.at[slot], barrier
     )
-    if self.p.low:
-      plgpu.copy_gmem_to_smem(
-        self.low_tile.at[rows, cols], self.low_smem.at[slot], barrier
-      )
 
   def store(self, acc: jax.Array) -> None:
     """Stores ``acc`` (float32, or already in the output dtype)."""
@@ -134,17 +122,9 @@ class TileStore:
         piece = piece + self.out_smem[slot].astype(jnp.float32)
       else:
         plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
-      if self.p.low:
-        piece = piece + self.low_smem[slot].astype(jnp.float32)
-        high = piece.astype(self.p.out_dtype)
-        self.low_smem[slot] = (piece - high.astype(jnp.float32)).astype(high.dtype)
-        self.out_smem[slot] = high
-      else:
-        self.out_smem[slot] = piece.astype(self.p.out_dtype)
+      self.out_smem[slot] = piece.astype(self.p.out_dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(self.out_smem.at[slot], self.out_tile.at[rows, cols])
-      if self.p.low:
-        plgpu.copy_smem_to_gmem(self.low_smem.at[slot], self.low_tile.at[rows, cols])
       if self.p.accumulate and index + slots < len(pieces):
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this store read the slot
         self.load_addend(index + slots)

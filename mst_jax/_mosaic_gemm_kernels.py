@@ -126,43 +126,13 @@ def _operand_views(problem: Problem, a_smem, b_smem, wg_m, wg_n):
   return a, b
 
 
-def _load_barrier(p: Problem, slots: int):
-  """A barrier per epilogue slot of each compute warpgroup, on which its
-  addend pieces (high and low part) arrive; None without an addend."""
-  if not p.accumulate:
-    return None
-  return plgpu.Barrier(num_arrivals=1 + p.low, num_barriers=2 * slots)
-
-
-def _tile_store(
-  gmem, smem, rows, cols, load_barrier, wg, p, c, wg_m=slice(None), wg_n=slice(None)
-):
-  """The ``TileStore`` of warpgroup ``wg``'s part of output tile ``(rows,
-  cols)``: ``gmem`` and ``smem`` are ``(output, low part)`` pairs (the low
-  part None unless ``p.low``); ``wg_m`` / ``wg_n`` its rows / columns of the
-  tile (a cooperative kernel's half)."""
-  (out, low), (out_smem, low_smem) = gmem, smem
-  view = lambda ref: ref.at[rows, cols].at[wg_m, wg_n]
-  return epilogues.TileStore(
-    view(out),
-    out_smem.at[wg],
-    load_barrier,
-    wg,
-    p,
-    c,
-    low_tile=None if low is None else view(low),
-    low_smem=None if low_smem is None else low_smem.at[wg],
-  )
-
-
 def _cooperative_kernel(
-  a_gmem, b_gmem, out_gmem, low_gmem=None, *, problem: Problem, config: GemmConfig
+  a_gmem, b_gmem, out_gmem, *, problem: Problem, config: GemmConfig
 ):
   """One block: a persistent walk over ``[block_m, block_n]`` output tiles
   (and with split-K, over the contraction's parts: ``out_gmem`` is then
   ``[k_splits, m, n]``, one partial product per part), both compute
-  warpgroups on each tile (``split="m"`` or ``"n"``). ``low_gmem``: a
-  compensated sum's low part (``Problem.low``)."""
+  warpgroups on each tile (``split="m"`` or ``"n"``)."""
   p, c = problem, config
   count, split_steps, at = _walk(p, c)
 
@@ -185,11 +155,10 @@ def _cooperative_kernel(
     pl.run_scoped,
     allocations=pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
     out_smem=epilogues.out_smem(c, p.out_dtype),
-    low_smem=epilogues.out_smem(c, p.out_dtype) if p.low else None,
-    load_barrier=_load_barrier(p, slots),
+    load_barrier=plgpu.Barrier(num_barriers=2 * slots) if p.accumulate else None,
     collective_axes="wg",
   )
-  def _scope(allocations, out_smem, low_smem, load_barrier):
+  def _scope(allocations, out_smem, load_barrier):
     wg = lax.axis_index("wg")
     wg_m = pl.ds(wg * c.tile_m, c.tile_m) if c.split == "m" else slice(None)
     wg_n = pl.ds(wg * c.tile_n, c.tile_n) if c.split == "n" else slice(None)
@@ -205,18 +174,8 @@ def _cooperative_kernel(
         return acc_ref
 
       def compute_context(run_pipeline):
-        store = _tile_store(
-          (out, low_gmem),
-          (out_smem, low_smem),
-          rows,
-          cols,
-          load_barrier,
-          wg,
-          p,
-          c,
-          wg_m,
-          wg_n,
-        )
+        out_tile = out.at[rows, cols].at[wg_m, wg_n]
+        store = epilogues.TileStore(out_tile, out_smem.at[wg], load_barrier, wg, p, c)
         store.begin()
 
         @functools.partial(
@@ -248,15 +207,13 @@ def _pingpong_kernel(
   2, ...``. The ring orders them: a warpgroup's main loop starts as the
   other's ends, and its epilogue runs during the other's main loop.
 
-  ``refs``: the output (a Ref when accumulating; then also the low part's
-  for ``Problem.low``), or with ``rows_epilogue`` its ``[m]`` row inputs,
-  the output and its ``[n / tile_n, m]`` row outputs.
+  ``refs``: the output (a Ref when accumulating), or with ``rows_epilogue``
+  its ``[m]`` row inputs, the output and its ``[n / tile_n, m]`` row outputs.
   """
   p, c = problem, config
-  row_inputs, row_outputs, low_gmem = [], [], None
+  row_inputs, row_outputs = [], []
   if rows_epilogue is None:
-    out_gmem, *low = refs
-    low_gmem = low[0] if p.low else None
+    (out_gmem,) = refs
   else:
     inputs = len(rows_epilogue.input_dtypes)
     row_inputs, (out_gmem, *row_outputs) = refs[:inputs], refs[inputs:]
@@ -279,14 +236,11 @@ def _pingpong_kernel(
     loaded=plgpu.Barrier(num_arrivals=2, num_barriers=2 * c.stages),
     consumed=plgpu.Barrier(num_arrivals=1, num_barriers=c.stages),
     out_smem=epilogues.out_smem(c, p.out_dtype),
-    low_smem=epilogues.out_smem(c, p.out_dtype) if p.low else None,
-    load_barrier=_load_barrier(p, slots),
+    load_barrier=plgpu.Barrier(num_barriers=2 * slots) if p.accumulate else None,
     row_scratch=epilogues.row_scratch(rows_epilogue, c),
     collective_axes="wg",
   )
-  def _scope(
-    a_smem, b_smem, loaded, consumed, out_smem, low_smem, load_barrier, row_scratch
-  ):
+  def _scope(a_smem, b_smem, loaded, consumed, out_smem, load_barrier, row_scratch):
     wg = lax.axis_index("wg")
 
     def memory():
@@ -319,8 +273,8 @@ def _pingpong_kernel(
       def _tile(local):
         rows, cols, _, part = at(sm + local * num_sms)
         out = out_gmem.at[part] if c.k_splits > 1 else out_gmem
-        store = _tile_store(
-          (out, low_gmem), (out_smem, low_smem), rows, cols, load_barrier, wg, p, c
+        store = epilogues.TileStore(
+          out.at[rows, cols], out_smem.at[wg], load_barrier, wg, p, c
         )
         store.begin()
         if rows_epilogue is not None:
@@ -371,9 +325,7 @@ def gemm(
   num_sms: int,
   rows: tuple[epilogues.RowEpilogue, list] | None = None,
 ):
-  """Launches the kernel; ``accumulate`` (or None) is updated through a Ref;
-  for ``problem.low``, ``accumulate`` is a ``(high, low)`` pair, both
-  updated, returned as a pair.
+  """Launches the kernel; ``accumulate`` (or None) is updated through a Ref.
 
   Split along K, the blocks write float32 partial products, summed here.
   With ``rows=(epilogue, inputs)`` (ping-pong only), returns the output and
@@ -408,7 +360,6 @@ def gemm(
     ),
     name=name
     + ("_add" if accumulate is not None else "")
-    + ("_low" if problem.low else "")
     + ("_rows" if epilogue is not None else ""),
   )
   if config.k_splits > 1:
@@ -423,10 +374,6 @@ def gemm(
     return out, [x[:, : problem.m] for x in row_outputs]
   if accumulate is None:
     return kernel(out_type=out_type)(lhs, rhs)
-  if not problem.low:
-    out_ref = jax.new_ref(accumulate)
-    kernel(out_type=())(lhs, rhs, out_ref)
-    return jax.freeze(out_ref)
-  refs = [jax.new_ref(x) for x in accumulate]
-  kernel(out_type=())(lhs, rhs, *refs)
-  return tuple(map(jax.freeze, refs))
+  out_ref = jax.new_ref(accumulate)
+  kernel(out_type=())(lhs, rhs, out_ref)
+  return jax.freeze(out_ref)

@@ -156,9 +156,6 @@ def plan_vocab_blocked_rows(
 # up to the second, also when a float32 accumulator would not fit the budget.
 MAX_GROUPS_IN_PLACE = 2
 MAX_GROUPS_IN_PLACE_TO_FIT = 32
-# plan_with_accumulator's accumulator where a float32 one would not fit:
-# dweight as a compensated sum, its 16-bit output and a low part beside it.
-COMPENSATED = "compensated"
 
 
 def default_accum_dtype(
@@ -189,21 +186,15 @@ def plan_with_accumulator(
   memory_budget: int,
   logits_dtype: np.dtype | None,
   cpu: bool = False,
-  compensate: bool = False,
-) -> tuple[int, int, np.dtype | str | None]:
+) -> tuple[int, int, np.dtype | None]:
   """``(rows_per_chunk, rows_per_group, accum_dtype)`` within the budget.
 
   ``plan_chunks``, then ``default_accum_dtype``. A float32 ``[V, D]``
   accumulator comes out of the budget: when it takes at most half, the rows
-  are planned again in the rest. When it would take more and ``compensate``
-  (the ``dweight`` matmul sums a ``_matmul.Compensated`` in place) allows,
-  ``dweight`` is a compensated sum (``COMPENSATED``): a low part in the
-  weight's 16-bit dtype comes out of the budget instead (half a float32
-  accumulator), the rows planned again in the rest, and the error stays
-  that of a float32 accumulator. Otherwise ``dweight`` accumulates in place
-  (a rounding per group, no buffer beyond the budget) up to
-  ``MAX_GROUPS_IN_PLACE_TO_FIT`` groups; past that, the accumulator is kept
-  beyond the budget: so many roundings would cost more accuracy than a
+  are planned again in the rest. When it would take more, ``dweight``
+  accumulates in place (a rounding per group, no buffer beyond the budget)
+  up to ``MAX_GROUPS_IN_PLACE_TO_FIT`` groups; past that, the accumulator is
+  kept beyond the budget: so many roundings would cost more accuracy than a
   budget is worth.
 
   ``cpu``: plan for what XLA:CPU holds besides (``cpu_fixed_bytes``, and
@@ -227,9 +218,6 @@ def plan_with_accumulator(
   accumulator = vocab_size * dim * np.dtype(accum).itemsize
   if accumulator <= memory_budget // 2:
     return *plan(memory_budget=memory_budget - accumulator), accum
-  low = vocab_size * dim * np.dtype(weight_dtype).itemsize
-  if compensate and np.dtype(weight_dtype).itemsize == 2 and low <= memory_budget // 2:
-    return *plan(memory_budget=memory_budget - low), COMPENSATED
   if -(-n_rows // group) <= MAX_GROUPS_IN_PLACE_TO_FIT:
     return chunk, group, None
   return chunk, group, accum

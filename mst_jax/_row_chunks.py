@@ -174,10 +174,7 @@ def _whole_groups_in_place(sweep: _Sweep, outputs, grads):
   config, hidden, weight = sweep.config, sweep.hidden, sweep.weight
   group_size, chunk_size = sweep.order.rows_per_group, sweep.order.rows_per_chunk
   layout, dh_dtype = config.layout, hidden.dtype
-  # (shapes and dtypes only: the branches below must not take grads as operands)
-  specs = [
-    jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), g) for g in grads[1:]
-  ]
+  specs = [None if g is None else (g.shape, g.dtype) for g in grads[1:]]
   want_rows = grads[0] is not None
 
   def whole(outputs, dweight, dbias, group, first):
@@ -220,7 +217,7 @@ def _whole_groups_in_place(sweep: _Sweep, outputs, grads):
 
   def started(part):  # the zeros made here are never read
     def run(outputs, group):
-      zeros = (jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), s) for s in specs)
+      zeros = (None if s is None else jnp.zeros(*s) for s in specs)
       return part(outputs, *zeros, group, True)
 
     return run

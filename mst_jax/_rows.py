@@ -28,7 +28,6 @@ from jax import lax
 
 from mst_jax import _ce_math
 from mst_jax._backends import AllColumns, ChunkBackend, ChunkInputs, Columns, HeadSpec
-from mst_jax._matmul import Compensated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +39,6 @@ class SweepConfig:
     head: the layout, logits dtype, loss options and whole vocabulary size.
     dweight_dtype: dtype of the ``dweight`` accumulator (the weight's dtype:
       accumulated in place in the output, one rounding per group).
-    dweight_compensated: ``dweight`` summed as a ``_matmul.Compensated``
-      pair (``_planning.COMPENSATED``), not rounded per group.
     dbias_dtype: dtype of the ``dbias`` accumulator.
     columns: the vocabulary columns this device's weight holds
       (``AllColumns``, or a vocab-parallel shard from the mesh layer).
@@ -58,7 +55,6 @@ class SweepConfig:
   dweight_dtype: jnp.dtype
   dbias_dtype: jnp.dtype
   columns: Columns = AllColumns()
-  dweight_compensated: bool = False
   chunk_callback: Callable[[str, jax.Array], None] | None = None
 
   @property
@@ -430,10 +426,9 @@ def gradient_init(config: SweepConfig, x: RowInputs, diff: Differentiated) -> Gr
   dhidden = _zeros_if(diff.hidden, hidden.shape, hidden.dtype)
   if dhidden is not None and isinstance(hidden, Permuted):
     dhidden = hidden._replace(array=dhidden)
-  zeros = Compensated.zeros if config.dweight_compensated else jnp.zeros
   return (
     dhidden,
-    zeros(weight.shape, config.dweight_dtype) if diff.weight else None,
+    _zeros_if(diff.weight, weight.shape, config.dweight_dtype),
     _zeros_if(diff.bias, bias.shape if diff.bias else None, config.dbias_dtype),
   )
 
@@ -443,7 +438,7 @@ def gradient_finish(grads: Grads, x: RowInputs) -> Grads:
   (dhidden, dweight, dbias), weight, bias = grads, x.weight, x.bias
   if dhidden is not None:
     dhidden = original_order(dhidden)
-  if dweight is not None:  # (a Compensated sum's is its high part)
+  if dweight is not None:
     dweight = dweight.astype(weight.dtype)
   if dbias is not None:
     dbias = dbias.astype(bias.dtype)
