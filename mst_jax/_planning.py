@@ -190,15 +190,21 @@ def plan_with_accumulator(
   """``(rows_per_chunk, rows_per_group, accum_dtype)`` within the budget.
 
   ``plan_chunks``, then ``default_accum_dtype``. A float32 ``[V, D]``
-  accumulator comes out of the budget: when it takes at most half, the rows
-  are planned again in the rest. When it would take more, ``dweight``
-  accumulates in place (a rounding per group, no buffer beyond the budget)
-  up to ``MAX_GROUPS_IN_PLACE_TO_FIT`` groups; past that, the accumulator is
-  kept beyond the budget: so many roundings would cost more accuracy than a
-  budget is worth.
+  accumulator comes out of the budget, less the ``dweight`` output's own
+  bytes off the CPU: until the sweep's last cast writes the output, XLA
+  puts other temporaries (a group's logits) in that output's buffer, so
+  the accumulator adds only its size beyond it to the step's peak (the
+  Llama-3 head at 32768 tokens on the H200: 2110 MiB extra with a float32
+  accumulator, the same as with 16-bit parts of the same size;
+  docs/benchmarks.md, run 106). When that takes at most half the budget,
+  the rows are planned again in the rest. When it would take more,
+  ``dweight`` accumulates in place (a rounding per group, no buffer beyond
+  the budget) up to ``MAX_GROUPS_IN_PLACE_TO_FIT`` groups; past that, the
+  accumulator is kept beyond the budget: so many roundings would cost more
+  accuracy than a budget is worth.
 
   ``cpu``: plan for what XLA:CPU holds besides (``cpu_fixed_bytes``, and
-  ``CPU_COPY_BYTES`` per logit).
+  ``CPU_COPY_BYTES`` per logit), and count the whole accumulator.
   """
   if cpu:
     fixed = cpu_fixed_bytes(n_rows, dim, dtype)
@@ -216,8 +222,9 @@ def plan_with_accumulator(
   if accum is None:
     return chunk, group, None
   accumulator = vocab_size * dim * np.dtype(accum).itemsize
-  if accumulator <= memory_budget // 2:
-    return *plan(memory_budget=memory_budget - accumulator), accum
+  output = 0 if cpu else vocab_size * dim * np.dtype(weight_dtype).itemsize
+  if accumulator <= memory_budget and accumulator - output <= memory_budget // 2:
+    return *plan(memory_budget=memory_budget - (accumulator - output)), accum
   if -(-n_rows // group) <= MAX_GROUPS_IN_PLACE_TO_FIT:
     return chunk, group, None
   return chunk, group, accum

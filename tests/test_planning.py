@@ -74,3 +74,52 @@ def test_logits_of_another_16_bit_type_are_not_planned_in_place():
   other = _planning.plan_chunks(8192, 128256, f16, logits_dtype=bf16)
   assert other == _planning.plan_chunks(8192, 128256, f16)
   assert other != _planning.plan_chunks(8192, 128256, f16, logits_dtype=f16)
+
+
+BF16 = np.dtype("bfloat16")
+
+
+@pytest.mark.parametrize("n_rows", [8192, 16384, 32768, 131072])
+@pytest.mark.parametrize("vocab,dim", [(128256, 4096), (256000, 2304), (32000, 4096)])
+@pytest.mark.parametrize("budget", [2**29, 2**30, _planning.DEFAULT_MEMORY_BUDGET])
+@pytest.mark.parametrize("cpu", [False, True])
+def test_accumulator_plans_fit_the_budget(n_rows, vocab, dim, budget, cpu):
+  """A float32 ``dweight`` accumulator is planned only where it and the
+  groups' logits fit the budget: off the CPU counting only its bytes beyond
+  the bfloat16 output (whose buffer XLA lends other temporaries until the
+  last cast writes it), on the CPU all of them."""
+  chunk, group, accum = _planning.plan_with_accumulator(
+    n_rows, vocab, dim, BF16, BF16, memory_budget=budget, logits_dtype=BF16, cpu=cpu
+  )
+  n_groups = -(-n_rows // group)
+  if accum is None:  # in place: few groups, or no room for an accumulator
+    assert n_groups <= _planning.MAX_GROUPS_IN_PLACE_TO_FIT
+    return
+  accumulator = 4 * vocab * dim
+  assert accum == np.float32 and n_groups > _planning.MAX_GROUPS_IN_PLACE
+  counted = accumulator - (0 if cpu else 2 * vocab * dim)
+  if counted > budget // 2:  # kept beyond the budget: too many roundings
+    assert n_groups > _planning.MAX_GROUPS_IN_PLACE_TO_FIT
+    return
+  assert accumulator <= budget  # at the last cast, beside the output
+  if not cpu and group > 8:
+    assert counted + (group + chunk) * vocab * 2 <= budget
+
+
+def test_llama_head_at_32768_tokens_takes_a_float32_accumulator():
+  """The H200 measurement behind the rule (docs/benchmarks.md, run 106): at
+  the default budget, eight groups of 4096 rows beside a float32 dweight took
+  2110 MiB extra and matched the naive head's dweight error (four groups
+  rounding a bfloat16 dweight in place: 1.38x it); on the CPU, in place."""
+  plan = lambda cpu: _planning.plan_with_accumulator(
+    32768,
+    128256,
+    4096,
+    BF16,
+    BF16,
+    memory_budget=_planning.DEFAULT_MEMORY_BUDGET,
+    logits_dtype=BF16,
+    cpu=cpu,
+  )
+  assert plan(cpu=False) == (512, 4096, np.float32)
+  assert plan(cpu=True)[2] is None
