@@ -150,8 +150,10 @@ def linear_cross_entropy(
       (with 2 groups at the Llama-3 head, within 1.1x the error of
       full-logits autodiff; 4 groups measured 1.9x); with more, in float32,
       whose ``V x D`` buffer and traffic cost less than the error of many
-      roundings would. That buffer comes out of ``memory_budget``; when it
-      would take more than half, ``dweight`` stays in place up to 32 groups
+      roundings would. That buffer comes out of ``memory_budget`` (off the
+      CPU, only its bytes beyond the weight-dtype output's, whose buffer
+      holds other temporaries until the sweep ends); when it would take more
+      than half, ``dweight`` stays in place up to 32 groups
       (``_planning.plan_with_accumulator``), with that error. With
       ``vocab_block_size``, always in the weight's dtype.
     logits_dtype: the dtype the logits matmul writes (it accumulates in
