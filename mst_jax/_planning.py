@@ -195,8 +195,8 @@ def plan_with_accumulator(
   puts other temporaries (a group's logits) in that output's buffer, so
   the accumulator adds only its size beyond it to the step's peak (the
   Llama-3 head at 32768 tokens on the H200: 2110 MiB extra with a float32
-  accumulator, the same as with 16-bit parts of the same size;
-  docs/benchmarks.md, run 106). When that takes at most half the budget,
+  accumulator in 4096-row groups, docs/benchmarks.md). When that takes at
+  most half the budget,
   the rows are planned again in the rest. When it would take more,
   ``dweight`` accumulates in place (a rounding per group, no buffer beyond
   the budget) up to ``MAX_GROUPS_IN_PLACE_TO_FIT`` groups; past that, the
