@@ -196,12 +196,11 @@ def plan_with_accumulator(
   the accumulator adds only its size beyond it to the step's peak (the
   Llama-3 head at 32768 tokens on the H200: 2110 MiB extra with a float32
   accumulator in 4096-row groups, docs/benchmarks.md). When that takes at
-  most half the budget,
-  the rows are planned again in the rest. When it would take more,
-  ``dweight`` accumulates in place (a rounding per group, no buffer beyond
-  the budget) up to ``MAX_GROUPS_IN_PLACE_TO_FIT`` groups; past that, the
-  accumulator is kept beyond the budget: so many roundings would cost more
-  accuracy than a budget is worth.
+  most half the budget, the rows are planned again in the rest. When it
+  would take more, ``dweight`` accumulates in place (a rounding per group,
+  no buffer beyond the budget) up to ``MAX_GROUPS_IN_PLACE_TO_FIT`` groups;
+  past that, the accumulator is kept beyond the budget: so many roundings
+  would cost more accuracy than a budget is worth.
 
   ``cpu``: plan for what XLA:CPU holds besides (``cpu_fixed_bytes``, and
   ``CPU_COPY_BYTES`` per logit), and count the whole accumulator.
