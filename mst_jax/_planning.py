@@ -191,8 +191,8 @@ def plan_with_accumulator(
 
   ``plan_chunks``, then ``default_accum_dtype``. A float32 ``[V, D]``
   accumulator comes out of the budget, less the ``dweight`` output's own
-  bytes off the CPU: until the sweep's last cast writes the output, XLA
-  puts other temporaries (a group's logits) in that output's buffer, so
+  bytes off the CPU: until the sweep's last cast writes the output, XLA can
+  place other temporaries (a group's logits) in that output's buffer, so
   the accumulator adds only its size beyond it to the step's peak (the
   Llama-3 head at 32768 tokens on the H200: 2110 MiB extra with a float32
   accumulator in 4096-row groups, docs/benchmarks.md). When that takes at
