@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from mst_jax import _ce_math
-from mst_jax._ce_math import CEOptions, at_least_float32
+from mst_jax._ce_math import CEOptions, at_least_float32, per_row
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 
@@ -166,7 +166,7 @@ def _own_stats(options: DistillOptions) -> bool:
 
 def _max_and_exp(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   row_max = jnp.max(x, axis=-1)
-  return row_max, jnp.exp(x - _ce_math.max_shift(row_max)[..., None])
+  return row_max, jnp.exp(x - per_row(_ce_math.max_shift(row_max), x.shape))
 
 
 def _weighted_sum(weights: jax.Array, values: jax.Array) -> jax.Array:
@@ -243,7 +243,7 @@ def log_norms(stats: DistillStats) -> tuple[jax.Array, ...]:
 
 
 def _log_probs(x: jax.Array, shift: jax.Array, log_sum: jax.Array) -> jax.Array:
-  return (x - shift[:, None]) - log_sum[:, None]
+  return (x - per_row(shift, x.shape)) - per_row(log_sum, x.shape)
 
 
 def jsd_sums(
@@ -363,18 +363,18 @@ def dlogits_block(
       log_ref = _logaddexp(math.log(beta) + log_ref, math.log1p(-beta) + log_q)
     # The softmax's Jacobian applied to dJ/dQ = log Q - log ref (times 1 - beta
     # for the JSD); 0 where Q is 0 (its log-ratio may be -inf - -inf there).
-    spread = q * (log_q - log_ref - rows.kl[:, None])
+    spread = q * (log_q - log_ref - per_row(rows.kl, q.shape))
     grad = jnp.where(q > 0, spread, 0.0)
     if options.divergence == "jsd":
       grad = (1.0 - options.beta) * grad
-  grad = grad * rows.coef[:, None]
+  grad = grad * per_row(rows.coef, grad.shape)
   if rows.hard is not None:
     hard = _ce_math.dlogits_block(scores, cols, labels, rows.hard, _PLAIN, vocab_size)
     grad = grad + hard
   head = options.scores
   if head.logit_softcap is not None or head.logit_scale != 1.0:
     grad = grad * _ce_math.scores_grad(student_logits, head)
-  return jnp.where(rows.valid[:, None], grad, 0.0)
+  return jnp.where(per_row(rows.valid, grad.shape), grad, 0.0)
 
 
 def chunk_loss(

@@ -292,13 +292,13 @@ def test_matches_the_float64_oracle(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", [None, "xla"], ids=["pallas", "xla"])
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
 @pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])
 def test_gpu_llama_vocabulary(rng, divergence, impl):
   """bfloat16 heads over the Llama-3 vocabulary on a GPU, with the default
-  logits and accumulator in several planned chunks (and a masked tail); by
-  default each chunk runs the Pallas kernel, dlogits over the student's
-  bfloat16 logits."""
+  logits and accumulator in several planned chunks (and a masked tail); with
+  "pallas" each chunk runs the Triton kernel, dlogits over the student's
+  bfloat16 logits (impl=None: test_mosaic_distill.py)."""
   pair = make_pair(
     rng, (2, 500), dtype="bfloat16", mask="prefix", bias="banned", vocab=128256
   )

@@ -107,9 +107,19 @@ def select(
 
 
 def select_distill(impl: str | None, platform: str):
-  """The per-chunk distillation kernel for ``impl`` on ``platform``
-  (``pallas_distill.PallasTritonDistill``), or None for the XLA chunk
-  (``_distill_math.chunk_loss``); chosen as ``select`` chooses."""
+  """The per-chunk distillation kernel for ``impl`` on ``platform``, or None
+  for the XLA chunk (``_distill_math.chunk_loss``); chosen as ``select``
+  chooses: ``mosaic_distill.MosaicDistill`` (with the Triton kernel, or XLA's
+  chunk, for what it does not take) or ``pallas_distill.PallasTritonDistill``."""
+  if impl in (None, "mosaic") and select_gemm(impl, platform) == "mosaic":
+    from mst_jax._backends import mosaic_distill
+
+    fallback = None
+    if pallas_unavailable_reason(platform) is None:
+      from mst_jax._backends import pallas_distill
+
+      fallback = pallas_distill.PallasTritonDistill()
+    return mosaic_distill.MosaicDistill(fallback=fallback)
   if not _use_pallas(impl, platform):
     return None
   from mst_jax._backends import pallas_distill

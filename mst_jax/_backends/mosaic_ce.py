@@ -81,7 +81,7 @@ class MosaicBlocks:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Grid:
+class Grid:
   """Row blocks x vocabulary parts x tiles per part."""
 
   row_blocks: int
@@ -89,7 +89,7 @@ class _Grid:
   steps: int
 
   @classmethod
-  def of(cls, n_rows: int, n_cols: int, blocks: MosaicBlocks) -> _Grid:
+  def of(cls, n_rows: int, n_cols: int, blocks: MosaicBlocks) -> Grid:
     row_blocks = pl.cdiv(n_rows, blocks.block_rows)
     tiles = pl.cdiv(n_cols, blocks.block_v)
     parts = min(tiles, max(1, pl.cdiv(blocks.programs, row_blocks)))
@@ -98,7 +98,7 @@ class _Grid:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Program:
+class Program:
   """What a kernel body needs of where it runs: its program's indices, its
   rows of the ``[R]`` row vectors, and the walk over its tiles.
 
@@ -107,7 +107,7 @@ class _Program:
   padded to whole parts of whole tiles are read and written directly.
   """
 
-  grid: _Grid
+  grid: Grid
   blocks: MosaicBlocks
   interpret: bool
 
@@ -196,11 +196,73 @@ class _Program:
     )(*ins, *outs)
 
 
+def launch(kernel, name, grid, rows, out_type, arrays, *, tiles, interpret, approx):
+  """``kernel(..., program=)`` over ``grid``'s ``(row blocks, parts)``.
+
+  ``rows``: ``[R]`` arrays; ``arrays``: ``[R, V]`` arrays of one shape.
+  ``out_type``: ``[parts, R]`` outputs, and the kernel takes
+  ``(*arrays, *rows, *outputs)``; with ``out_type=None`` the last of
+  ``arrays`` is a ``jax.Ref`` that the kernel writes over, and it takes
+  ``(*rows, *arrays)``. Row vectors and per-part outputs are padded to whole
+  row blocks (the kernels move them whole, by TMA, between device and shared
+  memory). Returns the outputs, or None.
+  """
+  n_rows, n_cols = arrays[0].shape
+  program = Program(grid, tiles, interpret)
+  body = functools.partial(kernel, program=program)
+  padded_rows = grid.row_blocks * tiles.block_rows
+  rows = [jnp.pad(r, (0, padded_rows - n_rows)) for r in rows]
+  written = out_type is None
+  if not written:
+    out_type = [
+      jax.ShapeDtypeStruct((o.shape[0], padded_rows), o.dtype) for o in out_type
+    ]
+  if not interpret:
+    outputs = pl.kernel(
+      body,
+      out_type=() if written else out_type,
+      mesh=plgpu.Mesh(grid=(grid.row_blocks, grid.parts), grid_names=("rows", "parts")),
+      compiler_params=plgpu.CompilerParams(
+        approx_math=approx, lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+      ),
+      name=name,
+    )(*((*rows, *arrays) if written else (*arrays, *rows)))
+    return None if written else [o[:, :n_rows] for o in outputs]
+  # Interpret mode: the arrays padded too (TMA reads zeros past the ends and
+  # drops writes there); the written one is an output aliased to its input.
+  padded_cols = grid.parts * grid.steps * tiles.block_v
+  pad = ((0, padded_rows - n_rows), (0, padded_cols - n_cols))
+  padded = [jnp.pad(a[...] if written else a, pad) for a in arrays]
+  args, aliases = (*padded, *rows), {}
+  if written:
+    out_type = jax.ShapeDtypeStruct(padded[-1].shape, padded[-1].dtype)
+    args, aliases = (*rows, *padded), {len(rows) + len(padded) - 1: 0}
+    body = lambda *refs, f=body: f(*refs[:-2], refs[-1])  # the aliased output
+  gmem = plgpu.BlockSpec(memory_space=plgpu.GMEM)
+  outputs = pl.pallas_call(
+    body,
+    out_shape=out_type,
+    grid=(grid.row_blocks, grid.parts),
+    in_specs=[gmem] * len(args),
+    out_specs=jax.tree.map(lambda _: gmem, out_type),
+    input_output_aliases=aliases,
+    compiler_params=plgpu.CompilerParams(
+      lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+    ),
+    interpret=True,
+    name=name,
+  )(*args)
+  if written:
+    arrays[-1][...] = outputs[:n_rows, :n_cols]
+    return None
+  return [o[:, :n_rows] for o in outputs]
+
+
 def _stats_kernel(
   logits_ref,  # [R, V] 16-bit
   labels_ref,  # [R] int32
   *out_refs,  # [parts, R] each: mosaic_stats.finish's values
-  program: _Program,
+  program: Program,
   options: ce_math.CEOptions,
   n_cols: int,
 ):
@@ -222,7 +284,7 @@ def _stats_kernel(
 def _dlogits_kernel(
   labels_ref,  # [R] int32
   *refs,  # [R] float32 each: BackwardRows' fields; then the [R, V] logits
-  program: _Program,
+  program: Program,
   options: ce_math.CEOptions,
   vocab_total: int,
 ):
@@ -277,67 +339,6 @@ class MosaicChunkCE(base.MatmulThenCE):
   tiles: MosaicBlocks = MosaicBlocks()
   interpret: bool = False
 
-  def _launch(self, kernel, name, grid, rows, out_type, logits, approx_math):
-    """``kernel(*rows, *refs, program=)`` over ``grid``'s ``(row blocks, parts)``.
-
-    ``rows``: ``[R]`` arrays. ``out_type``: ``[parts, R]`` outputs; with
-    ``out_type=None``, ``logits`` is a ``jax.Ref`` the kernel writes over
-    (its last argument), else a read-only ``[R, V]`` array (its first).
-    Row vectors and per-part outputs are padded to whole row blocks (the
-    kernels move them whole, by TMA, between device and shared memory).
-    """
-    n_rows, n_cols = logits.shape
-    program = _Program(grid, self.tiles, self.interpret)
-    body = functools.partial(kernel, program=program)
-    padded_rows = grid.row_blocks * self.tiles.block_rows
-    rows = [jnp.pad(r, (0, padded_rows - n_rows)) for r in rows]
-    if out_type is not None:
-      out_type = [
-        jax.ShapeDtypeStruct((o.shape[0], padded_rows), o.dtype) for o in out_type
-      ]
-    if not self.interpret:
-      args = (*rows, logits) if out_type is None else (logits, *rows)
-      outputs = pl.kernel(
-        body,
-        out_type=() if out_type is None else out_type,
-        mesh=plgpu.Mesh(
-          grid=(grid.row_blocks, grid.parts), grid_names=("rows", "parts")
-        ),
-        compiler_params=plgpu.CompilerParams(
-          approx_math=approx_math,
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
-        ),
-        name=name,
-      )(*args)
-    else:  # the logits padded too: TMA reads zeros past the ends, drops writes
-      padded_cols = grid.parts * grid.steps * self.tiles.block_v
-      array = logits[...] if out_type is None else logits
-      array = jnp.pad(array, ((0, padded_rows - n_rows), (0, padded_cols - n_cols)))
-      gmem = plgpu.BlockSpec(memory_space=plgpu.GMEM)
-      if out_type is None:
-        out_type = jax.ShapeDtypeStruct(array.shape, array.dtype)
-        args, aliases = (*rows, array), {len(rows): 0}
-        body = lambda *refs, f=body: f(*refs[:-2], refs[-1])  # the aliased output
-      else:
-        args, aliases = (array, *rows), {}
-      outputs = pl.pallas_call(
-        body,
-        out_shape=out_type,
-        grid=(grid.row_blocks, grid.parts),
-        in_specs=[gmem] * len(args),
-        out_specs=jax.tree.map(lambda _: gmem, out_type),
-        input_output_aliases=aliases,
-        compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup
-        ),
-        interpret=True,
-        name=name,
-      )(*args)
-      if aliases:
-        logits[...] = outputs[:n_rows, :n_cols]
-        return None
-    return None if out_type is None else [o[:, :n_rows] for o in outputs]
-
   def logits_and_stats(self, x: base.ChunkInputs, head: base.HeadSpec, offset):
     """The chunk's logits and their ``RowStats`` from one Mosaic GEMM, the
     statistics computed in its epilogue (``mosaic_stats.TileStats``), so
@@ -368,17 +369,24 @@ class MosaicChunkCE(base.MatmulThenCE):
     if not takes(logits):
       return self.fallback.forward(logits, labels, options)
     n_rows, n_cols = logits.shape
-    grid = _Grid.of(n_rows, n_cols, self.tiles)
+    grid = Grid.of(n_rows, n_cols, self.tiles)
     out_type = [
       jax.ShapeDtypeStruct((grid.parts, n_rows), dtype)
       for dtype in mosaic_stats.out_dtypes(options)
     ]
     kernel = functools.partial(_stats_kernel, options=options, n_cols=n_cols)
-    approx = mosaic_stats.approx_math(options)
-    launch = lambda logits, labels: self._launch(
-      kernel, "mst_ce_stats_mosaic", grid, [labels], out_type, logits, approx
+    run = lambda logits, labels: launch(
+      kernel,
+      "mst_ce_stats_mosaic",
+      grid,
+      [labels],
+      out_type,
+      [logits],
+      tiles=self.tiles,
+      interpret=self.interpret,
+      approx=mosaic_stats.approx_math(options),
     )
-    outputs = _mosaic_gemm.unbatched(launch)(logits, labels)
+    outputs = _mosaic_gemm.unbatched(run)(logits, labels)
     widths = mosaic_stats.part_widths(n_cols, grid.steps * self.tiles.block_v)
     return mosaic_stats.combine(outputs, widths, n_cols, options)
 
@@ -388,7 +396,7 @@ class MosaicChunkCE(base.MatmulThenCE):
         logits, labels, rows, options, out_dtype, vocab_size
       )
     n_rows, n_cols = logits.shape
-    grid = _Grid.of(n_rows, n_cols, self.tiles)
+    grid = Grid.of(n_rows, n_cols, self.tiles)
     row_values = [labels, rows.lse, rows.coef_softmax, rows.coef_target]
     if options.entropy:
       row_values += [rows.coef_entropy, rows.expected_score]
@@ -398,14 +406,16 @@ class MosaicChunkCE(base.MatmulThenCE):
     # dlogits overwrite the logits (XLA aliases them where nothing else
     # reads them): each tile is read before it is written.
     ref = jax.new_ref(logits)
-    self._launch(
+    launch(
       kernel,
       "mst_ce_dlogits_mosaic",
       grid,
       row_values,
       None,
-      ref,
-      mosaic_stats.approx_math(options),
+      [ref],
+      tiles=self.tiles,
+      interpret=self.interpret,
+      approx=mosaic_stats.approx_math(options),
     )
     return jax.freeze(ref)
 

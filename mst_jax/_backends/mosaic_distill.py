@@ -1,0 +1,256 @@
+"""Per-chunk distillation as Pallas kernels lowered through Mosaic GPU (Hopper).
+
+Over a chunk's 16-bit student and teacher logits ``[R, V]`` (one dtype; math
+in float32 and ``_distill_math``'s, as the other backends), on
+``mosaic_ce``'s tiles, vocabulary parts and TMA pipelines:
+
+1. ``_stats_kernel``: each ``[block_rows, V / parts]`` slab's
+   ``DistillStats``, in one pass over tiles of both heads; a tree of
+   ``_distill_math.combine`` merges the parts' (``_merge_parts``);
+2. ``_jsd_kernel`` (``divergence="jsd"``): the JSD's two sums, given the
+   whole rows' normalizers, in a second pass;
+3. ``_dlogits_kernel``: the student's ``dlogits`` (``dlogits_block``),
+   written over the student's logits.
+
+Each row's loss and the ``DistillRows`` of its gradient (``finish``) are
+formed in XLA between the passes: a few ``[R]`` vectors. What the kernels do
+not take (float32 logits, heads of two dtypes, shapes that are not whole TMA
+tiles, ``dlogits`` of another dtype than the student's logits) goes to
+``MosaicDistill.fallback``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from mst_jax import _ce_math, _distill_math, _mosaic_gemm
+from mst_jax._backends import mosaic_ce, mosaic_stats
+
+
+def _tempered_tile(first_col, student_ref, teacher_ref, options, n_cols):
+  """``(s_s, u, v)`` of a tile (``_distill_math.tempered``), -inf from
+  column ``n_cols`` on."""
+  shape = student_ref.shape
+  inside = first_col + lax.broadcasted_iota(jnp.int32, shape, 1) < n_cols
+  z_s = student_ref[...].astype(jnp.float32)
+  z_t = teacher_ref[...].astype(jnp.float32)
+  out = _distill_math.tempered(z_s, z_t, options)
+  return [jnp.where(inside, x, -jnp.inf) for x in out]
+
+
+def _stats_kernel(
+  student_ref,  # [R, V] 16-bit
+  teacher_ref,  # [R, V] likewise
+  *out_refs,  # [parts, R] float32 each: DistillStats' fields that are not None
+  program: mosaic_ce.Program,
+  options: _distill_math.DistillOptions,
+  n_cols: int,
+):
+  def body(first_col, s_tile, t_tile, stats):
+    tile = _tempered_tile(first_col, s_tile, t_tile, options, n_cols)
+    block = _distill_math.block_stats(*tile, options)
+    return _distill_math.combine(stats, block, options)
+
+  rows = program.blocks.block_rows
+  empty = _distill_math.empty_stats((rows,), jnp.float32, options)
+  stats = program.walk(body, [student_ref, teacher_ref], init=empty)
+  program.store_rows(out_refs, [x for x in stats if x is not None])
+
+
+def _jsd_kernel(
+  student_ref,  # [R, V] 16-bit
+  teacher_ref,  # [R, V] likewise
+  *refs,  # [R] float32: log_norms' four; then [parts, R] float32: the two sums
+  program: mosaic_ce.Program,
+  options: _distill_math.DistillOptions,
+  n_cols: int,
+):
+  *norm_refs, kl_p_ref, kl_q_ref = refs
+
+  def with_norms(norms):
+    def body(first_col, s_tile, t_tile, sums):
+      _, u, v = _tempered_tile(first_col, s_tile, t_tile, options, n_cols)
+      block = _distill_math.jsd_sums(u, v, norms, options.beta)
+      return sums[0] + block[0], sums[1] + block[1]
+
+    zeros = jnp.zeros((program.blocks.block_rows,), jnp.float32)
+    return program.walk(body, [student_ref, teacher_ref], init=(zeros, zeros))
+
+  sums = program.with_rows(norm_refs, with_norms)
+  program.store_rows([kl_p_ref, kl_q_ref], list(sums))
+
+
+def _dlogits_kernel(
+  labels_ref,  # [R] int32
+  *refs,  # [R] float32 each: DistillRows' fields (valid as 0 / 1, then the
+  # hard-label term's lse, coef_softmax, coef_target); then the teacher's
+  # [R, V] logits and the student's, written over
+  program: mosaic_ce.Program,
+  options: _distill_math.DistillOptions,
+  vocab_total: int,
+):
+  *row_refs, teacher_ref, student_ref = refs
+  shape = (program.blocks.block_rows, program.blocks.block_v)
+
+  def with_rows(values):
+    labels, *values = values
+    hard = None
+    if options.hard_label_weight:
+      hard = _ce_math.BackwardRows(*values[7:10])
+    valid = values[6] > 0.0
+    rows = _distill_math.DistillRows(*values[:6], valid=valid, hard=hard)
+
+    def body(first_col, s_tile, t_tile, out_tile):
+      cols = first_col + lax.broadcasted_iota(jnp.int32, shape, 1)
+      z_s = s_tile[...].astype(jnp.float32)
+      z_t = t_tile[...].astype(jnp.float32)
+      grad = _distill_math.dlogits_block(
+        z_s, z_t, cols, labels, rows, options, vocab_total
+      )
+      out_tile[...] = grad.astype(out_tile.dtype)
+
+    program.walk(body, [student_ref, teacher_ref], [student_ref])
+
+  program.with_rows([labels_ref, *row_refs], with_rows)
+
+
+def _halves(size: int) -> tuple[slice, slice]:
+  return slice(None, size), slice(size, None)
+
+
+def _merge_parts(parts: list, options) -> _distill_math.DistillStats:
+  """The whole rows' ``DistillStats`` from each part's (``[parts, R]``
+  fields, None ones left out): halves merged with ``combine`` until one
+  part is left (empty parts pad the count to a power of 2)."""
+  fields = iter(parts)
+  stats = _distill_math.DistillStats(
+    *(
+      None if x is None else next(fields)
+      for x in _distill_math.empty_stats((), jnp.float32, options)
+    )
+  )
+  count = stats.max_q.shape[0]
+  size = 1 << (count - 1).bit_length()
+  empty = _distill_math.empty_stats(
+    (size - count, stats.max_q.shape[1]), jnp.float32, options
+  )
+  stats = jax.tree.map(lambda x, e: jnp.concatenate([x, e]), stats, empty)
+  while size > 1:
+    size //= 2
+    halves = [jax.tree.map(lambda x, s=s: x[s], stats) for s in _halves(size)]
+    stats = _distill_math.combine(*halves, options)
+  return jax.tree.map(lambda x: x[0], stats)
+
+
+def takes(student_logits: jax.Array, teacher_logits: jax.Array) -> bool:
+  """Whether the Mosaic kernels take these heads: one 16-bit dtype, whole
+  TMA tiles (``mosaic_ce.takes``)."""
+  return student_logits.dtype == teacher_logits.dtype and mosaic_ce.takes(
+    student_logits
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicDistill:
+  """A chunk's distillation loss and ``dlogits`` as Mosaic GPU kernels where
+  they take the logits (``takes``), else by ``fallback``.
+
+  Attributes:
+    fallback: the kernel for what these do not take (``PallasTritonDistill``),
+      or None for XLA's chunk (``_distill_math.chunk_loss``).
+    tiles: the kernels' tiles.
+    interpret: run the kernels in Pallas interpret mode (on a CPU too).
+  """
+
+  fallback: Any = None
+  tiles: mosaic_ce.MosaicBlocks = mosaic_ce.MosaicBlocks()
+  interpret: bool = False
+
+  def in_place(self, logits_dtype, out_dtype) -> bool:
+    """Whether ``dlogits`` overwrite the student's logits: of the same dtype,
+    unless XLA's chunk may run instead (no fallback), which never does."""
+    same = jnp.dtype(logits_dtype) == jnp.dtype(out_dtype)
+    return same and self.fallback is not None
+
+  def _launch(self, kernel, name, grid, rows, out_type, arrays, options):
+    return mosaic_ce.launch(
+      kernel,
+      name,
+      grid,
+      rows,
+      out_type,
+      arrays,
+      tiles=self.tiles,
+      interpret=self.interpret,
+      approx=mosaic_stats.approx_math(options.scores),
+    )
+
+  def chunk_loss(
+    self, student_logits, teacher_logits, labels, valid, g_loss, options, out_dtype
+  ):
+    """``_distill_math.chunk_loss``'s ``(loss, dlogits)``, ``dlogits`` in
+    ``out_dtype`` (None without ``g_loss``)."""
+    args = (student_logits, teacher_logits, labels, valid, g_loss, options)
+    grad_dtype = student_logits.dtype if g_loss is None else jnp.dtype(out_dtype)
+    if not takes(student_logits, teacher_logits) or grad_dtype != student_logits.dtype:
+      if self.fallback is None:
+        loss, dlogits = _distill_math.chunk_loss(*args)
+        return loss, None if dlogits is None else dlogits.astype(out_dtype)
+      return self.fallback.chunk_loss(*args, out_dtype)
+    n_rows, n_cols = student_logits.shape
+    grid = mosaic_ce.Grid.of(n_rows, n_cols, self.tiles)
+    heads = [student_logits, teacher_logits]
+    empty = _distill_math.empty_stats((), jnp.float32, options)
+    part = jax.ShapeDtypeStruct((grid.parts, n_rows), jnp.float32)
+    kernel = functools.partial(_stats_kernel, options=options, n_cols=n_cols)
+    run = lambda *heads: self._launch(
+      kernel,
+      "mst_distill_stats_mosaic",
+      grid,
+      [],
+      [part for x in empty if x is not None],
+      heads,
+      options,
+    )
+    stats = _merge_parts(_mosaic_gemm.unbatched(run)(*heads), options)
+    sums = target = None
+    if options.divergence == "jsd":
+      kernel = functools.partial(_jsd_kernel, options=options, n_cols=n_cols)
+      norms = list(_distill_math.log_norms(stats))
+      run = lambda *args: self._launch(
+        kernel, "mst_distill_jsd_mosaic", grid, args[2:], [part] * 2, args[:2], options
+      )
+      kl_p, kl_q = _mosaic_gemm.unbatched(run)(*heads, *norms)
+      sums = kl_p.sum(axis=0), kl_q.sum(axis=0)
+    if options.hard_label_weight:
+      safe = jnp.clip(labels, 0, n_cols - 1)[:, None]
+      raw = jnp.take_along_axis(student_logits, safe, axis=-1)[:, 0]
+      target = _ce_math.scores(raw.astype(jnp.float32), options.scores)
+    loss, rows = _distill_math.finish(
+      stats, sums, target, labels, valid, g_loss, options, n_cols
+    )
+    if rows is None:
+      return loss, None
+    row_values = [labels.astype(jnp.int32), *rows[:6], valid.astype(jnp.float32)]
+    if rows.hard is not None:
+      row_values += list(rows.hard[:3])
+    kernel = functools.partial(_dlogits_kernel, options=options, vocab_total=n_cols)
+    # dlogits overwrite the student's logits (XLA aliases them where nothing
+    # else reads them): each tile is read before it is written.
+    ref = jax.new_ref(student_logits)
+    self._launch(
+      kernel,
+      "mst_distill_dlogits_mosaic",
+      grid,
+      row_values,
+      None,
+      [teacher_logits, ref],
+      options,
+    )
+    return loss, jax.freeze(ref)
