@@ -120,18 +120,20 @@ def linear_distillation_loss(
     chunk_size: rows per chunk (both heads' logits exist for that many rows
       at once). None plans it from ``memory_budget``.
     memory_budget: bytes for a chunk's temporaries, per logit: both heads'
-      logits; with the Pallas kernel, ``dlogits`` unless they overwrite the
+      logits; with the Pallas kernels, ``dlogits`` unless they overwrite the
       student's logits (the same dtype); in XLA, ``dlogits`` and two float32
       work arrays (default 2.25 GiB, ``mst_jax._api.DEFAULT_MEMORY_BUDGET``).
       Over more than 2 chunks a float32 ``dweight`` accumulator (``4 V D_s``
       bytes) comes on top, unless ``accum_dtype`` says otherwise.
     vocab_block_size: not supported (raises ``NotImplementedError``): use
       ``chunk_size`` or ``memory_budget`` to bound the memory.
-    impl: None (chunked; on a GPU each chunk's loss and ``dlogits`` in one
-      Pallas kernel, with Mosaic GPU GEMMs on a Hopper GPU; elsewhere in
-      XLA), ``"pallas"`` (the kernel everywhere, XLA's GEMMs; interpret mode
-      off a GPU, slow), ``"xla"`` (the per-chunk math in XLA), ``"mosaic"``
-      (as None; XLA's GEMMs with one warning off Hopper), or
+    impl: None (chunked; on a Hopper GPU the GEMMs and each chunk's loss and
+      ``dlogits`` as Mosaic GPU kernels, the Triton kernel for what those do
+      not take: docs/distillation.md; on other GPUs one Pallas Triton kernel
+      per chunk; elsewhere in XLA), ``"pallas"`` (the Triton kernel
+      everywhere, XLA's GEMMs; interpret mode off a GPU, slow), ``"xla"``
+      (the per-chunk math in XLA), ``"mosaic"`` (as None; XLA's GEMMs with
+      one warning off Hopper), or
       ``"reference"`` (both heads' full logits, differentiated by autodiff;
       for tests and small problems).
     accum_dtype: the ``dweight`` / ``dbias`` accumulators' dtype. None, as
