@@ -292,13 +292,14 @@ def test_matches_the_float64_oracle(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["pallas", "xla"])
+@pytest.mark.parametrize("impl", [None, "pallas", "xla"], ids=str)
 @pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])
 def test_gpu_llama_vocabulary(rng, divergence, impl):
   """bfloat16 heads over the Llama-3 vocabulary on a GPU, with the default
-  logits and accumulator in several planned chunks (and a masked tail); with
-  "pallas" each chunk runs the Triton kernel, dlogits over the student's
-  bfloat16 logits (impl=None: test_mosaic_distill.py)."""
+  logits and accumulator in several planned chunks (and a masked tail); by
+  default each chunk runs the Mosaic kernels on a Hopper GPU, with "pallas"
+  the Triton kernel, both writing dlogits over the student's bfloat16
+  logits."""
   pair = make_pair(
     rng, (2, 500), dtype="bfloat16", mask="prefix", bias="banned", vocab=128256
   )
@@ -617,6 +618,45 @@ KERNEL_OPTIONS = [
 ]
 
 
+def kernel_options(options: dict):
+  """``KERNEL_OPTIONS``' dict as ``DistillOptions``."""
+  from mst_jax._ce_math import CEOptions
+  from mst_jax._distill_math import DistillOptions
+
+  scores = {k: options[k] for k in ("logit_softcap", "logit_scale") if k in options}
+  distill = {k: v for k, v in options.items() if k not in scores}
+  return DistillOptions(**distill, scores=CEOptions(**scores))
+
+
+def kernel_oracle(heads, labels, valid, g_loss, options):
+  """Per-row losses and ``d sum(g_loss * loss) / d student`` of ``[R, V]``
+  logits in float64 (the full-logits reference and its autodiff gradient;
+  0 at -inf logits)."""
+  from mst_jax import _full_distill
+
+  with jax.enable_x64(True):
+    s64, t64 = (jnp.asarray(to64(x)) for x in heads)
+
+    def total(s):
+      losses = _full_distill.losses_from_logits(
+        s, t64, jnp.asarray(labels), jnp.asarray(valid), options
+      )
+      return jnp.sum(losses * g_loss), losses
+
+    grad, loss = jax.grad(total, has_aux=True)(s64)
+    grad = jnp.where(jnp.isfinite(s64), grad, 0.0)
+  return np.asarray(loss), np.asarray(grad)
+
+
+def kernel_rtol(student, options: dict, base: float = 2e-5) -> float:
+  """float32 math on tempered scores u = s / T rounds them to eps |u|: a
+  relative error of that size in every probability (1e-3 at |u| = 1e4)."""
+  student = to64(student)
+  finite = np.abs(student[np.isfinite(student)]).max()
+  magnitude = finite * options.get("logit_scale", 1.0) / options.get("temperature", 1.0)
+  return base + 1e-7 * magnitude
+
+
 @pytest.mark.parametrize("offset", [0.0, 1e3], ids=["plain", "offset"])
 @pytest.mark.parametrize(
   "options", KERNEL_OPTIONS, ids=lambda o: "-".join(map(str, o.values()))
@@ -628,11 +668,8 @@ def test_kernel_blocks_merge_like_whole_rows(rng, options, offset):
   full-logits reference (``losses_from_logits`` and its autodiff gradient).
   ``offset`` adds 1e3 to every logit of both heads (without a softcap the
   loss does not change)."""
-  from mst_jax import _full_distill
   from mst_jax._backends.pallas_distill import PallasTritonDistill
   from mst_jax._backends.triton_common import KernelBlocks
-  from mst_jax._ce_math import CEOptions
-  from mst_jax._distill_math import DistillOptions
 
   rows, vocab = 7, V
   student = rng.standard_normal((rows, vocab)) * 3.0
@@ -645,9 +682,7 @@ def test_kernel_blocks_merge_like_whole_rows(rng, options, offset):
   labels[0] = vocab - 1 if vocab - 1 not in banned else labels[0]  # ragged block
   valid = np.array([True, True, False, True, True, False, True])
   g_loss = rng.standard_normal(rows)
-  scores = {k: options[k] for k in ("logit_softcap", "logit_scale") if k in options}
-  distill = {k: v for k, v in options.items() if k not in scores}
-  opts = DistillOptions(**distill, scores=CEOptions(**scores))
+  opts = kernel_options(options)
   kernel = PallasTritonDistill(
     blocks=KernelBlocks(block_rows=2, block_v=64), interpret=True
   )
@@ -660,23 +695,8 @@ def test_kernel_blocks_merge_like_whole_rows(rng, options, offset):
     opts,
     jnp.float32,
   )
-  with jax.enable_x64(True):
-    s64, t64 = (jnp.asarray(to64(x)) for x in args)
-
-    def total(s):
-      losses = _full_distill.losses_from_logits(
-        s, t64, jnp.asarray(labels), jnp.asarray(valid), opts
-      )
-      return jnp.sum(losses * g_loss), losses
-
-    ref_grad, ref_loss = jax.grad(total, has_aux=True)(s64)
-    ref_grad = jnp.where(jnp.isfinite(s64), ref_grad, 0.0)
-  ref_loss, ref_grad = np.asarray(ref_loss), np.asarray(ref_grad)
-  # float32 math on tempered scores u = s / T rounds them to eps |u|: a
-  # relative error of that size in every probability (1e-3 at |u| = 1e4).
-  finite = np.abs(student[np.isfinite(student)]).max()
-  magnitude = finite * options.get("logit_scale", 1.0) / options.get("temperature", 1.0)
-  rtol = 2e-5 + 1e-7 * magnitude
+  ref_loss, ref_grad = kernel_oracle(args, labels, valid, g_loss, opts)
+  rtol = kernel_rtol(student, options)
   assert_close(loss, ref_loss, rtol, "loss", atol=rtol * np.sqrt(rows))
   assert_close(dlogits, ref_grad, rtol, "dlogits", atol=1e-7)
   assert np.all(np.asarray(dlogits)[~valid] == 0.0)
