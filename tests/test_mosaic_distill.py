@@ -7,6 +7,8 @@ step runs), and compiled on a Hopper GPU at real sizes.
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +22,8 @@ from test_distillation import (
 )
 
 import mst_jax
+from mst_jax import _backends as backends
+from mst_jax import _mosaic_gemm
 from mst_jax._backends import pallas_distill
 from mst_jax._backends.mosaic_ce import MosaicBlocks
 from mst_jax._backends.mosaic_distill import MosaicDistill, takes
@@ -100,6 +104,36 @@ def test_in_place_only_with_a_fallback_that_is():
   assert triton.in_place(jnp.bfloat16, jnp.bfloat16)
   assert not triton.in_place(jnp.bfloat16, jnp.float32)
   assert not MosaicDistill().in_place(jnp.bfloat16, jnp.bfloat16)
+
+
+def test_selection_on_hopper(monkeypatch):
+  """impl=None and "mosaic": the Mosaic kernels with the Triton kernel behind
+  them; a jax without the Triton lowering: XLA's chunk behind them, without a
+  warning; "pallas" and "xla" as asked; another GPU: the Triton kernel; a
+  CPU: XLA's chunk."""
+  monkeypatch.setattr(_mosaic_gemm, "unavailable_reason", lambda: None)
+  monkeypatch.setattr(backends, "pallas_unavailable_reason", lambda platform: None)
+  for impl in (None, "mosaic"):
+    chosen = backends.select_distill(impl, "gpu")
+    assert isinstance(chosen, MosaicDistill) and not chosen.interpret
+    assert isinstance(chosen.fallback, pallas_distill.PallasTritonDistill)
+  chosen = backends.select_distill("pallas", "gpu")
+  assert isinstance(chosen, pallas_distill.PallasTritonDistill)
+  assert backends.select_distill("xla", "gpu") is None
+  assert backends.select_distill(None, "cpu") is None
+  monkeypatch.setattr(backends, "pallas_unavailable_reason", lambda platform: "no")
+  backends._warn_fallback.cache_clear()
+  try:
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      chosen = backends.select_distill(None, "gpu")
+      assert isinstance(chosen, MosaicDistill) and chosen.fallback is None
+  finally:
+    backends._warn_fallback.cache_clear()
+  monkeypatch.setattr(_mosaic_gemm, "unavailable_reason", lambda: "compute 8.0")
+  monkeypatch.setattr(backends, "pallas_unavailable_reason", lambda platform: None)
+  chosen = backends.select_distill(None, "gpu")
+  assert isinstance(chosen, pallas_distill.PallasTritonDistill)
 
 
 @pytest.mark.parametrize("divergence", ["forward_kl", "jsd"])
