@@ -7,6 +7,7 @@ step runs), and compiled on a Hopper GPU at real sizes.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import jax
@@ -23,10 +24,11 @@ from test_distillation import (
 
 import mst_jax
 from mst_jax import _backends as backends
-from mst_jax import _mosaic_gemm
+from mst_jax import _distill_math, _mosaic_gemm
 from mst_jax._backends import pallas_distill
 from mst_jax._backends.mosaic_ce import MosaicBlocks
 from mst_jax._backends.mosaic_distill import MosaicDistill, takes
+from mst_jax._backends.triton_common import KernelBlocks
 
 # 64 x 128 tiles: 200 rows are 4 row blocks (the last ragged), 1216 columns
 # 10 tiles (the last ragged); 12 programs cut them into 3 parts of 4 tiles
@@ -73,13 +75,27 @@ def test_kernels_match_the_oracle(rng, options):
   np.testing.assert_array_equal(np.asarray(loss_only), np.asarray(loss))
 
 
-@pytest.mark.parametrize(
-  "case",
-  ["float32", "two_dtypes", "float32_dlogits", "unaligned_vocab", "unaligned_rows"],
+TRITON = pallas_distill.PallasTritonDistill(
+  blocks=KernelBlocks(block_rows=32, block_v=512), interpret=True
 )
-def test_what_the_kernels_do_not_take_goes_to_the_fallback(rng, case):
-  """Other logits go to the fallback (here XLA's chunk), whose results the
-  kernel returns."""
+
+
+@pytest.mark.parametrize(
+  "case, fallback",
+  [
+    ("float32", None),
+    ("two_dtypes", None),
+    ("float32_dlogits", None),
+    ("unaligned_vocab", None),
+    ("unaligned_rows", None),
+    ("float32", TRITON),
+    ("unaligned_vocab", TRITON),
+  ],
+  ids=lambda x: "triton" if x is TRITON else ("xla" if x is None else x),
+)
+def test_what_the_kernels_do_not_take_goes_to_the_fallback(rng, case, fallback):
+  """Other logits go to the fallback (XLA's chunk or the Triton kernel),
+  whose results the kernel returns."""
   vocab = VOCAB - 3 if case == "unaligned_vocab" else VOCAB
   rows = ROWS - 3 if case == "unaligned_rows" else ROWS
   dtype = jnp.float32 if case == "float32" else jnp.bfloat16
@@ -89,12 +105,47 @@ def test_what_the_kernels_do_not_take_goes_to_the_fallback(rng, case):
   out_dtype = jnp.float32 if case in ("float32", "float32_dlogits") else dtype
   opts = kernel_options(KERNEL_OPTIONS[1])
   g = jnp.asarray(g_loss, jnp.float32)
-  loss, dlogits = INTERPRET.chunk_loss(*heads, labels, valid, g, opts, out_dtype)
+  kernel = dataclasses.replace(INTERPRET, fallback=fallback)
+  loss, dlogits = kernel.chunk_loss(*heads, labels, valid, g, opts, out_dtype)
   ref_loss, ref_grad = kernel_oracle(heads, labels, valid, g_loss, opts)
   assert dlogits.dtype == out_dtype
   assert_close(loss, ref_loss, 1e-5, "loss", atol=1e-5 * np.sqrt(rows))
   rtol = 1e-5 if out_dtype == jnp.float32 else 2.0**-8
   assert_close(dlogits, ref_grad, rtol, "dlogits", atol=1e-7)
+
+
+@pytest.mark.parametrize("programs", [4, 8, 40], ids=["1part", "2parts", "10parts"])
+def test_any_number_of_vocabulary_parts(rng, programs):
+  """One part, a power of 2, and 10 (merged as 16): the JSD's two passes and
+  the hard-label term against the oracle."""
+  heads, labels, valid, g_loss = _heads(rng)
+  options = KERNEL_OPTIONS[5]
+  kernel = MosaicDistill(tiles=MosaicBlocks(block_v=128, programs=programs))
+  kernel = dataclasses.replace(kernel, interpret=True)
+  g = jnp.asarray(g_loss, jnp.float32)
+  opts = kernel_options(options)
+  loss, dlogits = kernel.chunk_loss(*heads, labels, valid, g, opts, jnp.bfloat16)
+  ref_loss, ref_grad = kernel_oracle(heads, labels, valid, g_loss, opts)
+  rtol = kernel_rtol(heads[0], options)
+  assert_close(loss, ref_loss, rtol, "loss", atol=rtol * np.sqrt(ROWS))
+  assert_close(dlogits, ref_grad, rtol + 2.0**-8, "dlogits", atol=1e-7)
+
+
+def test_a_label_outside_the_vocabulary_is_nan_as_in_xla(rng):
+  """With the hard-label term, a valid row whose label is outside [0, V) has
+  a NaN loss and NaN dlogits, as XLA's chunk gives; other rows are finite."""
+  heads, labels, valid, g_loss = _heads(rng)
+  labels = labels.at[3].set(VOCAB + 5).at[4].set(-7)
+  valid = valid.at[3].set(True).at[4].set(True)
+  opts = kernel_options(KERNEL_OPTIONS[3])
+  g = jnp.asarray(g_loss, jnp.float32)
+  loss, dlogits = INTERPRET.chunk_loss(*heads, labels, valid, g, opts, jnp.bfloat16)
+  ref_loss, ref_grad = _distill_math.chunk_loss(*heads, labels, valid, g, opts)
+  bad = np.isin(np.arange(ROWS), [3, 4])
+  assert np.isnan(to64(loss)[bad]).all() and np.isnan(to64(ref_loss)[bad]).all()
+  assert np.isnan(to64(dlogits)[bad]).any(axis=1).all()
+  assert_close(to64(loss)[~bad], to64(ref_loss)[~bad], 1e-5, "loss", atol=1e-5)
+  assert_close(to64(dlogits)[~bad], to64(ref_grad)[~bad], 2.0**-8, "dlogits")
 
 
 def test_in_place_only_with_a_fallback_that_is():

@@ -231,6 +231,10 @@ class MosaicDistill:
     if options.hard_label_weight:
       safe = jnp.clip(labels, 0, n_cols - 1)[:, None]
       raw = jnp.take_along_axis(student_logits, safe, axis=-1)[:, 0]
+      # Only the loss reads this gather, and dlogits overwrite the logits it
+      # reads: tied to the logits the kernel takes, it runs first, rather
+      # than XLA copying the logits to keep them for it.
+      student_logits, raw = lax.optimization_barrier((student_logits, raw))
       target = _ce_math.scores(raw.astype(jnp.float32), options.scores)
     loss, rows = _distill_math.finish(
       stats, sums, target, labels, valid, g_loss, options, n_cols
