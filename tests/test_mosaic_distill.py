@@ -193,19 +193,23 @@ def test_the_default_on_hopper_runs_the_mosaic_kernels(
 ):
   """impl=None on a Hopper GPU lowers a distillation step to Mosaic GPU
   kernels only (no Triton): the GEMMs, the statistics pass (and the JSD's
-  second), and dlogits; impl="pallas" keeps the Triton kernel."""
+  second, here with the hard-label term), and dlogits; impl="pallas" keeps
+  the Triton kernel."""
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   h_s = jax.ShapeDtypeStruct((1000, 256), jnp.bfloat16)
   w_s = jax.ShapeDtypeStruct((32000, 256), jnp.bfloat16)
   h_t = jax.ShapeDtypeStruct((1000, 320), jnp.bfloat16)
   w_t = jax.ShapeDtypeStruct((32000, 320), jnp.bfloat16)
+  labels = jax.ShapeDtypeStruct((1000,), jnp.int32)
+  hard = 0.5 if divergence == "jsd" else 0.0
 
   def text(**options):
     loss = lambda *heads: mst_jax.linear_distillation_loss(
-      *heads, divergence=divergence, **options
+      *heads, divergence=divergence, hard_label_weight=hard, **options
     )
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-    return step.trace(h_s, w_s, h_t, w_t).lower(lowering_platforms=("cuda",)).as_text()
+    lowered = step.trace(h_s, w_s, h_t, w_t, labels).lower(lowering_platforms=("cuda",))
+    return lowered.as_text()
 
   default = text()
   assert "triton" not in default
