@@ -254,10 +254,25 @@ def per_row_outputs(
       *rows.arrays, options=ce, weight_layout=weight_layout
     )
   plan, fused = resolve(rows, options, perf, weight_layout, layout, entropy=entropy)
+  if layout is None and (pad := _tma_row_padding(rows, plan)):
+    rows = _inputs.with_rows_appended(rows, pad)
+    weights = _inputs.append_rows(weights, pad)
+    plan, fused = resolve(rows, options, perf, weight_layout, layout, entropy=entropy)
   if not fused:
-    return row_losses(plan, *rows.arrays)
-  arrays, classes = rows.arrays[:5], rows.arrays[5:]  # see Rows.arrays
-  return reduced_loss(plan, *arrays, weights, *classes)
+    outputs = row_losses(plan, *rows.arrays)
+  else:
+    arrays, classes = rows.arrays[:5], rows.arrays[5:]  # see Rows.arrays
+    outputs = reduced_loss(plan, *arrays, weights, *classes)
+  return tuple(x if x.ndim == 0 else x[:n_rows] for x in outputs)
+
+
+def _tma_row_padding(rows: Rows, plan: Plan) -> int:
+  """Rows to append so that the Mosaic GPU kernels take every block of rows
+  the plan forms (``_planning.tma_row_padding``)."""
+  order = plan.order
+  blocks = (getattr(order, "rows_per_chunk", 0), getattr(order, "rows_per_group", 0))
+  n_rows, dtype = rows.hidden.shape[0], rows.hidden.dtype
+  return _planning.tma_row_padding(n_rows, blocks, plan.config.head.gemm, dtype)
 
 
 def resolve(

@@ -9,13 +9,22 @@ into rows (``_inputs.prepare``) and dispatches: to the chunked sweep
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from mst_jax import _distill_driver, _full_distill, _inputs, _matmul, _mesh, _options
+from mst_jax import (
+  _distill_driver,
+  _full_distill,
+  _inputs,
+  _matmul,
+  _mesh,
+  _options,
+  _planning,
+)
 from mst_jax._distill_driver import Heads
 from mst_jax._distill_math import DistillOptions
 from mst_jax._rows import stat_dtype
@@ -217,9 +226,14 @@ def linear_distillation_loss(
 
     def chunked(x: Heads, weights):
       plan = _distill_driver.resolve(x, distill, perf, weight_layout)
+      n_rows, dtype = x.hidden.shape[0], x.hidden.dtype
+      blocks = (plan.rows_per_chunk,)
+      if pad := _planning.tma_row_padding(n_rows, blocks, plan.gemm, dtype):
+        x, weights = _rows_appended(x, pad), _inputs.append_rows(weights, pad)
+        plan = _distill_driver.resolve(x, distill, perf, weight_layout)
       if fused:
         return _distill_driver.fused_loss(plan, *x, weights)
-      return _distill_driver.row_losses(plan, *x)
+      return _distill_driver.row_losses(plan, *x)[:n_rows]
 
     loss = _per_device(chunked, x, weights, fused, weight_layout)
     if fused:
@@ -228,6 +242,18 @@ def linear_distillation_loss(
   if options.reduction == "none":
     return loss.reshape(student.batch_shape)
   return jnp.sum(loss * weights)
+
+
+def _rows_appended(x: Heads, count: int) -> Heads:
+  """``x`` and ``count`` more rows, as ``_inputs.with_rows_appended`` appends
+  them (zero hidden states in both heads, label 0, valid)."""
+  append = functools.partial(_inputs.append_rows, count=count)
+  return x._replace(
+    hidden=append(x.hidden),
+    teacher_hidden=append(x.teacher_hidden),
+    labels=append(x.labels),
+    valid=append(x.valid, fill=True),
+  )
 
 
 def _per_device(run, x: Heads, weights, fused: bool, weight_layout: str):

@@ -315,6 +315,32 @@ def _shift(x: jax.Array, fill) -> jax.Array:
   return jnp.concatenate([x[..., 1:], jnp.full_like(x[..., :1], fill)], axis=-1)
 
 
+def append_rows(x: jax.Array | None, count: int, fill=0) -> jax.Array | None:
+  """``x`` (``[N, ...]``, or None) with ``count`` rows of ``fill`` appended."""
+  if x is None:
+    return None
+  return jnp.pad(x, [(0, count)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
+
+
+def with_rows_appended(rows: Rows, count: int) -> Rows:
+  """``rows`` and ``count`` more: zero hidden states, label 0, valid.
+
+  Valid, so that a block of rows holding them still runs whole (the fast
+  path of blocks whose rows all count); the caller gives them zero weight in
+  the loss and drops their per-row outputs, so no loss or gradient comes
+  from them (``_planning.tma_row_padding`` says when to append).
+  """
+  append = lambda x, fill=0: append_rows(x, count, fill)
+  return rows._replace(
+    hidden=append(rows.hidden),
+    labels=append(rows.labels),
+    valid=append(rows.valid, True),
+    token_weights=append(rows.token_weights),
+    target_weight=append(rows.target_weight),
+    mean_weight=append(rows.mean_weight),
+  )
+
+
 def row_weights(rows: Rows, reduction: str, dtype) -> jax.Array:
   """Each row's weight in the loss: ``valid``, times the token weights; for a
   mean, over their sum (each times its label's class weight, with class

@@ -23,6 +23,10 @@ CPU_COPY_BYTES = 4
 # Tensor cores want row counts in multiples of this.
 _ROW_ALIGN = 128
 
+# The Mosaic GPU kernels move rows in TMA tiles of this many
+# (``mst_jax._mosaic_gemm``): they take blocks of rows in multiples of it.
+TMA_ROWS = 8
+
 
 def _round_up(value: int, multiple: int) -> int:
   return -(-value // multiple) * multiple
@@ -235,3 +239,24 @@ def cpu_fixed_bytes(n_rows: int, dim: int, dtype: np.dtype) -> int:
   ``dhidden`` (it computes 16-bit updates of a buffer's rows in float32)."""
   tiles = 2 * 4 * MATMUL_TILE * dim
   return tiles + (4 * n_rows * dim if np.dtype(dtype).itemsize < 4 else 0)
+
+
+def tma_row_padding(n_rows: int, block_rows, gemm: str, dtype) -> int:
+  """Rows to append so that the Mosaic GPU kernels take every block of rows
+  of a plan (``block_rows``: its chunk and group sizes), or 0.
+
+  The planner's chunks and groups are multiples of ``TMA_ROWS`` unless one
+  holds all ``n_rows``, and then only ``n_rows`` may not be. A block the
+  kernels do not take would run on XLA's GEMMs (autotuned on the first call:
+  about twice a step's memory then) and the Triton kernels; the rows appended
+  cost a copy of the hidden states instead, a few percent of such a block's
+  logits (``D / V`` of them).
+  """
+  if (
+    gemm != "mosaic"
+    or np.dtype(dtype).itemsize != 2
+    or n_rows % TMA_ROWS == 0
+    or n_rows not in block_rows
+  ):
+    return 0
+  return -n_rows % TMA_ROWS

@@ -1,0 +1,173 @@
+"""Rows appended for the Mosaic GPU kernels' TMA tiles.
+
+The Mosaic kernels move rows in tiles of 8. A plan whose one block of rows
+holds all N rows, N not a multiple of 8, appends rows that count for nothing
+(``_planning.tma_row_padding``). On the CPU, where the rule never asks for
+them, the tests append rows anyway and compare the loss and gradients with
+the float64 oracles; lowered for Hopper, a step over an unaligned N calls
+only Mosaic GPU kernels, no Triton kernel and no XLA GEMM.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import test_distillation
+import test_log_probs
+from conftest import ALL_OPTIONS, check_against_oracle, make_problem
+
+import mst_jax
+from mst_jax import _planning
+
+BF16 = np.dtype(jnp.bfloat16)
+
+
+@pytest.mark.parametrize(
+  "n_rows, blocks, gemm, dtype, want",
+  [
+    (8191, (1024, 8191), "mosaic", BF16, 1),  # one group of every row
+    (1001, (1001,), "mosaic", np.dtype(np.float16), 7),
+    (5, (5, 5), "mosaic", BF16, 3),
+    (8192, (1024, 8192), "mosaic", BF16, 0),  # aligned
+    (65535, (1024, 8192), "mosaic", BF16, 0),  # blocks of 8 i rows, clamped
+    (8191, (1024, 8191), "xla", BF16, 0),  # XLA's GEMMs take any rows
+    (8191, (1024, 8191), "mosaic", np.dtype(np.float32), 0),  # XLA's GEMMs
+  ],
+)
+def test_rows_are_appended_only_where_a_block_is_unaligned(
+  n_rows, blocks, gemm, dtype, want
+):
+  assert _planning.tma_row_padding(n_rows, blocks, gemm, dtype) == want
+
+
+@pytest.fixture
+def appended(monkeypatch):
+  """Appends 5 rows to every chunked call (the Mosaic rule asks for none on
+  a CPU); yields the row counts the rule was asked about."""
+  asked = []
+
+  def always(n_rows, block_rows, gemm, dtype):
+    asked.append(n_rows)
+    return 5
+
+  monkeypatch.setattr(_planning, "tma_row_padding", always)
+  jax.clear_caches()  # no program traced without the patch is reused
+  yield asked
+  jax.clear_caches()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+  "kwargs",
+  [
+    dict(),
+    dict(reduction="sum", **ALL_OPTIONS),
+    dict(reduction="none", bias=True),
+    dict(grad_mode="recompute", shift=True),
+    dict(weight_layout="dv", chunk_size=16),
+  ],
+  ids=str,
+)
+def test_appended_rows_change_no_loss_or_gradient(appended, rng, dtype, kwargs):
+  kwargs = dict(kwargs)
+  problem = make_problem(
+    rng,
+    (3, 13),
+    dim=40,
+    vocab=515,
+    dtype=dtype,
+    bias=kwargs.pop("bias", False),
+    weight_layout=kwargs.get("weight_layout", "vd"),
+  )
+  check_against_oracle(problem, dtype, **kwargs)
+  assert appended and set(appended) == {39}
+
+
+@pytest.mark.parametrize("return_entropy", [False, True], ids=str)
+def test_appended_rows_in_log_probs(appended, rng, return_entropy):
+  problem = make_problem(rng, (3, 13), dim=40, vocab=515, mask="prefix", bias=True)
+  g_lp, g_h = rng.standard_normal((2, 3, 13))
+  out, grads = test_log_probs._run(problem, g_lp, g_h, return_entropy)
+  ref_lp, ref_h, ref_grads = test_log_probs._oracle(
+    problem, g_lp, g_h if return_entropy else 0 * g_h,
+    weight_layout="vd", shift=False, scale=None, softcap=None,
+  )  # fmt: skip
+  lp, h = out if return_entropy else (out, None)
+  assert lp.shape == (3, 13)
+  assert test_log_probs._rel(lp, ref_lp) < 1e-5
+  if return_entropy:
+    assert test_log_probs._rel(h, ref_h) < 1e-5
+  for got, want in zip(grads, ref_grads, strict=True):
+    assert test_log_probs._rel(got, want) < 1e-5
+  assert appended
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize(
+  "options", [dict(), dict(divergence="jsd", hard_label_weight=0.5)]
+)
+def test_appended_rows_in_distillation(appended, rng, reduction, options):
+  pair = test_distillation.make_pair(rng, (3, 13), bias="finite")
+  test_distillation.check(pair, "float32", reduction=reduction, **options)
+  assert appended and set(appended) == {39}
+
+
+def _kernels(text: str) -> tuple[int, int, int]:
+  """``(Mosaic GPU kernels, Triton kernels, XLA GEMMs)`` called by a lowered step."""
+  mosaic = text.count("custom_call @mosaic_gpu")
+  return mosaic, text.count("triton"), len(re.findall(r"stablehlo\.dot_general", text))
+
+
+@pytest.mark.parametrize(
+  "loss",
+  ["cross_entropy", "per_token", "log_probs", "distillation"],
+)
+def test_an_unaligned_step_lowers_to_mosaic_kernels_only(
+  as_if_on_hopper, monkeypatch, loss
+):
+  """1001 rows: without the appended rows, the one block of every row ran on
+  XLA's GEMMs and the Triton kernels."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # distillation's
+  n, d, v = 1001, 256, 32000
+  shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+  args = (shape(n, d), shape(v, d), shape(n, 384), shape(v, 384))
+  labels = jnp.zeros((n,), jnp.int32)
+
+  def step(h, w, teacher_h, teacher_w):
+    if loss == "cross_entropy":
+      return mst_jax.linear_cross_entropy(h, w, labels)
+    if loss == "per_token":
+      return jnp.sum(mst_jax.linear_cross_entropy(h, w, labels, reduction="none"))
+    if loss == "log_probs":
+      lp, entropy = mst_jax.linear_log_probs(h, w, labels, return_entropy=True)
+      return jnp.sum(lp) + jnp.sum(entropy)
+    return mst_jax.linear_distillation_loss(h, w, teacher_h, teacher_w)
+
+  lowered = jax.jit(jax.value_and_grad(step, argnums=(0, 1))).trace(*args)
+  mosaic, triton, xla_gemms = _kernels(
+    lowered.lower(lowering_platforms=("cuda",)).as_text()
+  )
+  assert mosaic > 0 and triton == 0 and xla_gemms == 0, (mosaic, triton, xla_gemms)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+  "kwargs", [dict(), dict(reduction="none", **ALL_OPTIONS)], ids=str
+)
+def test_an_unaligned_step_on_the_gpu(rng, kwargs):
+  """1001 tokens on the default (Mosaic on a Hopper GPU) against the float64
+  oracle: the appended rows run through the kernels and count for nothing."""
+  problem = make_problem(
+    rng, (7, 143), dim=256, vocab=32000, dtype="bfloat16", mask="none"
+  )
+  check_against_oracle(problem, "bfloat16", **kwargs)
+
+
+@pytest.mark.gpu
+def test_unaligned_distillation_on_the_gpu(rng):
+  pair = test_distillation.make_pair(rng, (7, 143), "bfloat16", vocab=32000)
+  test_distillation.check(pair, "bfloat16_logits", hard_label_weight=0.5)
