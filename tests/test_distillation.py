@@ -520,6 +520,17 @@ def test_benchmark_case_computes_the_forward_kl():
       hidden, weight, labels, where, teacher_hidden, teacher_weight
     )
     np.testing.assert_allclose(float(got), float(want), rtol=1e-5, err_msg=impl)
+  with jax.enable_x64(True):
+    want = mst_jax.reference.linear_distillation_loss(
+      *(to64(x) for x in (hidden, weight, teacher_hidden, teacher_weight)),
+      labels=labels,
+      where=where,
+      hard_label_weight=0.5,
+    )
+  got = make_loss("mst_jax:hard_label_weight=0.5", case)(
+    hidden, weight, labels, where, teacher_hidden, teacher_weight
+  )
+  np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
 
 
 def _args(rng, **overrides):

@@ -308,9 +308,11 @@ def naive_distill(
 
 
 def _mst_distill(hidden, weight, labels, where, teacher_hidden, teacher_weight, **kw):
-  del labels
+  """mst_jax's distillation loss; the labels only for a hard-label term
+  (``mst_jax:hard_label_weight=0.5``)."""
+  labels = labels if kw.get("hard_label_weight") else None
   return mst_jax.linear_distillation_loss(
-    hidden, weight, teacher_hidden, teacher_weight, where=where, **kw
+    hidden, weight, teacher_hidden, teacher_weight, labels=labels, where=where, **kw
   )
 
 
