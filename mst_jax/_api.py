@@ -254,10 +254,13 @@ def per_row_outputs(
       *rows.arrays, options=ce, weight_layout=weight_layout
     )
   plan, fused = resolve(rows, options, perf, weight_layout, layout, entropy=entropy)
-  if layout is None and (pad := _tma_row_padding(rows, plan)):
+  if _rows_whole_on_each_device(layout) and (pad := _tma_row_padding(rows, plan)):
     rows = _inputs.with_rows_appended(rows, pad)
     weights = _inputs.append_rows(weights, pad)
-    plan, fused = resolve(rows, options, perf, weight_layout, layout, entropy=entropy)
+    perf = _options.with_rows_appended(perf, n_rows, pad)
+    plan, fused = resolve(
+      rows, options, perf, weight_layout, layout, entropy=entropy, appended=pad
+    )
   if not fused:
     outputs = row_losses(plan, *rows.arrays)
   else:
@@ -266,10 +269,16 @@ def per_row_outputs(
   return tuple(x if x.ndim == 0 else x[:n_rows] for x in outputs)
 
 
+def _rows_whole_on_each_device(layout: _mesh.Layout | None) -> bool:
+  """Whether every device holds all rows (no mesh, or vocab parallel only):
+  then rows appended before the mesh are appended on each device alike."""
+  return layout is None or layout.batch_axis is None
+
+
 def _tma_row_padding(rows: Rows, plan: Plan) -> int:
   """Rows to append so that the Mosaic GPU kernels take every block of rows
   the plan forms (``_planning.tma_row_padding``)."""
-  order = plan.order
+  order = getattr(plan.order, "inner", plan.order)  # a mesh's: each device's
   blocks = (getattr(order, "rows_per_chunk", 0), getattr(order, "rows_per_group", 0))
   n_rows, dtype = rows.hidden.shape[0], rows.hidden.dtype
   return _planning.tma_row_padding(n_rows, blocks, plan.config.head.gemm, dtype)
@@ -283,9 +292,12 @@ def resolve(
   layout: _mesh.Layout | None,
   *,
   entropy: bool = False,
+  appended: int = 0,
 ) -> tuple[Plan, bool]:
   """Every default decided: ``(plan, fused)`` for the chunked paths
-  (``entropy``: the per-row entropy too)."""
+  (``entropy``: the per-row entropy too; ``appended``: rows at the end that
+  only make the Mosaic kernels' tiles whole, which do not change the
+  gradient mode)."""
   logits_dtype = _options.resolve_logits_dtype(perf.logits_dtype, rows.hidden.dtype)
   bias_dtype = rows.weight.dtype if rows.bias is None else rows.bias.dtype
   platform = _platform(layout)
@@ -312,7 +324,7 @@ def resolve(
       shard = _mesh.VocabShard(layout.vocab_axis, shard_size, rows.vocab_size)
       config = dataclasses.replace(config, columns=shard)
     order = _mesh.Sharded(order, layout)
-  mode = _grad_mode(rows, options, perf, layout)
+  mode = _grad_mode(rows.hidden.shape[0] - appended, rows, options, perf, layout)
   keep = mode == "keep" and _one_group_in_place(rows, order, logits_dtype, layout)
   return Plan(config, order, keep_logits=keep), mode == "fused"
 
@@ -331,7 +343,9 @@ def _one_group_in_place(rows: Rows, order, logits_dtype, layout) -> bool:
   )
 
 
-def _grad_mode(rows: Rows, options: LossOptions, perf: PerfOptions, layout) -> str:
+def _grad_mode(
+  n_rows: int, rows: Rows, options: LossOptions, perf: PerfOptions, layout
+) -> str:
   """The requested mode, else: the gradient in the forward pass for a scalar
   loss; per token, "keep" (the forward's logits, where they fit as one group,
   else recompute).
@@ -344,7 +358,7 @@ def _grad_mode(rows: Rows, options: LossOptions, perf: PerfOptions, layout) -> s
   if perf.grad_mode is not None:
     return perf.grad_mode
   row_devices = 1 if layout is None else layout.axis_size(layout.batch_axis)
-  if rows.hidden.shape[0] // row_devices < rows.hidden.shape[1]:
+  if n_rows // row_devices < rows.hidden.shape[1]:
     return "recompute"
   return "keep" if options.reduction == "none" else "fused"
 

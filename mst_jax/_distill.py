@@ -230,7 +230,8 @@ def linear_distillation_loss(
       blocks = (plan.rows_per_chunk,)
       if pad := _planning.tma_row_padding(n_rows, blocks, plan.gemm, dtype):
         x, weights = _rows_appended(x, pad), _inputs.append_rows(weights, pad)
-        plan = _distill_driver.resolve(x, distill, perf, weight_layout)
+        appended_perf = _options.with_rows_appended(perf, n_rows, pad)
+        plan = _distill_driver.resolve(x, distill, appended_perf, weight_layout)
       if fused:
         return _distill_driver.fused_loss(plan, *x, weights)
       return _distill_driver.row_losses(plan, *x)[:n_rows]
@@ -246,12 +247,13 @@ def linear_distillation_loss(
 
 def _rows_appended(x: Heads, count: int) -> Heads:
   """``x`` and ``count`` more rows, as ``_inputs.with_rows_appended`` appends
-  them (zero hidden states in both heads, label 0, valid)."""
+  them (zero hidden states in both heads, a label of finite score in the
+  student's, valid)."""
   append = functools.partial(_inputs.append_rows, count=count)
   return x._replace(
     hidden=append(x.hidden),
     teacher_hidden=append(x.teacher_hidden),
-    labels=append(x.labels),
+    labels=append(x.labels, fill=_inputs.finite_label(x.bias)),
     valid=append(x.valid, fill=True),
   )
 

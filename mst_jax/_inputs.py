@@ -322,18 +322,26 @@ def append_rows(x: jax.Array | None, count: int, fill=0) -> jax.Array | None:
   return jnp.pad(x, [(0, count)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
 
 
+def finite_label(bias: jax.Array | None) -> jax.Array | int:
+  """A class whose score is finite in a row of zero hidden states: the
+  largest bias's (a ``-inf`` bias bans a class), or 0 without a bias."""
+  return 0 if bias is None else jnp.argmax(bias).astype(jnp.int32)
+
+
 def with_rows_appended(rows: Rows, count: int) -> Rows:
-  """``rows`` and ``count`` more: zero hidden states, label 0, valid.
+  """``rows`` and ``count`` more: zero hidden states, a label of finite
+  score (``finite_label``), valid.
 
   Valid, so that a block of rows holding them still runs whole (the fast
   path of blocks whose rows all count); the caller gives them zero weight in
   the loss and drops their per-row outputs, so no loss or gradient comes
-  from them (``_planning.tma_row_padding`` says when to append).
+  from them (``_planning.tma_row_padding`` says when to append). Their loss
+  is finite, so zero weight makes it exactly nothing (``0 * inf`` is NaN).
   """
   append = lambda x, fill=0: append_rows(x, count, fill)
   return rows._replace(
     hidden=append(rows.hidden),
-    labels=append(rows.labels),
+    labels=append(rows.labels, finite_label(rows.bias)),
     valid=append(rows.valid, True),
     token_weights=append(rows.token_weights),
     target_weight=append(rows.target_weight),

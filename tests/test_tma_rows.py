@@ -10,6 +10,7 @@ only Mosaic GPU kernels, no Triton kernel and no XLA GEMM.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -21,7 +22,7 @@ import test_log_probs
 from conftest import ALL_OPTIONS, check_against_oracle, make_problem
 
 import mst_jax
-from mst_jax import _planning
+from mst_jax import _options, _planning
 
 BF16 = np.dtype(jnp.bfloat16)
 
@@ -87,6 +88,47 @@ def test_appended_rows_change_no_loss_or_gradient(appended, rng, dtype, kwargs):
   assert appended and set(appended) == {39}
 
 
+@pytest.mark.parametrize("class_weights", [False, True], ids=str)
+def test_appended_rows_under_a_banned_first_class(appended, rng, class_weights):
+  """A bias of -inf at classes 0-2: the appended rows' label is a class of
+  finite score, so their loss is finite and zero weight makes it nothing
+  (label 0 gave an infinite loss, and 0 x inf a NaN scalar)."""
+  # D < N: the gradient in the forward, whose scalar sums every row's loss.
+  problem = make_problem(rng, (3, 13), dim=16, vocab=515, bias=True, mask="none")
+  problem.bias = problem.bias.at[:3].set(-jnp.inf)
+  problem.labels = jnp.maximum(problem.labels, 3)
+  kwargs = dict(z_loss=1e-3)
+  if class_weights:  # smoothing over the classes of nonzero weight only
+    weights = jnp.asarray(rng.random(515), jnp.float32).at[:3].set(0)
+    kwargs.update(class_weights=weights, label_smoothing=0.1)
+  loss, grads = check_against_oracle(problem, "float32", **kwargs)
+  assert np.isfinite(float(loss)) and appended
+
+
+def test_appended_rows_leave_the_gradient_mode_as_it_was(appended, rng):
+  """39 rows of D=40 recompute by default (fewer rows than D); the 5 rows
+  appended must not make them 44 rows in the fused mode, whose lse (here
+  through the z-loss aux) is not differentiable."""
+  problem = make_problem(rng, (39,), dim=40, vocab=515, mask="none")
+
+  def loss(hidden):
+    value, aux = mst_jax.linear_cross_entropy(
+      hidden, problem.weight, problem.labels, return_aux=True
+    )
+    return value + jnp.sum(aux.lse)
+
+  grad = jax.grad(loss)(problem.hidden)
+  assert np.isfinite(np.asarray(grad)).all() and appended == [39]
+
+
+def test_a_chunk_size_of_all_rows_holds_the_appended_ones():
+  perf = mst_jax.PerfOptions(chunk_size=1004)
+  assert _options.with_rows_appended(perf, 1001, 7).chunk_size == 1008
+  assert _options.with_rows_appended(perf, 2001, 7) is perf
+  unset = mst_jax.PerfOptions()
+  assert _options.with_rows_appended(unset, 1001, 7) is unset
+
+
 @pytest.mark.parametrize("return_entropy", [False, True], ids=str)
 def test_appended_rows_in_log_probs(appended, rng, return_entropy):
   problem = make_problem(rng, (3, 13), dim=40, vocab=515, mask="prefix", bias=True)
@@ -116,6 +158,21 @@ def test_appended_rows_in_distillation(appended, rng, reduction, options):
   assert appended and set(appended) == {39}
 
 
+def test_appended_rows_in_distillation_under_a_banned_first_class(appended, rng):
+  """Both heads ban class 0 (bias -inf): the appended rows' hard label is a
+  class of finite score, so the summed loss stays finite."""
+  pair = test_distillation.make_pair(rng, (3, 13), bias="finite")
+  banned = lambda b: b.at[0].set(-jnp.inf)
+  pair = dataclasses.replace(
+    pair,
+    student_bias=banned(pair.student_bias),
+    teacher_bias=banned(pair.teacher_bias),
+    labels=jnp.maximum(pair.labels, 1),
+  )
+  test_distillation.check(pair, "float32", hard_label_weight=0.5)
+  assert appended
+
+
 def _kernels(text: str) -> tuple[int, int, int]:
   """``(Mosaic GPU kernels, Triton kernels, XLA GEMMs)`` called by a lowered step."""
   mosaic = text.count("custom_call @mosaic_gpu")
@@ -124,7 +181,7 @@ def _kernels(text: str) -> tuple[int, int, int]:
 
 @pytest.mark.parametrize(
   "loss",
-  ["cross_entropy", "per_token", "log_probs", "distillation"],
+  ["cross_entropy", "chunk_size", "per_token", "log_probs", "distillation"],
 )
 def test_an_unaligned_step_lowers_to_mosaic_kernels_only(
   as_if_on_hopper, monkeypatch, loss
@@ -140,6 +197,8 @@ def test_an_unaligned_step_lowers_to_mosaic_kernels_only(
   def step(h, w, teacher_h, teacher_w):
     if loss == "cross_entropy":
       return mst_jax.linear_cross_entropy(h, w, labels)
+    if loss == "chunk_size":  # of all 1001 rows; not of the 1008
+      return mst_jax.linear_cross_entropy(h, w, labels, chunk_size=1004)
     if loss == "per_token":
       return jnp.sum(mst_jax.linear_cross_entropy(h, w, labels, reduction="none"))
     if loss == "log_probs":

@@ -515,3 +515,59 @@ def test_second_derivatives_on_a_vocab_sharded_mesh(rng, grad_mode, vocab_block_
     ref = second(mst_jax.reference.linear_cross_entropy, hidden, weight, direction)
   for o, r in zip(out, ref, strict=True):
     np.testing.assert_allclose(np.asarray(o), np.asarray(r), rtol=1e-9, atol=1e-12)
+
+
+@pytest.fixture
+def appended(monkeypatch):
+  """Appends 5 rows wherever the Mosaic rule is asked (it asks for none on a
+  CPU; ``tests/test_tma_rows.py``); yields the row counts it was asked about."""
+  asked = []
+
+  def always(n_rows, block_rows, gemm, dtype):
+    asked.append(n_rows)
+    return 5
+
+  monkeypatch.setattr(mst_jax._planning, "tma_row_padding", always)
+  jax.clear_caches()
+  yield asked
+  jax.clear_caches()
+
+
+@pytest.mark.parametrize("grad_mode", ["fused", "recompute"])
+def test_rows_appended_on_each_device_of_a_vocab_parallel_mesh(
+  appended, rng, grad_mode
+):
+  """Vocab parallel holds every row on each device: rows appended before the
+  mesh count for nothing there too. Rows split over devices get none (each
+  device would need its own)."""
+  problem = make_problem(rng, (N - 1,), dim=D, vocab=V, bias=True, mask="scattered")
+  kwargs = dict(impl="xla", chunk_size=16, grad_mode=grad_mode, **OPTIONS)
+  check_against_oracle(
+    problem, "float32", mesh=_mesh((1, 8)), vocab_axis="model", **kwargs
+  )
+  assert appended == [N - 1]
+  split = make_problem(rng, (N - 2,), dim=D, vocab=V, bias=True, mask="scattered")
+  kwargs.update(mesh=_mesh((2, 4)), batch_axis="data", vocab_axis="model")
+  check_against_oracle(split, "float32", **kwargs)
+  assert appended == [N - 1]  # not asked on the mesh that splits the rows
+
+
+def test_an_unaligned_vocab_parallel_step_lowers_to_mosaic_kernels_only(
+  as_if_on_hopper,
+):
+  """1001 rows on each device of a vocab-parallel mesh (512 columns each):
+  the rows appended let the Mosaic kernels take the one group of all rows."""
+  mesh = _mesh((1, 8))
+  h = jax.ShapeDtypeStruct((1001, 64), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((4096, 64), jnp.bfloat16)
+  y = jax.ShapeDtypeStruct((1001,), jnp.int32)
+
+  def loss(hidden, weight, labels):
+    return mst_jax.linear_cross_entropy(
+      hidden, weight, labels, mesh=mesh, vocab_axis="model"
+    )
+
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+  text = step.trace(h, w, y).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mst_jax_mosaic_gemm" in text and "_rows_mosaic" in text
+  assert "triton" not in text and "stablehlo.dot_general" not in text
