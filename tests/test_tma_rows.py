@@ -20,9 +20,11 @@ import pytest
 import test_distillation
 import test_log_probs
 from conftest import ALL_OPTIONS, check_against_oracle, make_problem
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import mst_jax
-from mst_jax import _options, _planning
+from mst_jax import _distill_driver, _options, _planning
 
 BF16 = np.dtype(jnp.bfloat16)
 
@@ -230,3 +232,27 @@ def test_an_unaligned_step_on_the_gpu(rng, kwargs):
 def test_unaligned_distillation_on_the_gpu(rng):
   pair = test_distillation.make_pair(rng, (7, 143), "bfloat16", vocab=32000)
   test_distillation.check(pair, "bfloat16_logits", hard_label_weight=0.5)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+  n_rows=st.integers(1, 300_000),
+  vocab=st.integers(2, 300_000),
+  dim=st.sampled_from([64, 768, 2304, 4096]),
+  budget=st.sampled_from([None, 1 << 24, 1 << 28, 1 << 30]),
+  dtype=st.sampled_from([BF16, np.dtype(np.float32)]),
+)
+def test_only_a_block_of_every_row_is_unaligned(n_rows, vocab, dim, budget, dtype):
+  """What ``tma_row_padding`` relies on: every planner's chunk and group is a
+  multiple of 8 rows unless it holds all ``n_rows`` (the one block the rows
+  appended make whole)."""
+  budget = budget or _planning.DEFAULT_MEMORY_BUDGET
+  chunk, group, _ = _planning.plan_with_accumulator(
+    n_rows, vocab, dim, dtype, dtype, memory_budget=budget, logits_dtype=dtype
+  )
+  blocked = _planning.plan_vocab_blocked_rows(
+    n_rows, dim, min(4096, vocab), dtype, memory_budget=budget
+  )
+  distilled = _distill_driver.plan_rows(n_rows, vocab, 6, budget)
+  for rows in (chunk, group, blocked, distilled):
+    assert rows % _planning.TMA_ROWS == 0 or rows == n_rows, (rows, n_rows)
