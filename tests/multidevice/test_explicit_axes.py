@@ -85,6 +85,42 @@ def test_explicit_inputs_under_jit_without_a_mesh_argument(rng, sharding, grad_m
     assert jax.typeof(g).sharding.spec == jax.typeof(x).sharding.spec
 
 
+def test_rows_appended_on_explicit_vocab_parallel_inputs(rng, monkeypatch):
+  """Rows whole on each device, the vocabulary (and the bias, whose largest
+  entry labels the appended rows) split over 8: 5 rows appended (forced:
+  the rule appends none on a CPU) count for nothing, and each gradient keeps
+  its input's type."""
+  asked = []
+  monkeypatch.setattr(
+    mst_jax._planning, "tma_row_padding", lambda n, *_: asked.append(n) or 5
+  )
+  jax.clear_caches()
+  problem = make_problem(rng, (3, 13), dim=D, vocab=V, bias=True, mask="scattered")
+  mesh = _mesh((1, 8))
+  specs = ((None, None, None), ("model", None), (None, None), ("model",))
+  args = [_put(x, mesh, *s) for x, s in zip(problem.args, specs, strict=True)]
+  where = _put(problem.where, mesh, None, None)
+
+  def loss(hidden, weight, bias):
+    return mst_jax.linear_cross_entropy(
+      hidden, weight, args[2], bias, where=where, impl="xla", **OPTIONS
+    )
+
+  value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(
+    args[0], args[1], args[3]
+  )
+  jax.clear_caches()
+  ref_value, ref_grads = oracle(problem, **OPTIONS)
+  assert_close(value, ref_value, LOSS_RTOL["float32"] * 10, "loss")
+  for name, g, ref in zip(
+    ("dhidden", "dweight", "dbias"), grads, ref_grads, strict=True
+  ):
+    assert_close(g, ref, GRAD_RTOL["float32"], name)
+  for g, x in zip(grads, (args[0], args[1], args[3]), strict=True):
+    assert jax.typeof(g).sharding.spec == jax.typeof(x).sharding.spec
+  assert asked == [39]
+
+
 def test_rows_and_vocab_run_sharded_without_gathering_the_weight(rng):
   problem = make_problem(rng, (B * T,), dim=D, vocab=V, mask="scattered")
   mesh = _mesh((2, 4))
