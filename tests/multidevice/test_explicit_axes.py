@@ -50,6 +50,19 @@ SHARDINGS = {
 }
 
 
+def _check_typed_result(problem, value, grads, inputs):
+  """The loss and gradients against the oracle; each gradient has its
+  input's type (sharding included)."""
+  ref_value, ref_grads = oracle(problem, **OPTIONS)
+  assert_close(value, ref_value, LOSS_RTOL["float32"] * 10, "loss")
+  for name, g, ref in zip(
+    ("dhidden", "dweight", "dbias"), grads, ref_grads, strict=True
+  ):
+    assert_close(g, ref, GRAD_RTOL["float32"], name)
+  for g, x in zip(grads, inputs, strict=True):
+    assert jax.typeof(g).sharding.spec == jax.typeof(x).sharding.spec
+
+
 @pytest.mark.parametrize("grad_mode", ["fused", "recompute"])
 @pytest.mark.parametrize("sharding", list(SHARDINGS))
 def test_explicit_inputs_under_jit_without_a_mesh_argument(rng, sharding, grad_mode):
@@ -74,15 +87,7 @@ def test_explicit_inputs_under_jit_without_a_mesh_argument(rng, sharding, grad_m
 
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
   value, grads = step(args[0], args[1], args[3])
-  ref_value, ref_grads = oracle(problem, **OPTIONS)
-  assert_close(value, ref_value, LOSS_RTOL["float32"] * 10, "loss")
-  for name, g, ref in zip(
-    ("dhidden", "dweight", "dbias"), grads, ref_grads, strict=True
-  ):
-    assert_close(g, ref, GRAD_RTOL["float32"], name)
-  # Each gradient has its input's type (sharding included).
-  for g, x in zip(grads, (args[0], args[1], args[3]), strict=True):
-    assert jax.typeof(g).sharding.spec == jax.typeof(x).sharding.spec
+  _check_typed_result(problem, value, grads, (args[0], args[1], args[3]))
 
 
 def test_rows_appended_on_explicit_vocab_parallel_inputs(rng, monkeypatch):
@@ -110,14 +115,7 @@ def test_rows_appended_on_explicit_vocab_parallel_inputs(rng, monkeypatch):
     args[0], args[1], args[3]
   )
   jax.clear_caches()
-  ref_value, ref_grads = oracle(problem, **OPTIONS)
-  assert_close(value, ref_value, LOSS_RTOL["float32"] * 10, "loss")
-  for name, g, ref in zip(
-    ("dhidden", "dweight", "dbias"), grads, ref_grads, strict=True
-  ):
-    assert_close(g, ref, GRAD_RTOL["float32"], name)
-  for g, x in zip(grads, (args[0], args[1], args[3]), strict=True):
-    assert jax.typeof(g).sharding.spec == jax.typeof(x).sharding.spec
+  _check_typed_result(problem, value, grads, (args[0], args[1], args[3]))
   assert asked == [39]
 
 
