@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import mst_jax
-from mst_jax import _api, _backends, _mosaic_gemm
+from mst_jax import _api, _backends, _mosaic_gemm, _planning
 
 
 def has_gpu() -> bool:
@@ -129,6 +129,23 @@ def as_if_on_hopper(monkeypatch):
   monkeypatch.setattr(_backends, "pallas_unavailable_reason", lambda platform: None)
   monkeypatch.setattr(_api, "_platform", lambda layout: "gpu")
   yield
+  jax.clear_caches()
+
+
+@pytest.fixture
+def appended(monkeypatch):
+  """Appends 5 rows wherever the Mosaic GPU kernels' rule is asked
+  (``_planning.tma_row_padding``; it asks for none on a CPU), so CPU tests
+  exercise the appended rows; yields the row counts it was asked about."""
+  asked = []
+
+  def always(n_rows, block_rows, gemm, dtype):
+    asked.append(n_rows)
+    return 5
+
+  monkeypatch.setattr(_planning, "tma_row_padding", always)
+  jax.clear_caches()  # no program traced without the patch is reused
+  yield asked
   jax.clear_caches()
 
 

@@ -47,22 +47,6 @@ def test_rows_are_appended_only_where_a_block_is_unaligned(
   assert _planning.tma_row_padding(n_rows, blocks, gemm, dtype) == want
 
 
-@pytest.fixture
-def appended(monkeypatch):
-  """Appends 5 rows to every chunked call (the Mosaic rule asks for none on
-  a CPU); yields the row counts the rule was asked about."""
-  asked = []
-
-  def always(n_rows, block_rows, gemm, dtype):
-    asked.append(n_rows)
-    return 5
-
-  monkeypatch.setattr(_planning, "tma_row_padding", always)
-  jax.clear_caches()  # no program traced without the patch is reused
-  yield asked
-  jax.clear_caches()
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(
   "kwargs",

@@ -517,22 +517,6 @@ def test_second_derivatives_on_a_vocab_sharded_mesh(rng, grad_mode, vocab_block_
     np.testing.assert_allclose(np.asarray(o), np.asarray(r), rtol=1e-9, atol=1e-12)
 
 
-@pytest.fixture
-def appended(monkeypatch):
-  """Appends 5 rows wherever the Mosaic rule is asked (it asks for none on a
-  CPU; ``tests/test_tma_rows.py``); yields the row counts it was asked about."""
-  asked = []
-
-  def always(n_rows, block_rows, gemm, dtype):
-    asked.append(n_rows)
-    return 5
-
-  monkeypatch.setattr(mst_jax._planning, "tma_row_padding", always)
-  jax.clear_caches()
-  yield asked
-  jax.clear_caches()
-
-
 @pytest.mark.parametrize("grad_mode", ["fused", "recompute"])
 def test_rows_appended_on_each_device_of_a_vocab_parallel_mesh(
   appended, rng, grad_mode
