@@ -254,10 +254,11 @@ def per_row_outputs(
       *rows.arrays, options=ce, weight_layout=weight_layout
     )
   plan, fused = resolve(rows, options, perf, weight_layout, layout, entropy=entropy)
-  if _rows_whole_on_each_device(layout) and (pad := _tma_row_padding(rows, plan)):
-    rows = _inputs.with_rows_appended(rows, pad)
-    weights = _inputs.append_rows(weights, pad)
-    perf = _options.with_rows_appended(perf, n_rows, pad)
+  devices = _row_devices(layout)
+  if pad := _tma_row_padding(n_rows // devices, rows.hidden.dtype, plan):
+    rows = _inputs.with_rows_appended(rows, pad, groups=devices)
+    weights = _inputs.append_rows(weights, pad, groups=devices)
+    perf = _options.with_rows_appended(perf, n_rows // devices, pad)
     plan, fused = resolve(
       rows, options, perf, weight_layout, layout, entropy=entropy, appended=pad
     )
@@ -266,21 +267,23 @@ def per_row_outputs(
   else:
     arrays, classes = rows.arrays[:5], rows.arrays[5:]  # see Rows.arrays
     outputs = reduced_loss(plan, *arrays, weights, *classes)
-  return tuple(x if x.ndim == 0 else x[:n_rows] for x in outputs)
+  if not pad:
+    return outputs
+  drop = lambda x: _inputs.drop_appended(x, pad, groups=devices)
+  return tuple(x if x.ndim == 0 else drop(x) for x in outputs)
 
 
-def _rows_whole_on_each_device(layout: _mesh.Layout | None) -> bool:
-  """Whether every device holds all rows (no mesh, or vocab parallel only):
-  then rows appended before the mesh are appended on each device alike."""
-  return layout is None or layout.batch_axis is None
+def _row_devices(layout: _mesh.Layout | None) -> int:
+  """The devices the rows are split over (each holds one block of them)."""
+  return 1 if layout is None else layout.axis_size(layout.batch_axis)
 
 
-def _tma_row_padding(rows: Rows, plan: Plan) -> int:
-  """Rows to append so that the Mosaic GPU kernels take every block of rows
-  the plan forms (``_planning.tma_row_padding``)."""
+def _tma_row_padding(n_rows: int, dtype, plan: Plan) -> int:
+  """Rows to append to each device's ``n_rows`` so that the Mosaic GPU
+  kernels take every block of rows the plan forms
+  (``_planning.tma_row_padding``)."""
   order = getattr(plan.order, "inner", plan.order)  # a mesh's: each device's
   blocks = (getattr(order, "rows_per_chunk", 0), getattr(order, "rows_per_group", 0))
-  n_rows, dtype = rows.hidden.shape[0], rows.hidden.dtype
   return _planning.tma_row_padding(n_rows, blocks, plan.config.head.gemm, dtype)
 
 
@@ -295,9 +298,9 @@ def resolve(
   appended: int = 0,
 ) -> tuple[Plan, bool]:
   """Every default decided: ``(plan, fused)`` for the chunked paths
-  (``entropy``: the per-row entropy too; ``appended``: rows at the end that
-  only make the Mosaic kernels' tiles whole, which do not change the
-  gradient mode)."""
+  (``entropy``: the per-row entropy too; ``appended``: rows at the end of
+  each device's that only make the Mosaic kernels' tiles whole, which do not
+  change the gradient mode)."""
   logits_dtype = _options.resolve_logits_dtype(perf.logits_dtype, rows.hidden.dtype)
   bias_dtype = rows.weight.dtype if rows.bias is None else rows.bias.dtype
   platform = _platform(layout)
@@ -324,7 +327,8 @@ def resolve(
       shard = _mesh.VocabShard(layout.vocab_axis, shard_size, rows.vocab_size)
       config = dataclasses.replace(config, columns=shard)
     order = _mesh.Sharded(order, layout)
-  mode = _grad_mode(rows.hidden.shape[0] - appended, rows, options, perf, layout)
+  given_rows = rows.hidden.shape[0] - appended * _row_devices(layout)
+  mode = _grad_mode(given_rows, rows, options, perf, layout)
   keep = mode == "keep" and _one_group_in_place(rows, order, logits_dtype, layout)
   return Plan(config, order, keep_logits=keep), mode == "fused"
 
@@ -333,12 +337,10 @@ def _one_group_in_place(rows: Rows, order, logits_dtype, layout) -> bool:
   """Whether the planner's group holds every row of a device and ``dlogits``
   overwrite logits of their dtype: then the logits the forward keeps
   (``Plan.keep_logits``) are the buffer the recompute backward would form."""
-  row_devices = 1
-  if layout is not None:
-    order, row_devices = order.inner, layout.axis_size(layout.batch_axis)
+  order = getattr(order, "inner", order)  # a mesh's: each device's
   return (
     isinstance(order, RowChunks)
-    and order.rows_per_group >= rows.hidden.shape[0] // row_devices
+    and order.rows_per_group >= rows.hidden.shape[0] // _row_devices(layout)
     and _planning.dlogits_in_place(logits_dtype, rows.hidden.dtype)
   )
 
@@ -357,8 +359,7 @@ def _grad_mode(
   """
   if perf.grad_mode is not None:
     return perf.grad_mode
-  row_devices = 1 if layout is None else layout.axis_size(layout.batch_axis)
-  if n_rows // row_devices < rows.hidden.shape[1]:
+  if n_rows // _row_devices(layout) < rows.hidden.shape[1]:
     return "recompute"
   return "keep" if options.reduction == "none" else "fused"
 

@@ -315,11 +315,24 @@ def _shift(x: jax.Array, fill) -> jax.Array:
   return jnp.concatenate([x[..., 1:], jnp.full_like(x[..., :1], fill)], axis=-1)
 
 
-def append_rows(x: jax.Array | None, count: int, fill=0) -> jax.Array | None:
-  """``x`` (``[N, ...]``, or None) with ``count`` rows of ``fill`` appended."""
+def append_rows(
+  x: jax.Array | None, count: int, fill=0, *, groups: int = 1
+) -> jax.Array | None:
+  """``x`` (``[N, ...]``, or None) with ``count`` rows of ``fill`` appended
+  to each of its ``groups`` equal blocks of rows (the blocks a mesh's batch
+  axis gives its devices, so that each device gets its own)."""
   if x is None:
     return None
-  return jnp.pad(x, [(0, count)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
+  blocks = x.reshape(groups, x.shape[0] // groups, *x.shape[1:])
+  pad = [(0, 0), (0, count)] + [(0, 0)] * (x.ndim - 1)
+  blocks = jnp.pad(blocks, pad, constant_values=fill)
+  return blocks.reshape(-1, *x.shape[1:])
+
+
+def drop_appended(x: jax.Array, count: int, *, groups: int = 1) -> jax.Array:
+  """``x`` without the rows ``append_rows`` appended (``[N, ...]`` again)."""
+  blocks = x.reshape(groups, x.shape[0] // groups, *x.shape[1:])
+  return blocks[:, : blocks.shape[1] - count].reshape(-1, *x.shape[1:])
 
 
 def finite_label(bias: jax.Array | None) -> jax.Array | int:
@@ -328,9 +341,10 @@ def finite_label(bias: jax.Array | None) -> jax.Array | int:
   return 0 if bias is None else jnp.argmax(bias).astype(jnp.int32)
 
 
-def with_rows_appended(rows: Rows, count: int) -> Rows:
-  """``rows`` and ``count`` more: zero hidden states, a label of finite
-  score (``finite_label``), valid.
+def with_rows_appended(rows: Rows, count: int, *, groups: int = 1) -> Rows:
+  """``rows`` and ``count`` more at the end of each of ``groups`` equal
+  blocks (``append_rows``): zero hidden states, a label of finite score
+  (``finite_label``), valid.
 
   Valid, so that a block of rows holding them still runs whole (the fast
   path of blocks whose rows all count); the caller gives them zero weight in
@@ -338,7 +352,7 @@ def with_rows_appended(rows: Rows, count: int) -> Rows:
   from them (``_planning.tma_row_padding`` says when to append). Their loss
   is finite, so zero weight makes it exactly nothing (``0 * inf`` is NaN).
   """
-  append = lambda x, fill=0: append_rows(x, count, fill)
+  append = lambda x, fill=0: append_rows(x, count, fill, groups=groups)
   return rows._replace(
     hidden=append(rows.hidden),
     labels=append(rows.labels, finite_label(rows.bias)),

@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mst_jax
-from mst_jax import _distill_driver, _options, _planning
+from mst_jax import _distill_driver, _inputs, _options, _planning
 
 BF16 = np.dtype(jnp.bfloat16)
 
@@ -45,6 +45,30 @@ def test_rows_are_appended_only_where_a_block_is_unaligned(
   n_rows, blocks, gemm, dtype, want
 ):
   assert _planning.tma_row_padding(n_rows, blocks, gemm, dtype) == want
+
+
+@settings(deadline=None, max_examples=30)
+@given(
+  groups=st.integers(1, 4),
+  per_group=st.integers(0, 9),
+  count=st.integers(0, 7),
+  trailing=st.sampled_from([(), (3,)]),
+)
+def test_each_block_of_rows_gets_its_own_appended_rows(
+  groups, per_group, count, trailing
+):
+  """``append_rows`` appends ``count`` rows of the fill to each of the
+  ``groups`` blocks (a data-parallel mesh's devices' rows), and
+  ``drop_appended`` gives the rows back."""
+  x = np.arange(groups * per_group * int(np.prod(trailing))).reshape(-1, *trailing)
+  out = np.asarray(_inputs.append_rows(jnp.asarray(x), count, -1, groups=groups))
+  blocks = out.reshape(groups, per_group + count, *trailing)
+  np.testing.assert_array_equal(
+    blocks[:, :per_group].reshape(x.shape), x
+  )  # each block's own rows, in order
+  assert (blocks[:, per_group:] == -1).all()
+  back = _inputs.drop_appended(jnp.asarray(out), count, groups=groups)
+  np.testing.assert_array_equal(np.asarray(back), x)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -90,27 +90,38 @@ def test_explicit_inputs_under_jit_without_a_mesh_argument(rng, sharding, grad_m
   _check_typed_result(problem, value, grads, (args[0], args[1], args[3]))
 
 
-def test_rows_appended_on_explicit_vocab_parallel_inputs(rng, appended):
-  """Rows whole on each device, the vocabulary (and the bias, whose largest
-  entry labels the appended rows) split over 8: 5 rows appended (forced:
-  the rule appends none on a CPU) count for nothing, and each gradient keeps
-  its input's type."""
-  problem = make_problem(rng, (3, 13), dim=D, vocab=V, bias=True, mask="scattered")
-  mesh = _mesh((1, 8))
-  specs = ((None, None, None), ("model", None), (None, None), ("model",))
+@pytest.mark.parametrize(
+  "mesh_shape, row_axis, per_device",
+  [((1, 8), None, 52), ((4, 2), "data", 13)],
+  ids=["vocab_parallel", "rows_and_vocab"],
+)
+def test_rows_appended_on_explicit_inputs(
+  rng, appended, mesh_shape, row_axis, per_device
+):
+  """The vocabulary (and the bias, whose largest entry labels the appended
+  rows) split over the model axis, the rows whole or split over the data
+  axis: 5 rows appended to each device's (forced: the rule appends none on
+  a CPU) count for nothing, each gradient keeps its input's type, and the
+  appending gathers nothing (the one gather finds the bias's largest entry
+  across its shards, ``_inputs.finite_label``)."""
+  problem = make_problem(rng, (4, 13), dim=D, vocab=V, bias=True, mask="scattered")
+  mesh = _mesh(mesh_shape)
+  specs = ((row_axis, None, None), ("model", None), (row_axis, None), ("model",))
   args = [_put(x, mesh, *s) for x, s in zip(problem.args, specs, strict=True)]
-  where = _put(problem.where, mesh, None, None)
+  where = _put(problem.where, mesh, row_axis, None)
 
   def loss(hidden, weight, bias):
     return mst_jax.linear_cross_entropy(
       hidden, weight, args[2], bias, where=where, impl="xla", **OPTIONS
     )
 
-  value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(
-    args[0], args[1], args[3]
-  )
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+  value, grads = step(args[0], args[1], args[3])
   _check_typed_result(problem, value, grads, (args[0], args[1], args[3]))
-  assert appended == [39]
+  assert set(appended) == {per_device}
+  text = step.lower(args[0], args[1], args[3]).compile().as_text()
+  gathers = [line for line in text.splitlines() if " all-gather(" in line]
+  assert all("finite_label" in line for line in gathers), gathers
 
 
 def test_rows_and_vocab_run_sharded_without_gathering_the_weight(rng):

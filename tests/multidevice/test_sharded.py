@@ -518,38 +518,53 @@ def test_second_derivatives_on_a_vocab_sharded_mesh(rng, grad_mode, vocab_block_
 
 
 @pytest.mark.parametrize("grad_mode", ["fused", "recompute"])
-def test_rows_appended_on_each_device_of_a_vocab_parallel_mesh(
-  appended, rng, grad_mode
-):
-  """Vocab parallel holds every row on each device: rows appended before the
-  mesh count for nothing there too. Rows split over devices get none (each
-  device would need its own)."""
-  problem = make_problem(rng, (N - 1,), dim=D, vocab=V, bias=True, mask="scattered")
+@pytest.mark.parametrize(
+  "shape, axes",
+  [((1, 8), dict(vocab_axis="model")), ((2, 4), dict(batch_axis="data"))],
+  ids=["vocab_parallel", "data_parallel"],
+)
+def test_rows_appended_on_each_device(appended, rng, grad_mode, shape, axes):
+  """Rows appended to each device's block of rows (all rows when vocab
+  parallel, half of them on each of 2 data-parallel groups) count for
+  nothing."""
+  problem = make_problem(rng, (N - 2,), dim=D, vocab=V, bias=True, mask="scattered")
   kwargs = dict(impl="xla", chunk_size=16, grad_mode=grad_mode, **OPTIONS)
-  check_against_oracle(
-    problem, "float32", mesh=_mesh((1, 8)), vocab_axis="model", **kwargs
-  )
-  assert appended == [N - 1]
-  split = make_problem(rng, (N - 2,), dim=D, vocab=V, bias=True, mask="scattered")
-  kwargs.update(mesh=_mesh((2, 4)), batch_axis="data", vocab_axis="model")
-  check_against_oracle(split, "float32", **kwargs)
-  assert appended == [N - 1]  # not asked on the mesh that splits the rows
+  check_against_oracle(problem, "float32", mesh=_mesh(shape), **axes, **kwargs)
+  assert set(appended) == {(N - 2) // shape[0]}
 
 
-def test_an_unaligned_vocab_parallel_step_lowers_to_mosaic_kernels_only(
-  as_if_on_hopper,
+@pytest.mark.parametrize("grad_mode", [None, "recompute"])
+def test_rows_appended_on_each_device_of_both_axes(appended, rng, grad_mode):
+  """Rows and vocabulary split: each data-parallel group's rows get their
+  own appended rows, per-token losses included (by default fused for the
+  mean, the forward's logits kept for the per-token losses)."""
+  problem = make_problem(rng, (4, N // 4 - 1), dim=D, vocab=V, mask="prefix")
+  mesh = dict(mesh=_mesh((4, 2)), batch_axis="data", vocab_axis="model")
+  kwargs = dict(impl="xla", grad_mode=grad_mode, **OPTIONS)
+  check_against_oracle(problem, "float32", **mesh, **kwargs)
+  check_against_oracle(problem, "float32", reduction="none", **mesh, **kwargs)
+  assert set(appended) == {N // 4 - 1}
+
+
+@pytest.mark.parametrize(
+  "shape, axes",
+  [((1, 8), dict(vocab_axis="model")), ((8, 1), dict(batch_axis="data"))],
+  ids=["vocab_parallel", "data_parallel"],
+)
+def test_an_unaligned_sharded_step_lowers_to_mosaic_kernels_only(
+  as_if_on_hopper, shape, axes
 ):
-  """1001 rows on each device of a vocab-parallel mesh (512 columns each):
-  the rows appended let the Mosaic kernels take the one group of all rows."""
-  mesh = _mesh((1, 8))
-  h = jax.ShapeDtypeStruct((1001, 64), jnp.bfloat16)
+  """1001 rows on each device, vocab parallel (512 columns each) or data
+  parallel (8 x 1001 rows): the rows appended let the Mosaic kernels take
+  the one group of each device's rows."""
+  mesh = _mesh(shape)
+  n_rows = 1001 * shape[0]
+  h = jax.ShapeDtypeStruct((n_rows, 64), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((4096, 64), jnp.bfloat16)
-  y = jax.ShapeDtypeStruct((1001,), jnp.int32)
+  y = jax.ShapeDtypeStruct((n_rows,), jnp.int32)
 
   def loss(hidden, weight, labels):
-    return mst_jax.linear_cross_entropy(
-      hidden, weight, labels, mesh=mesh, vocab_axis="model"
-    )
+    return mst_jax.linear_cross_entropy(hidden, weight, labels, mesh=mesh, **axes)
 
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
   text = step.trace(h, w, y).lower(lowering_platforms=("cuda",)).as_text()
