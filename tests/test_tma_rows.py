@@ -237,6 +237,17 @@ def test_an_unaligned_step_on_the_gpu(rng, kwargs):
 
 
 @pytest.mark.gpu
+def test_an_unaligned_data_parallel_step_on_the_gpu(rng):
+  """The same rows on a one-device mesh that splits them (data parallel):
+  the device's block of rows gets its rows appended."""
+  problem = make_problem(
+    rng, (7, 143), dim=256, vocab=32000, dtype="bfloat16", mask="scattered"
+  )
+  mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+  check_against_oracle(problem, "bfloat16", mesh=mesh, batch_axis="data")
+
+
+@pytest.mark.gpu
 def test_unaligned_distillation_on_the_gpu(rng):
   pair = test_distillation.make_pair(rng, (7, 143), "bfloat16", vocab=32000)
   test_distillation.check(pair, "bfloat16_logits", hard_label_weight=0.5)
