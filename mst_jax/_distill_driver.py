@@ -299,7 +299,7 @@ def resolve(x: Heads, options: DistillOptions, perf: PerfOptions, layout: str) -
   per_logit = logits_dtype.itemsize + teacher_logits_dtype.itemsize
   if kernel is None:
     per_logit += np.dtype(dtype).itemsize + _WORK_BYTES  # dlogits, XLA's passes
-  elif not kernel.in_place(logits_dtype, dtype):
+  elif not kernel.in_place(logits_dtype, dtype, vocab):
     per_logit += np.dtype(dtype).itemsize
   budget = perf.memory_budget or _planning.DEFAULT_MEMORY_BUDGET
   chunk = perf.chunk_size and min(perf.chunk_size, n_rows)

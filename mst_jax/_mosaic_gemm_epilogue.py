@@ -12,6 +12,7 @@ arrays, so that nothing reads the output again for them.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Protocol
 
 import jax
@@ -24,6 +25,18 @@ try:  # Mosaic GPU's Pallas front end; its lowering runs only on a Hopper GPU.
   from jax.experimental.pallas import mosaic_gpu as plgpu
 except ImportError:  # pragma: no cover -- a jax without Mosaic GPU
   pl = plgpu = None
+
+
+def load_rows(ref):
+  """A ``[rows]`` shared-memory vector, loaded in the layout of a wgmma
+  accumulator's rows (``WGMMA.reduce(1)``). ``plgpu.load`` took the index
+  as an argument in jax 0.10 and deprecates it in jax 0.11 (index the ref
+  instead); a ref loaded whole needs neither."""
+  layout = plgpu.Layout.WGMMA.reduce(1)
+  index = inspect.signature(plgpu.load).parameters.get("idx")
+  if index is not None and index.default is inspect.Parameter.empty:  # jax 0.10
+    return plgpu.load(ref, (), layout=layout)
+  return plgpu.load(ref, layout=layout)
 
 
 class RowEpilogue(Protocol):
@@ -173,8 +186,7 @@ class RowOutputs:
     values = []
     for index, buffer in enumerate(self.scratch["row_in"]):
       plgpu.barrier_wait(self.scratch["row_barrier"].at[self.wg * n + index])
-      layout = plgpu.Layout.WGMMA.reduce(1)
-      values.append(plgpu.load(buffer.at[self.wg], (), layout=layout))
+      values.append(load_rows(buffer.at[self.wg]))
     results = self.epilogue(tile, cols.start, values)
     part = cols.start // self.c.tile_n
     buffers = self.scratch["row_out"]

@@ -263,9 +263,28 @@ def test_select_on_gpu():
   chosen = backends.select(None, "gpu")
   if _mosaic_gemm.unavailable_reason() is None:
     assert isinstance(chosen, MosaicChunkCE)
-    assert isinstance(chosen.fallback, PallasTritonChunkCE)
+    assert isinstance(chosen.fallback(), PallasTritonChunkCE)
   else:
     assert isinstance(chosen, PallasTritonChunkCE)
+
+
+def test_the_mosaic_kernels_fallback_is_chosen_when_first_needed(monkeypatch):
+  """Choosing the fallback compiles a Triton kernel (and Pallas warns that
+  its Triton backend is deprecated): selecting the Mosaic kernels does not
+  choose it; a chunk that needs it does, the Triton kernels or XLA's."""
+  asked = []
+  monkeypatch.setattr(_mosaic_gemm, "unavailable_reason", lambda: None)
+  monkeypatch.setattr(
+    backends, "pallas_unavailable_reason", lambda platform: asked.append(platform)
+  )
+  chosen = backends.select(None, "gpu")
+  distill = backends.select_distill(None, "gpu")
+  assert isinstance(chosen, MosaicChunkCE) and asked == []
+  assert isinstance(chosen.fallback(), PallasTritonChunkCE) and asked == ["gpu"]
+  assert distill.fallback() is not None
+  monkeypatch.setattr(backends, "pallas_unavailable_reason", lambda platform: "no")
+  assert isinstance(chosen.fallback(), backends.XlaChunkCE)
+  assert distill.fallback() is None
 
 
 def test_unavailable_triton_falls_back_to_xla_with_one_warning(monkeypatch):
@@ -290,6 +309,29 @@ def test_unavailable_triton_falls_back_to_xla_with_one_warning(monkeypatch):
   finally:
     backends.pallas_unavailable_reason.cache_clear()
     backends._warn_fallback.cache_clear()
+
+
+@pytest.mark.gpu
+def test_a_step_the_mosaic_kernels_run_whole_warns_nothing():
+  """A fresh process's default steps (cross-entropy and distillation) on
+  shapes the Mosaic kernels take whole: no deprecation warning at all (no
+  Triton kernel is compiled, not even to see whether one would lower)."""
+  if _mosaic_gemm.unavailable_reason() is not None:
+    pytest.skip("needs the Mosaic GPU kernels (a Hopper GPU)")
+  code = (
+    "import jax, jax.numpy as jnp, mst_jax\n"
+    "h = jnp.ones((256, 128), jnp.bfloat16); w = jnp.ones((1024, 128), jnp.bfloat16)\n"
+    "y = jnp.zeros((256,), jnp.int32)\n"
+    "jax.grad(mst_jax.linear_cross_entropy)(h, w, y).block_until_ready()\n"
+    "jax.grad(mst_jax.linear_distillation_loss)(h, w, h, w).block_until_ready()\n"
+  )
+  result = subprocess.run(
+    [sys.executable, "-W", "error::DeprecationWarning", "-c", code],
+    capture_output=True,
+    text=True,
+  )
+  assert result.returncode == 0, result.stderr
+  assert "Warning" not in result.stderr, result.stderr
 
 
 @pytest.mark.gpu

@@ -105,7 +105,7 @@ def test_what_the_kernels_do_not_take_goes_to_the_fallback(rng, case, fallback):
   out_dtype = jnp.float32 if case in ("float32", "float32_dlogits") else dtype
   opts = kernel_options(KERNEL_OPTIONS[1])
   g = jnp.asarray(g_loss, jnp.float32)
-  kernel = dataclasses.replace(INTERPRET, fallback=fallback)
+  kernel = dataclasses.replace(INTERPRET, fallback=lambda: fallback)
   loss, dlogits = kernel.chunk_loss(*heads, labels, valid, g, opts, out_dtype)
   ref_loss, ref_grad = kernel_oracle(heads, labels, valid, g_loss, opts)
   assert dlogits.dtype == out_dtype
@@ -148,13 +148,20 @@ def test_a_label_outside_the_vocabulary_is_nan_as_in_xla(rng):
   assert_close(to64(dlogits)[~bad], to64(ref_grad)[~bad], 2.0**-8, "dlogits")
 
 
-def test_in_place_only_with_a_fallback_that_is():
-  """XLA's chunk (no fallback) never writes dlogits over the logits, so the
-  planner must not count on it."""
-  triton = MosaicDistill(fallback=pallas_distill.PallasTritonDistill())
-  assert triton.in_place(jnp.bfloat16, jnp.bfloat16)
-  assert not triton.in_place(jnp.bfloat16, jnp.float32)
-  assert not MosaicDistill().in_place(jnp.bfloat16, jnp.bfloat16)
+def test_in_place_where_the_kernels_or_the_fallback_are():
+  """The Mosaic kernels and the Triton kernel write dlogits over the
+  logits; XLA's chunk never does, so the planner must not count on it for a
+  width the Mosaic kernels do not take. A width they take never asks for
+  the fallback (choosing one compiles a Triton kernel)."""
+  triton = MosaicDistill(fallback=lambda: pallas_distill.PallasTritonDistill())
+  assert triton.in_place(jnp.bfloat16, jnp.bfloat16, VOCAB - 3)
+  assert not triton.in_place(jnp.bfloat16, jnp.float32, VOCAB)
+  assert not MosaicDistill().in_place(jnp.bfloat16, jnp.bfloat16, VOCAB - 3)
+
+  def never():
+    raise AssertionError("the fallback was asked for")
+
+  assert MosaicDistill(fallback=never).in_place(jnp.bfloat16, jnp.bfloat16, VOCAB)
 
 
 def test_selection_on_hopper(monkeypatch):
@@ -167,7 +174,7 @@ def test_selection_on_hopper(monkeypatch):
   for impl in (None, "mosaic"):
     chosen = backends.select_distill(impl, "gpu")
     assert isinstance(chosen, MosaicDistill) and not chosen.interpret
-    assert isinstance(chosen.fallback, pallas_distill.PallasTritonDistill)
+    assert isinstance(chosen.fallback(), pallas_distill.PallasTritonDistill)
   chosen = backends.select_distill("pallas", "gpu")
   assert isinstance(chosen, pallas_distill.PallasTritonDistill)
   assert backends.select_distill("xla", "gpu") is None
@@ -178,7 +185,7 @@ def test_selection_on_hopper(monkeypatch):
     with warnings.catch_warnings():
       warnings.simplefilter("error")
       chosen = backends.select_distill(None, "gpu")
-      assert isinstance(chosen, MosaicDistill) and chosen.fallback is None
+      assert isinstance(chosen, MosaicDistill) and chosen.fallback() is None
   finally:
     backends._warn_fallback.cache_clear()
   monkeypatch.setattr(_mosaic_gemm, "unavailable_reason", lambda: "compute 8.0")

@@ -93,12 +93,7 @@ def select(
   ):
     from mst_jax._backends import mosaic_ce
 
-    fallback = XlaChunkCE()
-    if pallas_unavailable_reason(platform) is None:
-      from mst_jax._backends import pallas_triton
-
-      fallback = pallas_triton.PallasTritonChunkCE()
-    return mosaic_ce.MosaicChunkCE(fallback=fallback)
+    return mosaic_ce.MosaicChunkCE(fallback=_triton_else_xla)
   if not _use_pallas(impl, platform, xla_only):
     return XlaChunkCE()
   from mst_jax._backends import pallas_triton
@@ -114,17 +109,37 @@ def select_distill(impl: str | None, platform: str):
   if impl in (None, "mosaic") and select_gemm(impl, platform) == "mosaic":
     from mst_jax._backends import mosaic_distill
 
-    fallback = None
-    if pallas_unavailable_reason(platform) is None:
-      from mst_jax._backends import pallas_distill
-
-      fallback = pallas_distill.PallasTritonDistill()
-    return mosaic_distill.MosaicDistill(fallback=fallback)
+    return mosaic_distill.MosaicDistill(fallback=_triton_distill_else_xla)
   if not _use_pallas(impl, platform):
     return None
   from mst_jax._backends import pallas_distill
 
   return pallas_distill.PallasTritonDistill(interpret=platform != "gpu")
+
+
+# The Mosaic kernels' fallbacks, chosen when a chunk first needs one: the
+# choice compiles a Triton kernel (``pallas_unavailable_reason``), and Pallas
+# warns that its Triton backend is deprecated, which a step that the Mosaic
+# kernels run whole has no cause to say.
+
+
+def _triton_else_xla():
+  """The Triton kernels where they lower on the GPU, else XLA's."""
+  if pallas_unavailable_reason("gpu") is None:
+    from mst_jax._backends import pallas_triton
+
+    return pallas_triton.PallasTritonChunkCE()
+  return XlaChunkCE()
+
+
+def _triton_distill_else_xla():
+  """The Triton distillation kernel where it lowers on the GPU, else None
+  (XLA's chunk, ``_distill_math.chunk_loss``)."""
+  if pallas_unavailable_reason("gpu") is None:
+    from mst_jax._backends import pallas_distill
+
+    return pallas_distill.PallasTritonDistill()
+  return None
 
 
 def select_gemm(impl: str | None, platform: str) -> str:

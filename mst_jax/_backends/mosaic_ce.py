@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +44,7 @@ from mst_jax import _ce_math as ce_math
 from mst_jax import _matmul, _mosaic_gemm
 from mst_jax._backends import base, mosaic_stats
 from mst_jax._backends.xla import XlaChunkCE
+from mst_jax._mosaic_gemm_epilogue import load_rows
 
 try:  # Mosaic GPU's Pallas front end (lowering needs a Hopper GPU)
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -133,7 +135,7 @@ class Program:
       values = []
       for k, buffer in enumerate(buffers):
         plgpu.barrier_wait(barriers.at[k])
-        values.append(plgpu.load(buffer, (), layout=plgpu.Layout.WGMMA.reduce(1)))
+        values.append(load_rows(buffer))
       return body(values)
 
     smem = [plgpu.SMEM((rows,), ref.dtype) for ref in refs]
@@ -329,13 +331,14 @@ class MosaicChunkCE(base.MatmulThenCE):
   in the logits GEMM's epilogue (``logits_and_stats``).
 
   Attributes:
-    fallback: the ``LogitsCE`` for what the kernels do not take (other
-      shapes, float32 logits, a group buffer to write into).
+    fallback: makes the ``LogitsCE`` for what the kernels do not take (other
+      shapes, float32 logits, a group buffer to write into), called only
+      when a chunk needs it.
     tiles: the kernels' tiles.
     interpret: run the kernels in Pallas interpret mode (on a CPU too).
   """
 
-  fallback: base.LogitsCE = XlaChunkCE()
+  fallback: Callable[[], base.LogitsCE] = XlaChunkCE
   tiles: MosaicBlocks = MosaicBlocks()
   interpret: bool = False
 
@@ -367,7 +370,7 @@ class MosaicChunkCE(base.MatmulThenCE):
 
   def forward(self, logits, labels, options):
     if not takes(logits):
-      return self.fallback.forward(logits, labels, options)
+      return self.fallback().forward(logits, labels, options)
     n_rows, n_cols = logits.shape
     grid = Grid.of(n_rows, n_cols, self.tiles)
     out_type = [
@@ -392,7 +395,7 @@ class MosaicChunkCE(base.MatmulThenCE):
 
   def backward(self, logits, labels, rows, options, out_dtype, vocab_size=None):
     if not takes(logits) or jnp.dtype(out_dtype) != logits.dtype:
-      return self.fallback.backward(
+      return self.fallback().backward(
         logits, labels, rows, options, out_dtype, vocab_size
       )
     n_rows, n_cols = logits.shape
@@ -423,7 +426,7 @@ class MosaicChunkCE(base.MatmulThenCE):
     self, logits, labels, valid, g_loss, options, out_dtype, *, into=None
   ):
     if into is not None or not takes(logits):
-      return self.fallback.forward_backward(
+      return self.fallback().forward_backward(
         logits, labels, valid, g_loss, options, out_dtype, into=into
       )
     return base.unfused_forward_backward(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -156,27 +157,35 @@ def takes(student_logits: jax.Array, teacher_logits: jax.Array) -> bool:
   )
 
 
+def _xla_chunk() -> None:
+  """``MosaicDistill``'s default fallback: XLA's chunk."""
+  return None
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicDistill:
   """A chunk's distillation loss and ``dlogits`` as Mosaic GPU kernels where
   they take the logits (``takes``), else by ``fallback``.
 
   Attributes:
-    fallback: the kernel for what these do not take (``PallasTritonDistill``),
-      or None for XLA's chunk (``_distill_math.chunk_loss``).
+    fallback: makes the kernel for what these do not take
+      (``PallasTritonDistill``), or returns None for XLA's chunk
+      (``_distill_math.chunk_loss``); called only when a chunk needs it.
     tiles: the kernels' tiles.
     interpret: run the kernels in Pallas interpret mode (on a CPU too).
   """
 
-  fallback: Any = None
+  fallback: Callable[[], Any] = _xla_chunk
   tiles: mosaic_ce.MosaicBlocks = mosaic_ce.MosaicBlocks()
   interpret: bool = False
 
-  def in_place(self, logits_dtype, out_dtype) -> bool:
-    """Whether ``dlogits`` overwrite the student's logits: of the same dtype,
-    unless XLA's chunk may run instead (no fallback), which never does."""
+  def in_place(self, logits_dtype, out_dtype, n_cols: int) -> bool:
+    """Whether ``dlogits`` overwrite the student's ``n_cols`` logits: of the
+    same dtype, where these kernels take that width, or where the fallback
+    does (the Triton kernel; XLA's chunk never does)."""
     same = jnp.dtype(logits_dtype) == jnp.dtype(out_dtype)
-    return same and self.fallback is not None
+    whole = mosaic_ce.takes(jax.ShapeDtypeStruct((8, n_cols), logits_dtype))
+    return same and (whole or self.fallback() is not None)
 
   def _launch(self, kernel, name, grid, rows, out_type, arrays, options):
     return mosaic_ce.launch(
@@ -199,10 +208,10 @@ class MosaicDistill:
     args = (student_logits, teacher_logits, labels, valid, g_loss, options)
     grad_dtype = student_logits.dtype if g_loss is None else jnp.dtype(out_dtype)
     if not takes(student_logits, teacher_logits) or grad_dtype != student_logits.dtype:
-      if self.fallback is None:
+      if (fallback := self.fallback()) is None:
         loss, dlogits = _distill_math.chunk_loss(*args)
         return loss, None if dlogits is None else dlogits.astype(out_dtype)
-      return self.fallback.chunk_loss(*args, out_dtype)
+      return fallback.chunk_loss(*args, out_dtype)
     n_rows, n_cols = student_logits.shape
     grid = mosaic_ce.Grid.of(n_rows, n_cols, self.tiles)
     heads = [student_logits, teacher_logits]

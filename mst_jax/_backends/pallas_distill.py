@@ -117,8 +117,9 @@ class PallasTritonDistill(TritonKernels):
   """A chunk's distillation loss and ``dlogits`` as one Pallas Triton kernel
   (``blocks`` and ``interpret``: ``TritonKernels``)."""
 
-  def in_place(self, logits_dtype, out_dtype) -> bool:
-    """Whether ``dlogits`` overwrite the student's logits (same dtype)."""
+  def in_place(self, logits_dtype, out_dtype, n_cols: int | None = None) -> bool:
+    """Whether ``dlogits`` overwrite the student's logits (same dtype, any
+    width ``n_cols``)."""
     return jnp.dtype(logits_dtype) == jnp.dtype(out_dtype)
 
   def chunk_loss(
