@@ -311,6 +311,15 @@ def test_unavailable_triton_falls_back_to_xla_with_one_warning(monkeypatch):
     backends._warn_fallback.cache_clear()
 
 
+def _run_fresh_process(code: str, warning_filter: str) -> str:
+  """Runs ``code`` in a new Python process under ``-W warning_filter``;
+  returns its stderr (the test fails if the process does)."""
+  command = [sys.executable, "-W", warning_filter, "-c", code]
+  result = subprocess.run(command, capture_output=True, text=True)
+  assert result.returncode == 0, result.stderr
+  return result.stderr
+
+
 @pytest.mark.gpu
 def test_a_step_the_mosaic_kernels_run_whole_warns_nothing():
   """A fresh process's default steps (cross-entropy and distillation) on
@@ -325,13 +334,8 @@ def test_a_step_the_mosaic_kernels_run_whole_warns_nothing():
     "jax.grad(mst_jax.linear_cross_entropy)(h, w, y).block_until_ready()\n"
     "jax.grad(mst_jax.linear_distillation_loss)(h, w, h, w).block_until_ready()\n"
   )
-  result = subprocess.run(
-    [sys.executable, "-W", "error::DeprecationWarning", "-c", code],
-    capture_output=True,
-    text=True,
-  )
-  assert result.returncode == 0, result.stderr
-  assert "Warning" not in result.stderr, result.stderr
+  stderr = _run_fresh_process(code, "error::DeprecationWarning")
+  assert "Warning" not in stderr, stderr
 
 
 @pytest.mark.gpu
@@ -344,10 +348,5 @@ def test_triton_deprecation_warning_shows_once_per_process():
     "for n in (64, 48):\n"
     "  jax.grad(mst_jax.linear_cross_entropy)(h[:n], w, y[:n]).block_until_ready()\n"
   )
-  result = subprocess.run(
-    [sys.executable, "-W", "always::DeprecationWarning", "-c", code],
-    capture_output=True,
-    text=True,
-    check=True,
-  )
-  assert result.stderr.count("Pallas Triton backend is deprecated") <= 1, result.stderr
+  stderr = _run_fresh_process(code, "always::DeprecationWarning")
+  assert stderr.count("Pallas Triton backend is deprecated") <= 1, stderr
