@@ -372,11 +372,8 @@ def _xla_only(class_weights) -> str | None:
 def _loop_order(rows: Rows, perf: PerfOptions, logits_dtype, layout, *, cpu: bool):
   """``(order, accum_dtype)``: the loop order planned for the rows and the
   vocabulary one device holds, and the accumulators' dtype (None: in place)."""
-  row_devices = vocab_devices = 1
-  if layout is not None:
-    row_devices = layout.axis_size(layout.batch_axis)
-    vocab_devices = layout.axis_size(layout.vocab_axis)
-  n_rows = rows.hidden.shape[0] // row_devices
+  vocab_devices = 1 if layout is None else layout.axis_size(layout.vocab_axis)
+  n_rows = rows.hidden.shape[0] // _row_devices(layout)
   vocab = rows.vocab_size // vocab_devices
   dtype, budget = rows.hidden.dtype, perf.memory_budget
   chunk = perf.chunk_size and min(perf.chunk_size, n_rows)

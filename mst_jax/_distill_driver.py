@@ -288,6 +288,13 @@ def plan_rows(n_rows: int, vocab_size: int, bytes_per_logit: int, budget: int) -
   return rows(good[0] if good else min(counts, key=lambda k: k * rows(k)))
 
 
+def _chunk_heads(vocab: int, *dtypes) -> list[jax.ShapeDtypeStruct]:
+  """The shapes of a chunk's logits of each head (``dtypes``): ``vocab``
+  columns, rows a multiple of ``_planning.TMA_ROWS`` (what the chunks are,
+  rows appended where not)."""
+  return [jax.ShapeDtypeStruct((_planning.TMA_ROWS, vocab), d) for d in dtypes]
+
+
 def resolve(x: Heads, options: DistillOptions, perf: PerfOptions, layout: str) -> Plan:
   """Every default decided: the plan of the chunked sweep."""
   dtype, teacher_dtype = x.hidden.dtype, x.teacher_hidden.dtype
@@ -299,7 +306,9 @@ def resolve(x: Heads, options: DistillOptions, perf: PerfOptions, layout: str) -
   per_logit = logits_dtype.itemsize + teacher_logits_dtype.itemsize
   if kernel is None:
     per_logit += np.dtype(dtype).itemsize + _WORK_BYTES  # dlogits, XLA's passes
-  elif not kernel.in_place(logits_dtype, dtype, vocab):
+  elif not kernel.in_place(
+    *_chunk_heads(vocab, logits_dtype, teacher_logits_dtype), dtype
+  ):
     per_logit += np.dtype(dtype).itemsize
   budget = perf.memory_budget or _planning.DEFAULT_MEMORY_BUDGET
   chunk = perf.chunk_size and min(perf.chunk_size, n_rows)

@@ -12,6 +12,7 @@ arrays, so that nothing reads the output again for them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from typing import Protocol
 
@@ -29,14 +30,20 @@ except ImportError:  # pragma: no cover -- a jax without Mosaic GPU
 
 def load_rows(ref):
   """A ``[rows]`` shared-memory vector, loaded in the layout of a wgmma
-  accumulator's rows (``WGMMA.reduce(1)``). ``plgpu.load`` took the index
-  as an argument in jax 0.10 and deprecates it in jax 0.11 (index the ref
-  instead); a ref loaded whole needs neither."""
+  accumulator's rows (``WGMMA.reduce(1)``)."""
   layout = plgpu.Layout.WGMMA.reduce(1)
-  index = inspect.signature(plgpu.load).parameters.get("idx")
-  if index is not None and index.default is inspect.Parameter.empty:  # jax 0.10
+  if _load_takes_an_index():
     return plgpu.load(ref, (), layout=layout)
   return plgpu.load(ref, layout=layout)
+
+
+@functools.cache
+def _load_takes_an_index() -> bool:
+  """Whether ``plgpu.load`` needs its index argument: jax 0.10's does; jax
+  0.11 deprecates it (index the ref instead), and a ref loaded whole needs
+  none."""
+  index = inspect.signature(plgpu.load).parameters.get("idx")
+  return index is not None and index.default is inspect.Parameter.empty
 
 
 class RowEpilogue(Protocol):

@@ -146,7 +146,7 @@ def test_selection_on_hopper(monkeypatch):
   for impl in (None, "mosaic"):
     chosen = backends.select(impl, "gpu")
     assert isinstance(chosen, MosaicChunkCE) and not chosen.interpret
-    assert isinstance(chosen.fallback, pallas_triton.PallasTritonChunkCE)
+    assert isinstance(chosen.fallback(), pallas_triton.PallasTritonChunkCE)
     assert backends.select_gemm(impl, "gpu") == "mosaic"
   assert isinstance(backends.select("pallas", "gpu"), pallas_triton.PallasTritonChunkCE)
   assert backends.select_gemm("pallas", "gpu") == "xla"
@@ -165,7 +165,7 @@ def test_selection_on_hopper(monkeypatch):
       for impl in (None, "mosaic"):
         chosen = backends.select(impl, "gpu")
         assert isinstance(chosen, MosaicChunkCE)
-        assert isinstance(chosen.fallback, backends.XlaChunkCE)
+        assert isinstance(chosen.fallback(), backends.XlaChunkCE)
       assert isinstance(backends.select("xla", "gpu"), backends.XlaChunkCE)
   finally:
     backends._warn_fallback.cache_clear()

@@ -150,18 +150,24 @@ def test_a_label_outside_the_vocabulary_is_nan_as_in_xla(rng):
 
 def test_in_place_where_the_kernels_or_the_fallback_are():
   """The Mosaic kernels and the Triton kernel write dlogits over the
-  logits; XLA's chunk never does, so the planner must not count on it for a
-  width the Mosaic kernels do not take. A width they take never asks for
-  the fallback (choosing one compiles a Triton kernel)."""
+  logits; XLA's chunk never does, so the planner must not count on it for
+  heads the Mosaic kernels do not take (an unaligned width, a float32
+  teacher). Heads they take never ask for the fallback (choosing one
+  compiles a Triton kernel)."""
+  head = lambda vocab, dtype=jnp.bfloat16: jax.ShapeDtypeStruct((ROWS, vocab), dtype)
+  bf16 = jnp.bfloat16
   triton = MosaicDistill(fallback=lambda: pallas_distill.PallasTritonDistill())
-  assert triton.in_place(jnp.bfloat16, jnp.bfloat16, VOCAB - 3)
-  assert not triton.in_place(jnp.bfloat16, jnp.float32, VOCAB)
-  assert not MosaicDistill().in_place(jnp.bfloat16, jnp.bfloat16, VOCAB - 3)
+  assert triton.in_place(head(VOCAB - 3), head(VOCAB - 3), bf16)
+  assert triton.in_place(head(VOCAB), head(VOCAB, jnp.float32), bf16)
+  assert not triton.in_place(head(VOCAB), head(VOCAB), jnp.float32)
+  xla = MosaicDistill()
+  assert not xla.in_place(head(VOCAB - 3), head(VOCAB - 3), bf16)
+  assert not xla.in_place(head(VOCAB), head(VOCAB, jnp.float32), bf16)
 
   def never():
     raise AssertionError("the fallback was asked for")
 
-  assert MosaicDistill(fallback=never).in_place(jnp.bfloat16, jnp.bfloat16, VOCAB)
+  assert MosaicDistill(fallback=never).in_place(head(VOCAB), head(VOCAB), bf16)
 
 
 def test_selection_on_hopper(monkeypatch):

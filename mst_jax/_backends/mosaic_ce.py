@@ -21,7 +21,7 @@ TMA moves whole shared-memory tiles of 8 rows x 128 bytes, so the kernels take
 logits of ``8 i`` rows and ``64 j`` columns (V = 32000, 128256 or 256000, not
 50257); rows and columns past the array's ends are read as zeros and not
 written. What they do not take (other shapes and dtypes, a group buffer to
-write into) goes to ``MosaicChunkCE.fallback``.
+write into) goes to what ``MosaicChunkCE.fallback`` makes.
 
 The kernels launch with ``pl.kernel`` on a Hopper GPU. In interpret mode (a
 CPU) they run through ``pallas_call`` instead, on arrays padded to whole parts

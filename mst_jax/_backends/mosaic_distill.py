@@ -15,8 +15,8 @@ in float32 and ``_distill_math``'s, as the other backends), on
 Each row's loss and the ``DistillRows`` of its gradient (``finish``) are
 formed in XLA between the passes: a few ``[R]`` vectors. What the kernels do
 not take (float32 logits, heads of two dtypes, shapes that are not whole TMA
-tiles, ``dlogits`` of another dtype than the student's logits) goes to
-``MosaicDistill.fallback``.
+tiles, ``dlogits`` of another dtype than the student's logits) goes to what
+``MosaicDistill.fallback`` makes.
 """
 
 from __future__ import annotations
@@ -179,12 +179,13 @@ class MosaicDistill:
   tiles: mosaic_ce.MosaicBlocks = mosaic_ce.MosaicBlocks()
   interpret: bool = False
 
-  def in_place(self, logits_dtype, out_dtype, n_cols: int) -> bool:
-    """Whether ``dlogits`` overwrite the student's ``n_cols`` logits: of the
-    same dtype, where these kernels take that width, or where the fallback
-    does (the Triton kernel; XLA's chunk never does)."""
-    same = jnp.dtype(logits_dtype) == jnp.dtype(out_dtype)
-    whole = mosaic_ce.takes(jax.ShapeDtypeStruct((8, n_cols), logits_dtype))
+  def in_place(self, student_logits, teacher_logits, out_dtype) -> bool:
+    """Whether ``dlogits`` (in ``out_dtype``) overwrite a chunk's student
+    logits (arrays or their shapes): of the same dtype, where these kernels
+    take the two heads, or where the fallback does (the Triton kernel; XLA's
+    chunk never does). Heads these kernels take never ask for the fallback."""
+    same = jnp.dtype(student_logits.dtype) == jnp.dtype(out_dtype)
+    whole = takes(student_logits, teacher_logits)
     return same and (whole or self.fallback() is not None)
 
   def _launch(self, kernel, name, grid, rows, out_type, arrays, options):

@@ -117,10 +117,11 @@ class PallasTritonDistill(TritonKernels):
   """A chunk's distillation loss and ``dlogits`` as one Pallas Triton kernel
   (``blocks`` and ``interpret``: ``TritonKernels``)."""
 
-  def in_place(self, logits_dtype, out_dtype, n_cols: int | None = None) -> bool:
-    """Whether ``dlogits`` overwrite the student's logits (same dtype, any
-    width ``n_cols``)."""
-    return jnp.dtype(logits_dtype) == jnp.dtype(out_dtype)
+  def in_place(self, student_logits, teacher_logits, out_dtype) -> bool:
+    """Whether ``dlogits`` (in ``out_dtype``) overwrite a chunk's student
+    logits (arrays or their shapes): of the same dtype, whatever the shapes
+    and the teacher's dtype."""
+    return jnp.dtype(student_logits.dtype) == jnp.dtype(out_dtype)
 
   def chunk_loss(
     self, student_logits, teacher_logits, labels, valid, g_loss, options, out_dtype
@@ -136,7 +137,7 @@ class PallasTritonDistill(TritonKernels):
       g_loss = jnp.zeros((1,), jnp.float32)  # not read
     else:
       out_shape += (jax.ShapeDtypeStruct(student_logits.shape, out_dtype),)
-      if self.in_place(student_logits.dtype, out_dtype):
+      if self.in_place(student_logits, teacher_logits, out_dtype):
         aliases = {0: 1}
     run = self._call(
       functools.partial(_distill_kernel, options=options),
