@@ -222,7 +222,10 @@ def linear_distillation_loss(
   if perf.impl == "reference" or n_rows == 0:
     loss = _full_distill.row_losses(*x, options=distill, weight_layout=weight_layout)
   else:
-    fused = _grad_mode(perf, options.reduction, student.hidden.shape) == "fused"
+    layout = _rows_layout(x, weight_layout)
+    devices = 1 if layout is None else layout.axis_size(layout.batch_axis)
+    per_device = (n_rows // devices, student.hidden.shape[1])
+    fused = _grad_mode(perf, options.reduction, per_device) == "fused"
 
     def chunked(x: Heads, weights):
       plan = _distill_driver.resolve(x, distill, perf, weight_layout)
@@ -236,7 +239,7 @@ def linear_distillation_loss(
         return _distill_driver.fused_loss(plan, *x, weights)
       return _distill_driver.row_losses(plan, *x)[:n_rows]
 
-    loss = _per_device(chunked, x, weights, fused, weight_layout)
+    loss = _per_device(chunked, x, weights, fused, layout)
     if fused:
       return loss.astype(out_dtype)
   loss = loss.astype(out_dtype)
@@ -258,20 +261,28 @@ def _rows_appended(x: Heads, count: int) -> Heads:
   )
 
 
-def _per_device(run, x: Heads, weights, fused: bool, weight_layout: str):
-  """``run(x, weights)``: the summed loss (``fused``) or per-row losses.
-
-  On inputs typed on a mesh with Explicit axes, each device runs ``run`` on
-  its own rows (data parallel: the rows split as the student's hidden states
-  are, both weights whole on every device) and the summed loss is ``psum``-ed;
-  ``shard_map`` sums the weight gradients over the devices.
-  """
+def _rows_layout(x: Heads, weight_layout: str) -> _mesh.Layout | None:
+  """The layout of inputs typed on a mesh with Explicit axes (data parallel:
+  the rows split as the student's hidden states are, unless they do not
+  split evenly; both weights whole on every device), else None."""
   mesh = _inputs.explicit_mesh(x.hidden, x.weight, x.teacher_hidden, x.teacher_weight)
   if mesh is None:
-    return run(x, weights)
+    return None
   layout = _mesh.Layout(mesh, _inputs.spec_entry(x.hidden, 0), None, weight_layout)
   if x.hidden.shape[0] % layout.axis_size(layout.batch_axis):
     layout = dataclasses.replace(layout, batch_axis=None)  # gathered
+  return layout
+
+
+def _per_device(run, x: Heads, weights, fused: bool, layout: _mesh.Layout | None):
+  """``run(x, weights)``: the summed loss (``fused``) or per-row losses.
+
+  With a ``layout`` (``_rows_layout``), each device runs ``run`` on its own
+  rows and the summed loss is ``psum``-ed; ``shard_map`` sums the weight
+  gradients over the devices.
+  """
+  if layout is None:
+    return run(x, weights)
   hidden, rows, whole = layout.hidden, layout.rows, P()
   specs = Heads(hidden, whole, whole, hidden, whole, whole, rows, rows)
 
@@ -313,8 +324,9 @@ def _check_perf(perf: _options.PerfOptions) -> None:
 
 def _grad_mode(perf: _options.PerfOptions, reduction: str, shape) -> str:
   """The requested mode, else: the gradients in the forward for a scalar
-  loss, recompute per token or for fewer rows than ``D_s`` (then the fused
-  residual, a whole ``dweight``, is more than the naive heads' logits)."""
+  loss, recompute per token or where a device holds fewer rows than ``D_s``
+  (``shape``: a device's ``[rows, D_s]``; the fused residual, a whole
+  ``dweight``, is then more than the naive heads' logits)."""
   if perf.grad_mode is not None:
     return perf.grad_mode
   n_rows, dim = shape

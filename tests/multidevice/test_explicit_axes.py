@@ -21,6 +21,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mst_jax
+from mst_jax import _distill_driver
 
 B, T, D, V = 8, 12, 16, 1032
 OPTIONS = dict(label_smoothing=0.1, z_loss=1e-3, logit_softcap=4.0)
@@ -283,3 +284,31 @@ def test_distillation_on_explicit_inputs(rng, sharding, reduction):
     assert_close(out, ref, GRAD_RTOL["float32"], name)
   for out, x in zip(grads, (hidden, weight), strict=True):
     assert jax.typeof(out).sharding.spec == jax.typeof(x).sharding.spec
+
+
+def test_distillation_picks_its_gradient_mode_by_a_devices_rows(monkeypatch):
+  """96 rows over 4 devices, 24 each, fewer than D=32: recompute, as the
+  cross-entropy does (the fused mode's residual, a whole dweight, would be
+  more than a device's logits); the same rows on one device: fused."""
+  mesh = _mesh()
+  shape = lambda *s: jnp.zeros(s, jnp.float32)
+  args = (shape(96, 32), shape(V, 32), shape(96, 8), shape(V, 8))
+  labels = jnp.zeros((96,), jnp.int32)
+  fused, real = [], _distill_driver.fused_loss
+
+  def counted(*arrays):
+    fused.append(True)
+    return real(*arrays)
+
+  monkeypatch.setattr(_distill_driver, "fused_loss", counted)
+
+  def loss(hidden, weight, t_hidden, t_weight):
+    return mst_jax.linear_distillation_loss(
+      hidden, weight, t_hidden, t_weight, labels, impl="xla"
+    )
+
+  split = [_put(x, mesh, "data", None) for x in args[::2]]
+  jax.jit(jax.grad(loss)).trace(split[0], args[1], split[1], args[3])
+  assert fused == []
+  jax.jit(jax.grad(loss)).trace(*args)
+  assert fused == [True]
