@@ -254,7 +254,7 @@ def per_row_outputs(
       *rows.arrays, options=ce, weight_layout=weight_layout
     )
   plan, fused = resolve(rows, options, perf, weight_layout, layout, entropy=entropy)
-  devices = _row_devices(layout)
+  devices = _mesh.row_devices(layout)
   if pad := _tma_row_padding(n_rows // devices, rows.hidden.dtype, plan):
     rows = _inputs.with_rows_appended(rows, pad, groups=devices)
     weights = _inputs.append_rows(weights, pad, groups=devices)
@@ -271,11 +271,6 @@ def per_row_outputs(
     return outputs
   drop = lambda x: _inputs.drop_appended(x, pad, groups=devices)
   return tuple(x if x.ndim == 0 else drop(x) for x in outputs)
-
-
-def _row_devices(layout: _mesh.Layout | None) -> int:
-  """The devices the rows are split over (each holds one block of them)."""
-  return 1 if layout is None else layout.axis_size(layout.batch_axis)
 
 
 def _tma_row_padding(n_rows: int, dtype, plan: Plan) -> int:
@@ -327,7 +322,7 @@ def resolve(
       shard = _mesh.VocabShard(layout.vocab_axis, shard_size, rows.vocab_size)
       config = dataclasses.replace(config, columns=shard)
     order = _mesh.Sharded(order, layout)
-  given_rows = rows.hidden.shape[0] - appended * _row_devices(layout)
+  given_rows = rows.hidden.shape[0] - appended * _mesh.row_devices(layout)
   mode = _grad_mode(given_rows, rows, options, perf, layout)
   keep = mode == "keep" and _one_group_in_place(rows, order, logits_dtype, layout)
   return Plan(config, order, keep_logits=keep), mode == "fused"
@@ -340,7 +335,7 @@ def _one_group_in_place(rows: Rows, order, logits_dtype, layout) -> bool:
   order = getattr(order, "inner", order)  # a mesh's: each device's
   return (
     isinstance(order, RowChunks)
-    and order.rows_per_group >= rows.hidden.shape[0] // _row_devices(layout)
+    and order.rows_per_group >= rows.hidden.shape[0] // _mesh.row_devices(layout)
     and _planning.dlogits_in_place(logits_dtype, rows.hidden.dtype)
   )
 
@@ -359,7 +354,7 @@ def _grad_mode(
   """
   if perf.grad_mode is not None:
     return perf.grad_mode
-  if n_rows // _row_devices(layout) < rows.hidden.shape[1]:
+  if n_rows // _mesh.row_devices(layout) < rows.hidden.shape[1]:
     return "recompute"
   return "keep" if options.reduction == "none" else "fused"
 
@@ -373,7 +368,7 @@ def _loop_order(rows: Rows, perf: PerfOptions, logits_dtype, layout, *, cpu: boo
   """``(order, accum_dtype)``: the loop order planned for the rows and the
   vocabulary one device holds, and the accumulators' dtype (None: in place)."""
   vocab_devices = 1 if layout is None else layout.axis_size(layout.vocab_axis)
-  n_rows = rows.hidden.shape[0] // _row_devices(layout)
+  n_rows = rows.hidden.shape[0] // _mesh.row_devices(layout)
   vocab = rows.vocab_size // vocab_devices
   dtype, budget = rows.hidden.dtype, perf.memory_budget
   chunk = perf.chunk_size and min(perf.chunk_size, n_rows)

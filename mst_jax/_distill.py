@@ -223,8 +223,7 @@ def linear_distillation_loss(
     loss = _full_distill.row_losses(*x, options=distill, weight_layout=weight_layout)
   else:
     layout = _rows_layout(x, weight_layout)
-    devices = 1 if layout is None else layout.axis_size(layout.batch_axis)
-    per_device = (n_rows // devices, student.hidden.shape[1])
+    per_device = (n_rows // _mesh.row_devices(layout), student.hidden.shape[1])
     fused = _grad_mode(perf, options.reduction, per_device) == "fused"
 
     def chunked(x: Heads, weights):

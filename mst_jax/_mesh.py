@@ -277,6 +277,11 @@ class Sharded:
     return layout.per_device(body, x, (row_scale,), out_specs)
 
 
+def row_devices(layout: Layout | None) -> int:
+  """The devices the rows are split over (each holds one block of them)."""
+  return 1 if layout is None else layout.axis_size(layout.batch_axis)
+
+
 def _names(axis) -> tuple[str, ...]:
   if axis is None:
     return ()
