@@ -36,16 +36,25 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from mst_jax._mosaic_gemm_config import GemmConfig, Problem, default_config
+from mst_jax._mosaic_gemm_config import (
+  GemmConfig,
+  Problem,
+  default_config,
+  fit_ragged,
+  fit_shared_memory,
+)
 from mst_jax._mosaic_gemm_epilogue import RowEpilogue
 from mst_jax._mosaic_gemm_kernels import IMPORT_ERROR, gemm
 
 _INPUT_DTYPES = ("bfloat16", "float16")
 _OUTPUT_DTYPES = ("bfloat16", "float16", "float32")
 _SWIZZLE_BYTES = 128  # shared-memory tiles are 8 rows of 128 swizzled bytes
+_TILE_ROWS = 8
 
 
-def _check(lhs, rhs, dimension_numbers, out_dtype, accumulate) -> Problem:
+def _check(
+  lhs, rhs, dimension_numbers, out_dtype, accumulate, out_shape=None, zero_extend=False
+) -> Problem:
   """Validates the arguments at trace time; returns the problem they pose."""
   (lhs_contract, rhs_contract), batch = dimension_numbers
   if lhs.ndim != 2 or rhs.ndim != 2 or any(batch):
@@ -56,7 +65,7 @@ def _check(lhs, rhs, dimension_numbers, out_dtype, accumulate) -> Problem:
   if len(lhs_contract) != 1 or len(rhs_contract) != 1:
     raise ValueError(f"contract one dimension of each operand, got {dimension_numbers}")
   (lc,), (rc,) = lhs_contract, rhs_contract
-  if lhs.shape[lc] != rhs.shape[rc]:
+  if lhs.shape[lc] != rhs.shape[rc] and not zero_extend:
     raise ValueError(
       f"contracted dimensions differ: {lhs.shape}[{lc}] vs {rhs.shape}[{rc}]"
     )
@@ -67,7 +76,8 @@ def _check(lhs, rhs, dimension_numbers, out_dtype, accumulate) -> Problem:
   out_dtype = jnp.dtype(out_dtype)
   if out_dtype.name not in _OUTPUT_DTYPES:
     raise TypeError(f"out_dtype must be one of {_OUTPUT_DTYPES}, got {out_dtype}")
-  m, n, k = lhs.shape[1 - lc], rhs.shape[1 - rc], lhs.shape[lc]
+  k = max(lhs.shape[lc], rhs.shape[rc])
+  m, n = out_shape or (lhs.shape[1 - lc], rhs.shape[1 - rc])
   if accumulate is not None:
     if accumulate.shape != (m, n):
       raise ValueError(
@@ -75,38 +85,54 @@ def _check(lhs, rhs, dimension_numbers, out_dtype, accumulate) -> Problem:
       )
     if accumulate.dtype != out_dtype:
       raise TypeError(f"accumulate is {accumulate.dtype}, out_dtype {out_dtype}")
+  ragged = []
   for name, shape, dtype in (
     ("lhs", lhs.shape, lhs.dtype),
     ("rhs", rhs.shape, rhs.dtype),
     ("output", (m, n), out_dtype),
   ):
     row_elements = _SWIZZLE_BYTES // jnp.dtype(dtype).itemsize
-    if shape[0] % 8 or shape[1] % row_elements:
+    if shape[1] % row_elements:
       raise NotImplementedError(
-        f"mosaic_gemm.matmul: the {name} {shape} ({jnp.dtype(dtype).name}) is not"
-        f" [8 i, {row_elements} j]: TMA copies it as whole 8 x {_SWIZZLE_BYTES}-byte"
-        " tiles; use lax.dot_general."
+        f"mosaic_gemm.matmul: the {name} {shape} ({jnp.dtype(dtype).name}) has rows"
+        f" of other than whole {_SWIZZLE_BYTES}-byte tiles ({row_elements} j"
+        " elements), which TMA cannot copy; use lax.dot_general."
       )
+    ragged.append(shape[0] % _TILE_ROWS != 0)
+  if ragged[0] and lc == 0:
+    raise NotImplementedError(
+      f"mosaic_gemm.matmul: the lhs {lhs.shape} is contracted over a number of"
+      f" rows that is not a multiple of {_TILE_ROWS}; use lax.dot_general."
+    )
   in_dtype, has_accumulate = jnp.dtype(lhs.dtype), accumulate is not None
-  return Problem(m, n, k, lc == 0, rc == 1, in_dtype, out_dtype, has_accumulate)
+  return Problem(
+    m, n, k, lc == 0, rc == 1, in_dtype, out_dtype, has_accumulate, tuple(ragged)
+  )
 
 
 def _num_sms() -> int:
   return getattr(jax.devices()[0], "core_count", None) or 132
 
 
-def _row_config(p: Problem, row_epilogue: RowEpilogue) -> GemmConfig:
-  vectors = len(row_epilogue.input_dtypes) + len(row_epilogue.out_dtypes)
-  return default_config(p.m, p.n, p.k, p.out_dtype, False, _num_sms(), vectors)
+def _config(p: Problem, row_epilogue: RowEpilogue | None = None) -> GemmConfig:
+  """The default config of ``p``, fitted to its ragged arrays."""
+  vectors = None
+  if row_epilogue is not None:
+    vectors = len(row_epilogue.input_dtypes) + len(row_epilogue.out_dtypes)
+  config = default_config(p.m, p.n, p.k, p.out_dtype, p.accumulate, _num_sms(), vectors)
+  if not any(p.ragged):
+    return config
+  config = fit_ragged(config, p)
+  return fit_shared_memory(config, p.out_dtype, p.accumulate, vectors)
 
 
 def row_epilogue_config(
-  lhs, rhs, dimension_numbers, out_dtype, row_epilogue: RowEpilogue
+  lhs, rhs, dimension_numbers, out_dtype, row_epilogue: RowEpilogue, out_shape=None
 ) -> GemmConfig:
   """The config ``matmul`` runs ``row_epilogue`` with by default: its row
   outputs' parts are ``tile_n`` columns wide."""
-  problem = _check(lhs, rhs, dimension_numbers, out_dtype, None)
-  return _row_config(problem, row_epilogue)
+  problem = _check(lhs, rhs, dimension_numbers, out_dtype, None, out_shape)
+  return _config(problem, row_epilogue)
 
 
 VMAP_ERROR = (
@@ -129,7 +155,14 @@ def unbatched(fn):
   return fn
 
 
-_STATIC_ARGS = ("dimension_numbers", "out_dtype", "config", "row_epilogue")
+_STATIC_ARGS = (
+  "dimension_numbers",
+  "out_dtype",
+  "config",
+  "row_epilogue",
+  "out_shape",
+  "zero_extend",
+)
 
 
 @functools.cache
@@ -146,14 +179,15 @@ def unavailable_reason() -> str | None:
   return None
 
 
-def takes(lhs, rhs, dimension_numbers, out_dtype, accumulate=None) -> bool:
+def takes(lhs, rhs, dimension_numbers, out_dtype, accumulate=None, **shapes) -> bool:
   """Whether ``matmul`` runs these arguments here (a Hopper GPU, bf16/f16
-  operands, arrays of whole TMA tiles); ``mst_jax._matmul`` uses
-  ``lax.dot_general`` for the rest."""
+  operands, arrays of whole 128-byte rows); ``mst_jax._matmul`` uses
+  ``lax.dot_general`` for the rest. ``shapes``: ``matmul``'s ``out_shape``
+  and ``zero_extend``."""
   if unavailable_reason() is not None:
     return False
   try:
-    _check(lhs, rhs, dimension_numbers, out_dtype, accumulate)
+    _check(lhs, rhs, dimension_numbers, out_dtype, accumulate, **shapes)
   except (NotImplementedError, TypeError, ValueError):
     return False
   return True
@@ -170,6 +204,8 @@ def matmul(
   config: GemmConfig | None = None,
   row_epilogue: RowEpilogue | None = None,
   row_inputs: tuple = (),
+  out_shape: tuple[int, int] | None = None,
+  zero_extend: bool = False,
 ):
   """``lax.dot_general(lhs, rhs, dimension_numbers)`` (2-D) on Hopper's wgmma.
 
@@ -221,14 +257,14 @@ def matmul(
   """
   if out_dtype is None:
     out_dtype = lhs.dtype if accumulate is None else accumulate.dtype
-  problem = _check(lhs, rhs, dimension_numbers, out_dtype, accumulate)
+  problem = _check(
+    lhs, rhs, dimension_numbers, out_dtype, accumulate, out_shape, zero_extend
+  )
   if (reason := unavailable_reason()) is not None:
     raise NotImplementedError(f"mosaic_gemm.matmul: {reason}; use lax.dot_general.")
   p = problem
   if row_epilogue is None:
-    config = config or default_config(
-      p.m, p.n, p.k, p.out_dtype, p.accumulate, _num_sms()
-    )
+    config = config or _config(p)
     if accumulate is not None:  # (a Ref inside: no custom_vmap around it)
       return gemm(lhs, rhs, accumulate, problem, config, _num_sms())
     run = lambda lhs, rhs: gemm(lhs, rhs, None, problem, config, _num_sms())
@@ -242,7 +278,7 @@ def matmul(
       f"row_inputs must be {len(row_epilogue.input_dtypes)} arrays of shape"
       f" ({p.m},), got {[x.shape for x in row_inputs]}"
     )
-  config = config or _row_config(p, row_epilogue)
+  config = config or _config(p, row_epilogue)
 
   def run(lhs, rhs, *row_inputs):
     rows = (row_epilogue, list(row_inputs))

@@ -120,6 +120,60 @@ class Problem:
   in_dtype: jnp.dtype
   out_dtype: jnp.dtype
   accumulate: bool
+  # Whether the lhs, the rhs and the output, as stored, have a number of rows
+  # that is not a multiple of 8 (such as a [50257, D] weight): TMA copies
+  # those a row at a time (``_mosaic_gemm_kernels``).
+  ragged: tuple[bool, bool, bool] = (False, False, False)
+
+
+_SWIZZLE_SPAN = 128  # bytes: a shared-memory tile's row
+
+
+def ragged_error(config: GemmConfig, p: Problem) -> str | None:
+  """Why ``config`` cannot copy ``p``'s ragged arrays (``Problem.ragged``),
+  or None.
+
+  TMA copies such an array in tiles of one row. Where a shared-memory tile
+  is one swizzle span (128 bytes) wide, it lays them out as it lays out
+  tiles of 8 rows (row ``r`` at byte ``128 r``, swizzled by its address
+  alike), so wgmma and the registers read them as usual. The ping-pong
+  kernel, which writes its copies out, takes them.
+  """
+  lhs, rhs, out = p.ragged
+  in_bytes, out_bytes = jnp.dtype(p.in_dtype).itemsize, jnp.dtype(p.out_dtype).itemsize
+  if not any(p.ragged):
+    return None
+  if lhs and p.lhs_transposed:
+    return "a ragged lhs contracted over its rows (stored [k, m])"
+  if config.split != "tiles":
+    return "ragged arrays need split='tiles'"
+  if (lhs or rhs) and config.tile_k * in_bytes > _SWIZZLE_SPAN:
+    return f"a ragged operand needs tile_k of at most {_SWIZZLE_SPAN} bytes"
+  if rhs and not p.rhs_transposed and config.block_n * in_bytes > _SWIZZLE_SPAN:
+    return f"a ragged rhs stored [k, n] needs tile_n of at most {_SWIZZLE_SPAN} bytes"
+  if out and config.epilogue_n * out_bytes > _SWIZZLE_SPAN:
+    return f"a ragged output needs epilogue_n of at most {_SWIZZLE_SPAN} bytes"
+  return None
+
+
+def fit_ragged(config: GemmConfig, p: Problem) -> GemmConfig:
+  """``config`` made to copy ``p``'s ragged arrays (``ragged_error``): ping-pong,
+  64-element contraction steps, 256 x 64 tiles where the rhs is contracted
+  over its ragged rows (a ``[V, D]`` weight in ``dhidden``), and epilogue
+  pieces one swizzle span wide for a ragged output."""
+  lhs, rhs, out = p.ragged
+  if not any(p.ragged):
+    return config
+  in_elements = _SWIZZLE_SPAN // jnp.dtype(p.in_dtype).itemsize
+  config = dataclasses.replace(config, split="tiles", tile_k=in_elements)
+  if rhs and not p.rhs_transposed:
+    tile_n = in_elements
+    config = dataclasses.replace(config, tile_m=256, tile_n=tile_n, epilogue_n=tile_n)
+  if out:
+    out_elements = _SWIZZLE_SPAN // jnp.dtype(p.out_dtype).itemsize
+    epilogue_n = min(config.epilogue_n, out_elements)
+    config = dataclasses.replace(config, epilogue_n=epilogue_n)
+  return config
 
 
 def epilogue_slots(config: GemmConfig) -> int:
@@ -248,6 +302,14 @@ def default_config(
     )
     options = [tuned] + ([split(_NARROW_LONG_K)] if k >= _LONG_K else [])
     config = max(options, key=score)  # ties: _tuned's
+  return fit_shared_memory(config, out_dtype, accumulate, row_vectors)
+
+
+def fit_shared_memory(
+  config: GemmConfig, out_dtype, accumulate: bool, row_vectors: int | None = None
+) -> GemmConfig:
+  """``config`` with its epilogue slots narrowed to 32 columns, then stages
+  dropped (to no fewer than 2), until they fit beside the operand ring."""
   fits = lambda c: (
     c.smem_bytes(jnp.bfloat16, out_dtype, accumulate, row_vectors or 0) <= SMEM_BYTES
   )

@@ -69,19 +69,42 @@ class RowEpilogue(Protocol):
     ...
 
 
-def smem_transforms(minor_elements: int, dtype) -> tuple:
-  """Tiling and swizzle of a shared-memory tile ``minor_elements`` wide."""
+def smem_transforms(minor_elements: int, dtype, tile_rows: int = 8) -> tuple:
+  """Tiling and swizzle of a shared-memory tile ``minor_elements`` wide, in
+  tiles of ``tile_rows`` rows of one swizzle span each."""
   bits = jnp.dtype(dtype).itemsize * 8
   swizzle = plgpu.find_swizzle(minor_elements * bits)
-  tiling = plgpu.TilingTransform((8, swizzle * 8 // bits))
+  tiling = plgpu.TilingTransform((tile_rows, swizzle * 8 // bits))
   return tiling, plgpu.SwizzleTransform(swizzle)
 
 
-def out_smem(config: GemmConfig, out_dtype):
-  """Each compute warpgroup's epilogue staging slots."""
+def smem(shape, dtype, ragged: bool = False):
+  """A shared-memory buffer of tiles ``shape[-1]`` wide, for wgmma and TMA.
+
+  ``ragged``: the buffer copies an array whose number of rows is not a
+  multiple of 8, which TMA takes only in tiles of one row. Then it is a
+  union of two views of the same bytes: tiled by 8 rows (for wgmma and the
+  registers) and by one row (for TMA), alike where the tile is one swizzle
+  span wide (``_mosaic_gemm_config.ragged_error``). Returns the allocation;
+  ``views`` gives ``(compute view, copy view)`` of it in a kernel.
+  """
+  transforms = smem_transforms(shape[-1], dtype)
+  tiles = plgpu.SMEM(shape, dtype, transforms=transforms)
+  if not ragged:
+    return tiles
+  rows = plgpu.SMEM(shape, dtype, transforms=smem_transforms(shape[-1], dtype, 1))
+  return plgpu.RefUnion(tiles, rows)
+
+
+def views(buffer, ragged: bool = False) -> tuple:
+  """``(compute view, copy view)`` of a buffer ``smem`` allocated."""
+  return tuple(buffer) if ragged else (buffer, buffer)
+
+
+def out_smem(config: GemmConfig, out_dtype, ragged: bool = False):
+  """Each compute warpgroup's epilogue staging slots (``smem``)."""
   shape = (2, epilogue_slots(config), config.epilogue_m, config.epilogue_n)
-  transforms = smem_transforms(config.epilogue_n, out_dtype)
-  return plgpu.SMEM(shape, out_dtype, transforms=transforms)
+  return smem(shape, out_dtype, ragged)
 
 
 def _pieces(c: GemmConfig) -> list[tuple[slice, slice]]:
@@ -99,7 +122,9 @@ class TileStore:
   """The epilogue of one warpgroup's ``[tile_m, tile_n]`` output tile.
 
   Pieces go through the warpgroup's shared-memory slots by TMA (rows and
-  columns past the array's end are read as zeros and not written). With
+  columns past the array's end are read as zeros and not written), copied
+  through ``tma_smem``: the slots' copy view (``views``), the slots
+  themselves unless the output is ragged. With
   ``accumulate``, each piece's addend is loaded into its slot ahead of time:
   the first ``slots`` during the main loop, each later one as soon as the
   store before it in its slot has read the slot.
@@ -111,6 +136,7 @@ class TileStore:
   wg: jax.Array
   p: Problem
   c: GemmConfig
+  tma_smem: object = None  # out_smem's copy view, if not out_smem
 
   def begin(self) -> None:
     """Before the main loop: the slots' last stores have read them; the
@@ -127,9 +153,10 @@ class TileStore:
   def load_addend(self, index: int) -> None:
     rows, cols = _pieces(self.c)[index]
     slot, barrier = self._slot(index)
-    plgpu.copy_gmem_to_smem(
-      self.out_tile.at[rows, cols], self.out_smem.at[slot], barrier
-    )
+    plgpu.copy_gmem_to_smem(self.out_tile.at[rows, cols], self._tma().at[slot], barrier)
+
+  def _tma(self):
+    return self.out_smem if self.tma_smem is None else self.tma_smem
 
   def store(self, acc: jax.Array) -> None:
     """Stores ``acc`` (float32, or already in the output dtype)."""
@@ -144,7 +171,7 @@ class TileStore:
         plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
       self.out_smem[slot] = piece.astype(self.p.out_dtype)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(self.out_smem.at[slot], self.out_tile.at[rows, cols])
+      plgpu.copy_smem_to_gmem(self._tma().at[slot], self.out_tile.at[rows, cols])
       if self.p.accumulate and index + slots < len(pieces):
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this store read the slot
         self.load_addend(index + slots)

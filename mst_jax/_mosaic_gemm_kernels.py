@@ -42,7 +42,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from mst_jax import _mosaic_gemm_epilogue as epilogues
-from mst_jax._mosaic_gemm_config import GemmConfig, Problem, epilogue_slots
+from mst_jax._mosaic_gemm_config import (
+  GemmConfig,
+  Problem,
+  epilogue_slots,
+  ragged_error,
+)
 
 try:  # Mosaic GPU's Pallas front end; its lowering runs only on a Hopper GPU.
   from jax.experimental import pallas as pl
@@ -221,8 +226,8 @@ def _pingpong_kernel(
   sm = lax.axis_index("sm")
   tiles = (count - sm + num_sms - 1) // num_sms  # this block's: sm + i num_sms
   a_smem, b_smem = (  # rings of the pipeline's operand tiles
-    plgpu.SMEM((c.stages, *spec.block_shape), p.in_dtype, transforms=spec.transforms)
-    for spec in _operand_specs(p, c)
+    epilogues.smem((c.stages, *spec.block_shape), p.in_dtype, ragged)
+    for spec, ragged in zip(_operand_specs(p, c), p.ragged, strict=False)
   )
   slots = epilogue_slots(c)
 
@@ -235,13 +240,19 @@ def _pingpong_kernel(
     # on its own (the memory warpgroup on every "consumed" one).
     loaded=plgpu.Barrier(num_arrivals=2, num_barriers=2 * c.stages),
     consumed=plgpu.Barrier(num_arrivals=1, num_barriers=c.stages),
-    out_smem=epilogues.out_smem(c, p.out_dtype),
+    out_smem=epilogues.out_smem(c, p.out_dtype, p.ragged[2]),
     load_barrier=plgpu.Barrier(num_barriers=2 * slots) if p.accumulate else None,
     row_scratch=epilogues.row_scratch(rows_epilogue, c),
     collective_axes="wg",
   )
   def _scope(a_smem, b_smem, loaded, consumed, out_smem, load_barrier, row_scratch):
     wg = lax.axis_index("wg")
+    # (compute view, copy view) of each buffer: two views of one where TMA
+    # copies its array a row at a time (Problem.ragged).
+    (a_smem, a_copy), (b_smem, b_copy), (out_smem, out_copy) = (
+      epilogues.views(buffer, ragged)
+      for buffer, ragged in zip((a_smem, b_smem, out_smem), p.ragged, strict=True)
+    )
 
     def memory():
       plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
@@ -263,8 +274,8 @@ def _pingpong_kernel(
 
           k = pl.ds(ks.start + step * c.tile_k, c.tile_k)
           a_tile, b_tile = _operand_tiles(p, a_gmem, b_gmem, rows, cols, k)
-          plgpu.copy_gmem_to_smem(a_tile, a_smem.at[slot], barrier)
-          plgpu.copy_gmem_to_smem(b_tile, b_smem.at[slot], barrier)
+          plgpu.copy_gmem_to_smem(a_tile, a_copy.at[slot], barrier)
+          plgpu.copy_gmem_to_smem(b_tile, b_copy.at[slot], barrier)
 
     def compute():
       plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
@@ -274,7 +285,7 @@ def _pingpong_kernel(
         rows, cols, _, part = at(sm + local * num_sms)
         out = out_gmem.at[part] if c.k_splits > 1 else out_gmem
         store = epilogues.TileStore(
-          out.at[rows, cols], out_smem.at[wg], load_barrier, wg, p, c
+          out.at[rows, cols], out_smem.at[wg], load_barrier, wg, p, c, out_copy.at[wg]
         )
         store.begin()
         if rows_epilogue is not None:
@@ -337,6 +348,8 @@ def gemm(
     config.split != "tiles" or config.k_splits > 1 or accumulate is not None
   ):
     raise ValueError("a RowEpilogue runs in unsplit ping-pong products only")
+  if (error := ragged_error(config, problem)) is not None:
+    raise ValueError(f"{config} does not fit the problem: {error}")
   kernel_problem = problem
   if config.k_splits > 1:
     kernel_problem = dataclasses.replace(problem, out_dtype=jnp.dtype(jnp.float32))

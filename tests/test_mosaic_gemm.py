@@ -19,7 +19,7 @@ from conftest import has_gpu
 
 from mst_jax import _mosaic_gemm as mosaic_gemm
 from mst_jax._mosaic_gemm import GemmConfig
-from mst_jax._mosaic_gemm_config import SMEM_BYTES, _fill, epilogue_slots
+from mst_jax._mosaic_gemm_config import SMEM_BYTES, _fill, epilogue_slots, ragged_error
 from mst_jax._mosaic_gemm_kernels import gemm
 
 # ||out - ref|| / ||ref|| by output dtype: one rounding of the output (half an
@@ -270,6 +270,60 @@ def test_dhidden_split_to_fill_the_last_wave(rng):
   _run(rng, "dhidden", "vd", shape, "bfloat16", "bfloat16")
 
 
+# Ragged arrays (rows not a multiple of 8: a [V, D] weight with V = 1001 or
+# GPT-2's 50257, or 1001 rows of hidden), with the head's products over a
+# dlogits and logits padded to whole 64-column tiles (``Vp``) as
+# ``mst_jax._matmul`` forms them: the logits written past V as zeros, the
+# weight read as zero-extended to Vp rows for dhidden, dweight only V rows.
+RAGGED = [(1000, 512, 1001), (264, 768, 50257), (1001, 256, 1001)]
+
+
+def _run_ragged(rng, product, shape, in_dtype, out_dtype):
+  n, d, v = shape
+  vp = -(-v // 64) * 64
+  hidden = rng.standard_normal((n, d))
+  weight = rng.standard_normal((v, d))
+  dlogits = rng.standard_normal((n, vp))  # its pad columns count for nothing
+  init = None
+  if product == "logits":
+    lhs, rhs, dims, kw = hidden, weight, _dims(1, 1), dict(out_shape=(n, vp))
+  elif product == "dhidden":
+    lhs, rhs, dims, kw = dlogits, weight, _dims(1, 0), dict(zero_extend=True)
+  else:
+    lhs, rhs, dims, kw = dlogits, hidden, _dims(0, 0), dict(out_shape=(v, d))
+    init = jnp.asarray(rng.standard_normal((v, d)), out_dtype)
+  lhs, rhs = (jnp.asarray(x, in_dtype) for x in (lhs, rhs))
+  a, b = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
+  if product == "logits":
+    ref = np.concatenate([a @ b.T, np.zeros((n, vp - v))], axis=1)
+  elif product == "dhidden":
+    ref = a[:, :v] @ b
+  else:
+    ref = a[:, :v].T @ b + np.asarray(init, np.float64)
+  out = mosaic_gemm.matmul(lhs, rhs, dims, out_dtype, accumulate=init, **kw)
+  assert out.shape == ref.shape and out.dtype == jnp.dtype(out_dtype)
+  out = np.asarray(out, np.float64)
+  assert np.isfinite(out).all()
+  if product == "logits":
+    assert (out[:, v:] == 0).all()
+  error = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+  assert error <= RTOL[jnp.dtype(out_dtype).name], (product, shape, error)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", RAGGED)
+@pytest.mark.parametrize("in_dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("product", ["logits", "dhidden", "dweight"])
+def test_ragged_arrays(rng, product, shape, in_dtype):
+  """Arrays of a number of rows that is not a multiple of 8, which TMA
+  copies a row at a time, against float64; dweight accumulated into
+  float32 and into the inputs' dtype."""
+  out_dtype = "float32" if product == "dweight" else in_dtype
+  _run_ragged(rng, product, shape, in_dtype, out_dtype)
+  if product == "dweight":
+    _run_ragged(rng, product, shape, in_dtype, in_dtype)
+
+
 @pytest.mark.gpu
 def test_logits_in_float32(rng):
   _run(rng, "logits", "dv", (1000, 512, 4160), "bfloat16", "float32")
@@ -367,3 +421,60 @@ def test_accumulating_dweight_lowers_for_hopper(layout, out_dtype):
   fn = jax.jit(lambda a, b, c: gemm(a, b, c, problem, config, num_sms=132))
   text = fn.trace(lhs, rhs, acc).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("shape", RAGGED)
+@pytest.mark.parametrize("product", ["logits", "dhidden", "dweight"])
+def test_ragged_arrays_lower_for_hopper(product, shape):
+  """The ragged products lower (Python passes only; no GPU), with default
+  configs that ``ragged_error`` accepts."""
+  n, d, v = shape
+  vp = -(-v // 64) * 64
+  S, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
+  if product == "logits":
+    args, dims, out_dtype = (S((n, d), bf16), S((v, d), bf16)), _dims(1, 1), bf16
+    kw = dict(out_shape=(n, vp))
+  elif product == "dhidden":
+    args, dims, out_dtype = (S((n, vp), bf16), S((v, d), bf16)), _dims(1, 0), bf16
+    kw = dict(zero_extend=True)
+  else:
+    out_dtype = jnp.float32
+    args = (S((n, vp), bf16), S((n, d), bf16), S((v, d), out_dtype))
+    dims, kw = _dims(0, 0), dict(out_shape=(v, d))
+  problem = mosaic_gemm._check(*args[:2], dims, out_dtype, *args[2:] or [None], **kw)
+  assert any(problem.ragged)
+  assert ragged_error(mosaic_gemm._config(problem), problem) is None
+
+  def product_of(lhs, rhs, acc=None):
+    return mosaic_gemm.matmul(lhs, rhs, dims, out_dtype, accumulate=acc, **kw)
+
+  with_hopper = pytest.MonkeyPatch.context()
+  with with_hopper as patch:
+    patch.setattr(mosaic_gemm, "unavailable_reason", lambda: None)
+    text = jax.jit(product_of).trace(*args).lower(lowering_platforms=("cuda",))
+  assert "mosaic_gpu" in text.as_text()
+
+
+def test_ragged_arrays_need_row_copies():
+  """A config that cannot copy ragged arrays is refused, not run."""
+  S, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
+  problem = mosaic_gemm._check(
+    S((264, 1024), bf16),
+    S((1001, 256), bf16),
+    _dims(1, 0),
+    bf16,
+    None,
+    zero_extend=True,
+  )
+  assert problem.ragged == (False, True, False)
+  for config in (GemmConfig(split="m"), GemmConfig(split="tiles", tile_n=128)):
+    assert ragged_error(config, problem) is not None
+    with pytest.raises(ValueError, match="does not fit"):
+      gemm(
+        jnp.zeros((264, 1024), bf16),
+        jnp.zeros((1001, 256), bf16),
+        None,
+        problem,
+        config,
+        num_sms=132,
+      )
