@@ -95,13 +95,47 @@ def over_columns(
   return carry
 
 
-def _dot(lhs, rhs, dims, dtype, gemm: str, accumulate=None) -> jax.Array:
+def _dot(
+  lhs, rhs, dims, dtype, gemm: str, accumulate=None, out_shape=None
+) -> jax.Array:
   """``accumulate + lax.dot_general(lhs, rhs, dims)`` written in ``dtype``
-  (``accumulate`` None: the product alone), run by ``gemm``."""
-  if gemm == "mosaic" and _mosaic_gemm.takes(lhs, rhs, dims, dtype, accumulate):
-    return _mosaic_gemm.matmul(lhs, rhs, dims, dtype, accumulate=accumulate)
+  (``accumulate`` None: the product alone), run by ``gemm``.
+
+  ``dlogits`` may be padded past the weight's columns (``padded_width``):
+  then the contraction runs over the shorter operand's extent (the longer
+  one's excess counts for nothing) and ``out_shape`` (default: the
+  operands') trims or zero-pads the product's rows and columns.
+  """
+  (lc,), (rc,) = dims[0]
+  kw = dict(out_shape=out_shape, zero_extend=lhs.shape[lc] != rhs.shape[rc])
+  if gemm == "mosaic" and _mosaic_gemm.takes(lhs, rhs, dims, dtype, accumulate, **kw):
+    return _mosaic_gemm.matmul(lhs, rhs, dims, dtype, accumulate=accumulate, **kw)
+  k = min(lhs.shape[lc], rhs.shape[rc])
+  lhs, rhs = _trim(lhs, k, lc), _trim(rhs, k, rc)
+  if out_shape is not None:  # trimmed operands, then a zero-padded product
+    m, n = out_shape
+    lhs, rhs = _trim(lhs, m, 1 - lc), _trim(rhs, n, 1 - rc)
   product = lax.dot_general(lhs, rhs, dims, preferred_element_type=dtype)
+  if out_shape is not None:
+    pad = [
+      (0, want - have) for want, have in zip(out_shape, product.shape, strict=True)
+    ]
+    product = jnp.pad(product, pad)
   return product if accumulate is None else accumulate + product
+
+
+def _trim(x: jax.Array, size: int, axis: int) -> jax.Array:
+  """``x``'s first ``size`` entries along ``axis`` (all of a shorter one)."""
+  if x.shape[axis] <= size:
+    return x
+  return lax.slice_in_dim(x, 0, size, axis=axis)
+
+
+def padded_width(width: int, dtype) -> int:
+  """The width of the logits the Mosaic kernels form for ``width`` columns:
+  whole 128-byte rows (64 columns of 16 bits), which TMA copies."""
+  columns = 128 // jnp.dtype(dtype).itemsize
+  return -(-width // columns) * columns
 
 
 def _write_columns(total: jax.Array, part: jax.Array, start, axis: int) -> jax.Array:
@@ -161,23 +195,34 @@ def logits_matmul(
   return (logits + bias.astype(acc)[None, :]).astype(dtype)
 
 
-def logits_with_rows(
+def mosaic_logits(
   hidden: jax.Array,
   weight: jax.Array,
   layout: str,
   dtype,
-  row_epilogue: _mosaic_gemm.RowEpilogue,
-  row_inputs: tuple,
+  row_epilogue: _mosaic_gemm.RowEpilogue | None = None,
+  row_inputs: tuple = (),
 ):
-  """``hidden @ weight`` in ``dtype`` by the Mosaic GEMM, with
-  ``row_epilogue``'s per-row reductions of each output tile (computed as
-  it is stored): ``(logits, outputs, part_cols)``, each output ``[parts,
-  rows]`` over parts of ``part_cols`` columns. None where the Mosaic GEMM
-  does not take the product (then form the logits with ``logits_matmul``)."""
+  """``hidden @ weight`` in ``dtype`` by the Mosaic GEMM, ``padded_width``
+  columns wide (the columns past the weight's are zeros), or None where that
+  GEMM does not take the product (then form the logits with
+  ``logits_matmul``).
+
+  With ``row_epilogue``, returns ``(logits, outputs, part_cols)``: also the
+  epilogue's per-row reductions of each output tile (computed as it is
+  stored), each output ``[parts, rows]`` over parts of ``part_cols``
+  columns.
+  """
   dims = _LOGITS_DIMS[layout]
-  if not _mosaic_gemm.takes(hidden, weight, dims, dtype):
+  width = padded_width(vocab_size(weight, layout), dtype)
+  out_shape = (hidden.shape[0], width)
+  if not _mosaic_gemm.takes(hidden, weight, dims, dtype, out_shape=out_shape):
     return None
-  config = _mosaic_gemm.row_epilogue_config(hidden, weight, dims, dtype, row_epilogue)
+  if row_epilogue is None:
+    return _mosaic_gemm.matmul(hidden, weight, dims, dtype, out_shape=out_shape)
+  config = _mosaic_gemm.row_epilogue_config(
+    hidden, weight, dims, dtype, row_epilogue, out_shape
+  )
   logits, outputs = _mosaic_gemm.matmul(
     hidden,
     weight,
@@ -186,6 +231,7 @@ def logits_with_rows(
     config=config,
     row_epilogue=row_epilogue,
     row_inputs=row_inputs,
+    out_shape=out_shape,
   )
   return logits, outputs, config.tile_n
 
@@ -199,7 +245,8 @@ def dhidden_matmul(
   tile: int | None = None,
   gemm: str = "xla",
 ) -> jax.Array:
-  """``dlogits @ weight`` written in ``dtype``.
+  """``dlogits @ weight`` written in ``dtype`` (``dlogits`` may be padded
+  past the weight's columns: ``padded_width``).
 
   The matmul accumulates in float32 and rounds once to ``dtype``, as the naive
   head's backward pass does; asking for a float32 result and converting would
@@ -215,7 +262,7 @@ def dhidden_matmul(
       return total + dhidden_matmul(_columns(dlogits, start, size), w, layout, acc)
 
     total = jnp.zeros((dlogits.shape[0], weight.shape[1 - vocab_axis(layout)]), acc)
-    width = dlogits.shape[1]
+    width = vocab_size(weight, layout)
     return over_columns(step, total, (dlogits, weight), width, tile).astype(dtype)
   return _dot(dlogits, weight, _DHIDDEN_DIMS[layout], dtype, gemm)
 
@@ -230,16 +277,20 @@ def dweight_matmul(
   add: bool = True,
   tile: int | None = None,
   gemm: str = "xla",
+  width: int | None = None,
 ) -> jax.Array:
   """The weight gradient of a block of rows, in the weight's layout, in ``dtype``.
 
   With ``into`` (a weight-shaped ``dweight``), returns ``into`` plus the
   product (``add``) or the product in its place (``add=False``: ``into`` is
   a buffer whose values are never read). Tiling needs ``into``: each tile's
-  columns are written into it.
+  columns are written into it. ``width``: the weight's vocabulary columns
+  (default: ``into``'s, else ``dlogits``', which may be padded past them).
   """
+  axis = vocab_axis(layout)
+  if width is None:
+    width = dlogits.shape[1] if into is None else into.shape[axis]
   if tile is not None and into is not None:
-    axis = vocab_axis(layout)
 
     def step(total, start, size, dlogits, hidden):
       part = dweight_matmul(_columns(dlogits, start, size), hidden, layout, dtype)
@@ -254,12 +305,15 @@ def dweight_matmul(
       part = lax.dynamic_slice_in_dim(total, start, size, axis) + part
       return _write_columns(total, part, start, axis)
 
-    width = dlogits.shape[1]
     return over_columns(step, into, (dlogits, hidden), width, tile)
   # "vd": dlogits^T @ hidden -> [V, D]; "dv": hidden^T @ dlogits -> [D, V].
   operands = (dlogits, hidden) if layout == "vd" else (hidden, dlogits)
   accumulate = into if into is not None and add else None
-  return _dot(*operands, _CONTRACT_ROWS, dtype, gemm, accumulate)
+  out_shape = None
+  if width != dlogits.shape[1]:
+    d = hidden.shape[1]
+    out_shape = (width, d) if layout == "vd" else (d, width)
+  return _dot(*operands, _CONTRACT_ROWS, dtype, gemm, accumulate, out_shape)
 
 
 def row_gradients(

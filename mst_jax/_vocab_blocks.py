@@ -180,7 +180,7 @@ class VocabBlocks:
         dh = dh + _matmul.dhidden_matmul(dlogits, block.weight, layout, acc, gemm=gemm)
       if dw is not None:
         dweight_block = _matmul.dweight_matmul(
-          dlogits, x.hidden, layout, dw.dtype, gemm=gemm
+          dlogits, x.hidden, layout, dw.dtype, gemm=gemm, width=size
         )
         dw = add_block(dw, dweight_block, start, axis)
       if db is not None:

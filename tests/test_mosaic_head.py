@@ -144,6 +144,46 @@ def test_the_default_on_hopper_is_the_mosaic_program(as_if_on_hopper, kwargs):
   assert "mosaic_gpu" not in pallas and "triton" in pallas
 
 
+@pytest.mark.parametrize(
+  "kwargs",
+  [
+    dict(),
+    dict(grad_mode="recompute"),
+    dict(grad_mode="fused", accum_dtype=jnp.bfloat16),
+    dict(chunk_size=256, vocab_block_size=8192, **ALL_OPTIONS),
+    dict(reduction="none"),
+    dict(log_probs=True),
+  ],
+  ids=str,
+)
+@pytest.mark.parametrize("vocab", [1001, 50257])
+def test_a_ragged_vocabulary_lowers_to_mosaic_kernels_only(
+  as_if_on_hopper, vocab, kwargs
+):
+  """A ``[V, D]`` weight of 1001 or GPT-2's 50257 rows: the logits padded to
+  whole 64-column tiles, every product and the cross-entropy on Mosaic GPU
+  kernels, no Triton kernel and no XLA GEMM, in every loop order and with
+  kept logits (per-token outputs)."""
+  n, d = 1000, 256
+  kwargs = dict(kwargs)
+  log_probs = kwargs.pop("log_probs", False)
+  h = jax.ShapeDtypeStruct((n, d), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((vocab, d), jnp.bfloat16)
+  y = jax.ShapeDtypeStruct((n,), jnp.int32)
+
+  def loss(h, w, y):
+    if log_probs:
+      lp, entropy = mst_jax.linear_log_probs(h, w, y, return_entropy=True)
+      return jnp.sum(lp) + jnp.sum(entropy)
+    return jnp.sum(mst_jax.linear_cross_entropy(h, w, y, **kwargs))
+
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+  text = step.trace(h, w, y).lower(lowering_platforms=("cuda",)).as_text()
+  assert "_rows_mosaic" in text
+  assert "custom_call @mosaic_gpu" in text
+  assert "triton" not in text and "stablehlo.dot_general" not in text
+
+
 def test_vmap_on_hopper_says_to_pass_pallas(as_if_on_hopper):
   """The Mosaic GPU kernels have no batching rule: under jax.vmap the default
   on a Hopper GPU raises a clear error; impl="pallas" lowers."""
@@ -162,10 +202,12 @@ def test_vmap_on_hopper_says_to_pass_pallas(as_if_on_hopper):
   assert "triton" in lower(impl="pallas", chunk_size=256).as_text()
 
 
-# (dtype, weight layout, V, options): TMA-aligned vocabularies (every product
-# on the Mosaic kernel), GPT-2's 50257 (the products touching V on XLA), both
-# gradient modes, the loss options, the bf16 accumulator, vocabulary blocks;
-# chunks of 256 rows split dhidden's contraction (split-K).
+# (dtype, weight layout, V, options): TMA-aligned vocabularies, GPT-2's 50257
+# (a [V, D] weight: the logits padded to whole 64-column tiles; a [D, V] one,
+# whose rows of 50257 TMA cannot copy: XLA's GEMMs and the Triton kernels),
+# both gradient modes, the loss options, the bf16 accumulator, vocabulary
+# blocks (the last one 1105 columns of 50257), per-token losses; chunks of
+# 256 rows split dhidden's contraction (split-K).
 CASES = [
   ("bfloat16", "vd", 32000, dict(chunk_size=256)),
   ("bfloat16", "dv", 32000, dict(chunk_size=256, grad_mode="recompute")),
@@ -174,6 +216,11 @@ CASES = [
   ("bfloat16", "dv", 128256, dict(chunk_size=256, accum_dtype=jnp.bfloat16)),
   ("bfloat16", "vd", 128256, dict(chunk_size=512, vocab_block_size=8192)),
   ("bfloat16", "vd", 50257, dict(chunk_size=256, label_smoothing=0.1)),
+  ("bfloat16", "vd", 50257, dict(grad_mode="recompute", **ALL_OPTIONS)),
+  ("float16", "vd", 50257, dict(reduction="none", **ALL_OPTIONS)),
+  ("bfloat16", "vd", 50257, dict(chunk_size=512, vocab_block_size=8192)),
+  ("bfloat16", "vd", 50257, dict(accum_dtype=jnp.bfloat16, grad_mode="fused")),
+  ("bfloat16", "dv", 50257, dict(chunk_size=256)),
 ]
 
 
@@ -195,8 +242,11 @@ def test_mosaic_matches_the_oracle(rng, dtype, layout, vocab, kwargs):
     bias=False,
   )
   kwargs = dict(kwargs, impl="mosaic", weight_layout=layout)
-  # Every product touches V: none of 50257 columns is whole TMA tiles.
-  assert ("mosaic_gpu" in _lowered_text(problem, **kwargs)) == (vocab % 64 == 0)
+  text = _lowered_text(problem, **kwargs)
+  # Rows of 50257 columns (a [D, V] weight) are not whole 128-byte TMA rows.
+  on_mosaic = vocab % 64 == 0 or layout == "vd"
+  assert ("mosaic_gpu" in text) == on_mosaic
+  assert ("triton" in text) != on_mosaic
   check_against_oracle(problem, dtype, **kwargs)
 
 

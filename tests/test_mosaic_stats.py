@@ -117,7 +117,7 @@ def test_the_fused_gemm_lowers_for_hopper(layout, options, out_dtype):
   dims = _matmul._LOGITS_DIMS[layout]
   epilogue = mosaic_stats.TileStats(options, v)
   problem = _mosaic_gemm._check(lhs, rhs, dims, out_dtype, None)
-  config = _mosaic_gemm._row_config(problem, epilogue)
+  config = _mosaic_gemm._config(problem, epilogue)
   assert config.split == "tiles" and config.k_splits == 1
 
   def fused(a, b, y):

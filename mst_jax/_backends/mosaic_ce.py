@@ -17,16 +17,14 @@ docs/benchmarks.md). Where the Mosaic GEMM forms the chunk's 16-bit logits (no
 bias, no class weights), the statistics come from that GEMM's epilogue instead
 (``mosaic_stats.TileStats``) and only ``_dlogits_kernel`` reads the logits.
 
-TMA moves whole shared-memory tiles of 8 rows x 128 bytes, so the kernels take
-logits of ``8 i`` rows and ``64 j`` columns (V = 32000, 128256 or 256000, not
-50257); rows and columns past the array's ends are read as zeros and not
-written. What they do not take (other shapes and dtypes, a group buffer to
-write into) goes to what ``MosaicChunkCE.fallback`` makes.
-
-The kernels launch with ``pl.kernel`` on a Hopper GPU. In interpret mode (a
-CPU) they run through ``pallas_call`` instead, on arrays padded to whole parts
-of whole tiles, which each program reads and writes directly: the same bodies,
-without TMA or shared memory.
+The kernels take logits of ``8 i`` rows and ``64 j`` columns (whole TMA
+tiles: ``mosaic_launch.takes``). The Mosaic GEMM forms the logits of a
+vocabulary of other widths (GPT-2's 50257) padded to whole tiles
+(``_matmul.mosaic_logits``): the statistics leave the padding out, and the
+products of ``dlogits`` read only the weight's columns. What the kernels do
+not take (other shapes and dtypes, a group buffer to write into) goes to what
+``MosaicChunkCE.fallback`` makes. ``mosaic_launch`` launches them, on a
+Hopper GPU or in interpret mode.
 """
 
 from __future__ import annotations
@@ -38,226 +36,12 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
 
 from mst_jax import _ce_math as ce_math
 from mst_jax import _matmul, _mosaic_gemm
 from mst_jax._backends import base, mosaic_stats
+from mst_jax._backends.mosaic_launch import Grid, MosaicBlocks, Program, launch, takes
 from mst_jax._backends.xla import XlaChunkCE
-from mst_jax._mosaic_gemm_epilogue import load_rows
-
-try:  # Mosaic GPU's Pallas front end (lowering needs a Hopper GPU)
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-except ImportError:  # pragma: no cover -- a jax without Mosaic GPU
-  plgpu = None
-
-_TILE_ROWS, _TILE_BYTES = 8, 128  # what TMA moves: 8 rows of 128 bytes
-
-
-@dataclasses.dataclass(frozen=True)
-class MosaicBlocks:
-  """Tiles of the Mosaic GPU cross-entropy kernels.
-
-  Attributes:
-    block_rows: rows per program, a multiple of 64 (a warpgroup's rows).
-    block_v: vocabulary columns per tile, a multiple of 64.
-    stages: tiles in flight per program (TMA runs this far ahead).
-    programs: the kernels cut the vocabulary into parts until row blocks
-      times parts reaches this (several per SM, whose warps hide each
-      other's latency).
-  """
-
-  block_rows: int = 64
-  block_v: int = 128
-  stages: int = 2
-  programs: int = 1056
-
-  def __post_init__(self) -> None:
-    for name, multiple in (("block_rows", 64), ("block_v", 64)):
-      value = getattr(self, name)
-      if not (isinstance(value, int) and value > 0 and value % multiple == 0):
-        raise ValueError(f"MosaicBlocks.{name} must be a multiple of {multiple}.")
-    for name in ("stages", "programs"):
-      if not (isinstance(value := getattr(self, name), int) and value >= 1):
-        raise ValueError(f"MosaicBlocks.{name} must be >= 1, got {value!r}.")
-
-
-@dataclasses.dataclass(frozen=True)
-class Grid:
-  """Row blocks x vocabulary parts x tiles per part."""
-
-  row_blocks: int
-  parts: int
-  steps: int
-
-  @classmethod
-  def of(cls, n_rows: int, n_cols: int, blocks: MosaicBlocks) -> Grid:
-    row_blocks = pl.cdiv(n_rows, blocks.block_rows)
-    tiles = pl.cdiv(n_cols, blocks.block_v)
-    parts = min(tiles, max(1, pl.cdiv(blocks.programs, row_blocks)))
-    steps = pl.cdiv(tiles, parts)
-    return cls(row_blocks, pl.cdiv(tiles, steps), steps)
-
-
-@dataclasses.dataclass(frozen=True)
-class Program:
-  """What a kernel body needs of where it runs: its program's indices, its
-  rows of the ``[R]`` row vectors, and the walk over its tiles.
-
-  On a GPU (``pl.kernel``) row vectors go through shared memory by TMA and
-  tiles through a TMA pipeline; in interpret mode (``pallas_call``) arrays
-  padded to whole parts of whole tiles are read and written directly.
-  """
-
-  grid: Grid
-  blocks: MosaicBlocks
-  interpret: bool
-
-  def index(self):
-    """``(row block, part)``."""
-    if self.interpret:
-      return pl.program_id(0), pl.program_id(1)
-    return lax.axis_index("rows"), lax.axis_index("parts")
-
-  def _rows(self):
-    return pl.ds(self.index()[0] * self.blocks.block_rows, self.blocks.block_rows)
-
-  def with_rows(self, refs, body):
-    """``body(values)`` with the program's rows of each ``[R]`` ref."""
-    if self.interpret:
-      return body([ref[self._rows()] for ref in refs])
-    rows, n = self.blocks.block_rows, len(refs)
-
-    def scoped(*scratch):
-      *buffers, barriers = scratch
-      for k, (ref, buffer) in enumerate(zip(refs, buffers, strict=True)):
-        plgpu.copy_gmem_to_smem(ref.at[self._rows()], buffer, barriers.at[k])
-      values = []
-      for k, buffer in enumerate(buffers):
-        plgpu.barrier_wait(barriers.at[k])
-        values.append(load_rows(buffer))
-      return body(values)
-
-    smem = [plgpu.SMEM((rows,), ref.dtype) for ref in refs]
-    return pl.run_scoped(scoped, *smem, plgpu.Barrier(num_barriers=n))
-
-  def store_rows(self, refs, values) -> None:
-    """Writes each value into the program's part and rows of a ``[parts, R]`` ref."""
-    part = self.index()[1]
-    if self.interpret:
-      for ref, value in zip(refs, values, strict=True):
-        ref[part, self._rows()] = value
-      return
-
-    def scoped(*buffers):
-      for ref, buffer, value in zip(refs, buffers, values, strict=True):
-        buffer[...] = value
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(buffer, ref.at[part, self._rows()])
-      plgpu.wait_smem_to_gmem(0)
-
-    rows = self.blocks.block_rows
-    pl.run_scoped(scoped, *[plgpu.SMEM((rows,), v.dtype) for v in values])
-
-  def walk(self, body, ins, outs=(), *, init=None):
-    """Runs ``body(col, *in_tiles, *out_tiles[, carry])`` over the program's
-    tiles of the ``[R, V]`` refs ``ins`` and ``outs`` (``col``: the tile's
-    first column); returns the carry."""
-    rows, cols = self.blocks.block_rows, self.blocks.block_v
-    row_block, part = self.index()
-    tile_index = lambda step: (row_block, part * self.grid.steps + step)
-    tile_body = lambda index, *args: body(tile_index(index[0])[1] * cols, *args)
-    if self.interpret:
-
-      def step(index, carry):
-        window = tuple(
-          pl.ds(i * size, size)
-          for i, size in zip(tile_index(index), (rows, cols), strict=True)
-        )
-        tiles = [ref.at[window] for ref in (*ins, *outs)]
-        if init is None:
-          tile_body((index,), *tiles)
-          return carry
-        return tile_body((index,), *tiles, carry)
-
-      return lax.fori_loop(0, self.grid.steps, step, init)
-    bits = jnp.dtype(ins[0].dtype).itemsize * 8
-    swizzle = plgpu.find_swizzle(cols * bits)
-    transforms = (
-      plgpu.TilingTransform((_TILE_ROWS, swizzle * 8 // bits)),
-      plgpu.SwizzleTransform(swizzle),
-    )
-    spec = plgpu.BlockSpec((rows, cols), tile_index, transforms=transforms)
-    return plgpu.emit_pipeline(
-      tile_body,
-      grid=(self.grid.steps,),
-      in_specs=[spec] * len(ins),
-      out_specs=[spec] * len(outs),
-      max_concurrent_steps=self.blocks.stages,
-      init_carry=init,
-    )(*ins, *outs)
-
-
-def launch(kernel, name, grid, rows, out_type, arrays, *, tiles, interpret, approx):
-  """``kernel(..., program=)`` over ``grid``'s ``(row blocks, parts)``.
-
-  ``rows``: ``[R]`` arrays; ``arrays``: ``[R, V]`` arrays of one shape.
-  ``out_type``: ``[parts, R]`` outputs, and the kernel takes
-  ``(*arrays, *rows, *outputs)``; with ``out_type=None`` the last of
-  ``arrays`` is a ``jax.Ref`` that the kernel writes over, and it takes
-  ``(*rows, *arrays)``. Row vectors and per-part outputs are padded to whole
-  row blocks (the kernels move them whole, by TMA, between device and shared
-  memory). Returns the outputs, or None.
-  """
-  n_rows, n_cols = arrays[0].shape
-  program = Program(grid, tiles, interpret)
-  body = functools.partial(kernel, program=program)
-  padded_rows = grid.row_blocks * tiles.block_rows
-  rows = [jnp.pad(r, (0, padded_rows - n_rows)) for r in rows]
-  written = out_type is None
-  if not written:
-    out_type = [
-      jax.ShapeDtypeStruct((o.shape[0], padded_rows), o.dtype) for o in out_type
-    ]
-  if not interpret:
-    outputs = pl.kernel(
-      body,
-      out_type=() if written else out_type,
-      mesh=plgpu.Mesh(grid=(grid.row_blocks, grid.parts), grid_names=("rows", "parts")),
-      compiler_params=plgpu.CompilerParams(
-        approx_math=approx, lowering_semantics=plgpu.LoweringSemantics.Warpgroup
-      ),
-      name=name,
-    )(*((*rows, *arrays) if written else (*arrays, *rows)))
-    return None if written else [o[:, :n_rows] for o in outputs]
-  # Interpret mode: the arrays padded too (TMA reads zeros past the ends and
-  # drops writes there); the written one is an output aliased to its input.
-  padded_cols = grid.parts * grid.steps * tiles.block_v
-  pad = ((0, padded_rows - n_rows), (0, padded_cols - n_cols))
-  padded = [jnp.pad(a[...] if written else a, pad) for a in arrays]
-  args, aliases = (*padded, *rows), {}
-  if written:
-    out_type = jax.ShapeDtypeStruct(padded[-1].shape, padded[-1].dtype)
-    args, aliases = (*rows, *padded), {len(rows) + len(padded) - 1: 0}
-    body = lambda *refs, f=body: f(*refs[:-2], refs[-1])  # the aliased output
-  gmem = plgpu.BlockSpec(memory_space=plgpu.GMEM)
-  outputs = pl.pallas_call(
-    body,
-    out_shape=out_type,
-    grid=(grid.row_blocks, grid.parts),
-    in_specs=[gmem] * len(args),
-    out_specs=jax.tree.map(lambda _: gmem, out_type),
-    input_output_aliases=aliases,
-    compiler_params=plgpu.CompilerParams(
-      lowering_semantics=plgpu.LoweringSemantics.Warpgroup
-    ),
-    interpret=True,
-    name=name,
-  )(*args)
-  if written:
-    arrays[-1][...] = outputs[:n_rows, :n_cols]
-    return None
-  return [o[:, :n_rows] for o in outputs]
 
 
 def _stats_kernel(
@@ -311,18 +95,6 @@ def _dlogits_kernel(
   program.with_rows([labels_ref, *row_refs], with_rows)
 
 
-def takes(logits: jax.Array) -> bool:
-  """Whether the Mosaic kernels take these logits: 16-bit, of whole TMA tiles."""
-  itemsize = jnp.dtype(logits.dtype).itemsize
-  n_rows, n_cols = logits.shape
-  return (
-    plgpu is not None
-    and itemsize == 2
-    and n_rows % _TILE_ROWS == 0
-    and n_cols % (_TILE_BYTES // itemsize) == 0
-  )
-
-
 @dataclasses.dataclass(frozen=True)
 class MosaicChunkCE(base.MatmulThenCE):
   """The logits GEMM, then the cross-entropy as Pallas kernels lowered
@@ -342,24 +114,37 @@ class MosaicChunkCE(base.MatmulThenCE):
   tiles: MosaicBlocks = MosaicBlocks()
   interpret: bool = False
 
+  def _padded(self, x: base.ChunkInputs, head: base.HeadSpec) -> bool:
+    """Whether the chunk's logits come from the Mosaic GEMM, padded to whole
+    64-column tiles (``_matmul.mosaic_logits``), for these kernels alone:
+    16-bit logits in the dtype of the gradients formed over them, without a
+    bias or class weights (whose consumers read the logits' width)."""
+    return (
+      head.gemm == "mosaic"
+      and x.bias is None
+      and x.class_weights is None
+      and jnp.dtype(head.logits_dtype).itemsize == 2
+      and jnp.dtype(head.logits_dtype) == x.hidden.dtype
+    )
+
   def logits_and_stats(self, x: base.ChunkInputs, head: base.HeadSpec, offset):
     """The chunk's logits and their ``RowStats`` from one Mosaic GEMM, the
     statistics computed in its epilogue (``mosaic_stats.TileStats``), so
     nothing reads the logits back for them; the logits alone (statistics
     None) where that GEMM does not run (XLA's GEMMs, a bias, class weights,
     shapes it does not take) and for float32 logits (whose tile would take
-    all of the epilogue's registers)."""
-    if (
-      head.gemm != "mosaic"
-      or x.bias is not None
-      or x.class_weights is not None
-      or jnp.dtype(head.logits_dtype).itemsize != 2
-    ):
+    all of the epilogue's registers).
+
+    The logits of a vocabulary that is not whole 64-column tiles (GPT-2's
+    50257) are padded to them, zeros that the statistics leave out; the
+    chunk's ``dlogits`` over them are padded alike (``_matmul`` reads them
+    against the weight's columns only)."""
+    if not self._padded(x, head):
       return super().logits_and_stats(x, head, offset)
     n_cols = _matmul.vocab_size(x.weight, head.weight_layout)
     epilogue = mosaic_stats.TileStats(head.options, n_cols)
     labels = base.relative_labels(x.labels, offset).astype(jnp.int32)
-    fused = _matmul.logits_with_rows(
+    fused = _matmul.mosaic_logits(
       x.hidden, x.weight, head.weight_layout, head.logits_dtype, epilogue, (labels,)
     )
     if fused is None:
@@ -368,11 +153,32 @@ class MosaicChunkCE(base.MatmulThenCE):
     widths = mosaic_stats.part_widths(n_cols, part_cols)
     return logits, mosaic_stats.combine(outputs, widths, n_cols, head.options)
 
+  def chunk_forward(self, x, head, *, offset=0, logits=None):
+    n_cols = _matmul.vocab_size(x.weight, head.weight_layout)
+    if logits is None or logits.shape[1] == n_cols:
+      return super().chunk_forward(x, head, offset=offset, logits=logits)
+    labels = base.relative_labels(x.labels, offset)  # padded logits
+    return self._stats(logits, labels, head.options, n_cols)
+
+  def chunk_backward(self, x, rows, head, out_dtype, *, offset=0, logits=None):
+    if logits is None and self._padded(x, head):
+      logits = _matmul.mosaic_logits(
+        x.hidden, x.weight, head.weight_layout, head.logits_dtype
+      )
+    return super().chunk_backward(
+      x, rows, head, out_dtype, offset=offset, logits=logits
+    )
+
   def forward(self, logits, labels, options):
+    return self._stats(logits, labels, options, logits.shape[1])
+
+  def _stats(self, logits, labels, options, n_cols: int):
+    """``forward`` of the first ``n_cols`` columns of ``logits``."""
     if not takes(logits):
+      logits = logits[:, :n_cols]  # (a fallback's logits are never padded)
       return self.fallback().forward(logits, labels, options)
-    n_rows, n_cols = logits.shape
-    grid = Grid.of(n_rows, n_cols, self.tiles)
+    n_rows, width = logits.shape
+    grid = Grid.of(n_rows, width, self.tiles)
     out_type = [
       jax.ShapeDtypeStruct((grid.parts, n_rows), dtype)
       for dtype in mosaic_stats.out_dtypes(options)

@@ -2,7 +2,7 @@
 
 Over a chunk's 16-bit student and teacher logits ``[R, V]`` (one dtype; math
 in float32 and ``_distill_math``'s, as the other backends), on
-``mosaic_ce``'s tiles, vocabulary parts and TMA pipelines:
+``mosaic_launch``'s tiles, vocabulary parts and TMA pipelines:
 
 1. ``_stats_kernel``: each ``[block_rows, V / parts]`` slab's
    ``DistillStats``, in one pass over tiles of both heads; a tree of
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mst_jax import _ce_math, _distill_math, _mosaic_gemm
-from mst_jax._backends import mosaic_ce, mosaic_stats
+from mst_jax._backends import mosaic_launch, mosaic_stats
 
 
 def _tempered_tile(first_col, student_ref, teacher_ref, options, n_cols):
@@ -49,7 +49,7 @@ def _stats_kernel(
   student_ref,  # [R, V] 16-bit
   teacher_ref,  # [R, V] likewise
   *out_refs,  # [parts, R] float32 each: DistillStats' fields that are not None
-  program: mosaic_ce.Program,
+  program: mosaic_launch.Program,
   options: _distill_math.DistillOptions,
   n_cols: int,
 ):
@@ -68,7 +68,7 @@ def _jsd_kernel(
   student_ref,  # [R, V] 16-bit
   teacher_ref,  # [R, V] likewise
   *refs,  # [R] float32: log_norms' four; then [parts, R] float32: the two sums
-  program: mosaic_ce.Program,
+  program: mosaic_launch.Program,
   options: _distill_math.DistillOptions,
   n_cols: int,
 ):
@@ -92,7 +92,7 @@ def _dlogits_kernel(
   *refs,  # [R] float32 each: DistillRows' fields (valid as 0 / 1, then the
   # hard-label term's lse, coef_softmax, coef_target); then the teacher's
   # [R, V] logits and the student's, written over
-  program: mosaic_ce.Program,
+  program: mosaic_launch.Program,
   options: _distill_math.DistillOptions,
   vocab_total: int,
 ):
@@ -151,8 +151,8 @@ def _merge_parts(parts: list, options) -> _distill_math.DistillStats:
 
 def takes(student_logits: jax.Array, teacher_logits: jax.Array) -> bool:
   """Whether the Mosaic kernels take these heads: one 16-bit dtype, whole
-  TMA tiles (``mosaic_ce.takes``)."""
-  return student_logits.dtype == teacher_logits.dtype and mosaic_ce.takes(
+  TMA tiles (``mosaic_launch.takes``)."""
+  return student_logits.dtype == teacher_logits.dtype and mosaic_launch.takes(
     student_logits
   )
 
@@ -176,7 +176,7 @@ class MosaicDistill:
   """
 
   fallback: Callable[[], Any] = _xla_chunk
-  tiles: mosaic_ce.MosaicBlocks = mosaic_ce.MosaicBlocks()
+  tiles: mosaic_launch.MosaicBlocks = mosaic_launch.MosaicBlocks()
   interpret: bool = False
 
   def in_place(self, student_logits, teacher_logits, out_dtype) -> bool:
@@ -189,7 +189,7 @@ class MosaicDistill:
     return same and (whole or self.fallback() is not None)
 
   def _launch(self, kernel, name, grid, rows, out_type, arrays, options):
-    return mosaic_ce.launch(
+    return mosaic_launch.launch(
       kernel,
       name,
       grid,
@@ -214,7 +214,7 @@ class MosaicDistill:
         return loss, None if dlogits is None else dlogits.astype(out_dtype)
       return fallback.chunk_loss(*args, out_dtype)
     n_rows, n_cols = student_logits.shape
-    grid = mosaic_ce.Grid.of(n_rows, n_cols, self.tiles)
+    grid = mosaic_launch.Grid.of(n_rows, n_cols, self.tiles)
     heads = [student_logits, teacher_logits]
     empty = _distill_math.empty_stats((), jnp.float32, options)
     part = jax.ShapeDtypeStruct((grid.parts, n_rows), jnp.float32)
