@@ -18,11 +18,17 @@ logits.
 
 Sizes need not be multiples of the tiles: TMA fills reads past an array's end
 with zeros (adding nothing to a dot product) and drops writes past it. Mosaic
-GPU does describe each array to TMA as whole shared-memory tiles of 8 rows x
-128 bytes, so every operand and the output must have a multiple of 8 rows
-and of 64 (16-bit) or 32 (float32) columns as stored: V = 32000, 128256 or
-256000 qualify, GPT-2's 50257 does not. ``matmul`` raises
-``NotImplementedError`` for other shapes.
+GPU describes each array to TMA in shared-memory tiles of 128-byte rows, so
+every operand and the output must have a multiple of 64 (16-bit) or 32
+(float32) columns as stored: V = 32000, 128256 or 256000 qualify as columns,
+GPT-2's 50257 does not. An array whose number of rows is not a multiple of 8
+(a ``[50257, D]`` weight; ``Problem.ragged``) is copied in tiles of one row
+(``_mosaic_gemm_config.ragged_error``); an operand contracted over its rows
+must have whole tiles of 8 of them. ``matmul`` raises ``NotImplementedError``
+for other shapes. For logits padded past a ragged vocabulary, ``out_shape``
+makes the product wider or narrower than the operands (zeros past them, the
+rest dropped), and ``zero_extend`` contracts operands of different lengths
+(the shorter read as zero-extended).
 
 The module imports on any jax (a missing Mosaic GPU is reported when
 ``matmul`` is called); without a Hopper GPU ``matmul`` raises
@@ -243,6 +249,11 @@ def matmul(
       not with ``accumulate``); the config must then be ping-pong
       (``split="tiles"``) and unsplit.
     row_inputs: ``row_epilogue``'s ``[M]`` row inputs.
+    out_shape: the output's ``(M, N)`` (default: the operands'): columns
+      past ``rhs``'s ``N`` or rows past ``lhs``'s ``M`` are zeros; fewer are
+      the product's first ones.
+    zero_extend: contract operands whose contracted dimensions differ, the
+      shorter read as zero-extended (else they must agree).
 
   Returns:
     ``[M, N]`` in ``out_dtype``; with ``row_epilogue``, also a list of its
@@ -253,7 +264,7 @@ def matmul(
     ValueError: shapes that do not contract, or ``accumulate`` of another shape.
     TypeError: dtypes other than those above.
     NotImplementedError: no Hopper GPU, batch dimensions, or arrays that are
-      not whole ``8 x 128``-byte tiles (see the module docstring).
+      not whole 128-byte rows (see the module docstring).
   """
   if out_dtype is None:
     out_dtype = lhs.dtype if accumulate is None else accumulate.dtype
