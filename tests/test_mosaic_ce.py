@@ -17,7 +17,7 @@ from test_backends import ALL_OPTIONS, PLAIN, SCALED, _logits_case, check_backen
 
 from mst_jax import _backends as backends
 from mst_jax import _ce_math as ce_math
-from mst_jax import _mosaic_gemm, reference
+from mst_jax import _matmul, _mosaic_gemm, reference
 from mst_jax._backends import pallas_triton
 from mst_jax._backends.mosaic_ce import MosaicBlocks, MosaicChunkCE, takes
 
@@ -241,3 +241,80 @@ def test_gpu_softcap_scores_to_an_ulp(rng):
   target = scores[np.arange(64), np.asarray(labels)]
   np.testing.assert_allclose(np.asarray(stats.target), target, rtol=0, atol=4e-6)
   np.testing.assert_allclose(np.asarray(stats.lse), lse, rtol=0, atol=2e-6)
+
+
+# Logits padded past a ragged vocabulary (``_matmul.mosaic_logits``: 1001
+# columns padded to 1024). The padding holds values far above the rest, so a
+# statistic that read it would be far off.
+def _padded_case(rng, options_case="normal"):
+  logits, labels, valid = _bf16_case(rng, options_case, 200, 1001)
+  pad = jnp.full((200, 23), 60.0, jnp.bfloat16)
+  return jnp.concatenate([logits, pad], axis=1), logits, labels, valid
+
+
+@pytest.mark.parametrize(
+  "options", [PLAIN, ALL_OPTIONS, SCALED], ids=["plain", "all", "scaled"]
+)
+def test_padded_logits_leave_the_padding_out(rng, options):
+  """``chunk_forward`` of padded logits gives the statistics of the weight's
+  columns; ``dlogits`` over them match those of the unpadded logits."""
+  padded, logits, labels, valid = _padded_case(rng)
+  d = 64
+  x = backends.ChunkInputs(
+    hidden=jnp.zeros((200, d), jnp.bfloat16),
+    weight=jnp.zeros((1001, d), jnp.bfloat16),
+    bias=None,
+    labels=labels,
+  )
+  head = backends.HeadSpec("vd", jnp.dtype(jnp.bfloat16), options, 1001)
+  stats = INTERPRET.chunk_forward(x, head, logits=padded)
+  want = INTERPRET.forward(logits, labels, options)
+  for name in ("lse", "target", "mean_logit"):
+    got, ref = getattr(stats, name), getattr(want, name)
+    assert_close(got, np.asarray(ref, np.float64), 1e-6, name)
+  np.testing.assert_array_equal(stats.argmax, want.argmax)
+  check_backend(INTERPRET, logits, labels, valid, options, rng, jnp.bfloat16)
+  rows = ce_math.backward_rows(
+    jnp.ones((200,), jnp.float32),
+    jnp.zeros((200,), jnp.float32),
+    stats.lse,
+    labels,
+    valid,
+    options,
+    1001,
+  )
+  got = INTERPRET.chunk_backward(x, rows, head, jnp.bfloat16, logits=padded)
+  ref = INTERPRET.backward(logits, labels, rows, options, jnp.bfloat16, 1001)
+  assert got.shape == padded.shape
+  # bfloat16 dlogits, whose exp XLA:CPU may vectorize differently per width.
+  assert_close(got[:, :1001], np.asarray(ref, np.float64), 8e-3, "dlogits")
+
+
+@pytest.mark.parametrize("layout", ["vd", "dv"])
+@pytest.mark.parametrize("tile", [None, 96])
+def test_padded_dlogits_products_read_the_weights_columns(rng, layout, tile):
+  """``dhidden`` and ``dweight`` of ``dlogits`` padded past the weight's 1001
+  columns (with values that would show) equal those of the first 1001, on
+  XLA's GEMMs (what runs them where the Mosaic GEMM does not)."""
+  rows, d, v, vp = 40, 64, 1001, 1024
+  hidden = jnp.asarray(rng.standard_normal((rows, d)), jnp.float32)
+  weight = rng.standard_normal((v, d))
+  weight = jnp.asarray(weight if layout == "vd" else weight.T, jnp.float32)
+  dlogits = rng.standard_normal((rows, v))
+  padded = np.concatenate([dlogits, np.full((rows, vp - v), 1e3)], axis=1)
+  padded = jnp.asarray(padded, jnp.float32)
+  w64 = np.asarray(weight, np.float64)
+  w64 = w64 if layout == "vd" else w64.T  # [V, D]
+  ref_dh = dlogits @ w64
+  ref_dw = dlogits.T @ np.asarray(hidden, np.float64)  # [V, D]
+  ref_dw = ref_dw if layout == "vd" else ref_dw.T
+  dh = _matmul.dhidden_matmul(padded, weight, layout, jnp.float32, tile=tile)
+  assert_close(dh, ref_dh, 1e-5, "dhidden")
+  start = jnp.asarray(rng.standard_normal(weight.shape), jnp.float32)
+  dw = _matmul.dweight_matmul(
+    padded, hidden, layout, jnp.float32, into=start, tile=tile
+  )
+  assert_close(dw, ref_dw + np.asarray(start, np.float64), 1e-5, "dweight +=")
+  if tile is None:  # a block's own dweight (vocabulary blocks)
+    dw = _matmul.dweight_matmul(padded, hidden, layout, jnp.float32, width=v)
+    assert_close(dw, ref_dw, 1e-5, "dweight")
