@@ -102,6 +102,7 @@ CASES = {
     Case("llama", 8192, **_LLAMA, description="Llama-3-8B head"),
     Case("gemma", 8192, 2304, 256000, description="Gemma-2-2B head"),
     Case("llama_32k", 32768, **_LLAMA, description="Llama-3 head, 32k tokens"),
+    Case("gpt2", 8192, 1600, 50257, description="GPT-2-XL head, V = 50257"),
     Case(
       "llama_sft_prefix",
       8192,
