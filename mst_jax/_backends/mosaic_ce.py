@@ -117,14 +117,13 @@ class MosaicChunkCE(base.MatmulThenCE):
   def _padded(self, x: base.ChunkInputs, head: base.HeadSpec) -> bool:
     """Whether the chunk's logits come from the Mosaic GEMM, padded to whole
     64-column tiles (``_matmul.mosaic_logits``), for these kernels alone:
-    16-bit logits in the dtype of the gradients formed over them, without a
-    bias or class weights (whose consumers read the logits' width)."""
+    16-bit logits, without a bias or class weights (whose consumers read the
+    logits' width)."""
     return (
       head.gemm == "mosaic"
       and x.bias is None
       and x.class_weights is None
       and jnp.dtype(head.logits_dtype).itemsize == 2
-      and jnp.dtype(head.logits_dtype) == x.hidden.dtype
     )
 
   def logits_and_stats(self, x: base.ChunkInputs, head: base.HeadSpec, offset):
