@@ -29,8 +29,10 @@ from mst_jax import _backends, _mosaic_gemm
 
 def _lowered_text(problem, **kwargs) -> str:
   def loss(hidden, weight, bias):
-    return mst_jax.linear_cross_entropy(
-      hidden, weight, problem.labels, bias, where=problem.where, **kwargs
+    return jnp.sum(
+      mst_jax.linear_cross_entropy(
+        hidden, weight, problem.labels, bias, where=problem.where, **kwargs
+      )
     )
 
   args = (problem.hidden, problem.weight, problem.bias)
@@ -243,10 +245,12 @@ def test_mosaic_matches_the_oracle(rng, dtype, layout, vocab, kwargs):
   )
   kwargs = dict(kwargs, impl="mosaic", weight_layout=layout)
   text = _lowered_text(problem, **kwargs)
-  # Rows of 50257 columns (a [D, V] weight) are not whole 128-byte TMA rows.
+  # Rows of 50257 columns (a [D, V] weight) are not whole 128-byte TMA rows:
+  # XLA's GEMMs and the Triton kernels (elsewhere Triton runs only what the
+  # Mosaic kernels leave, such as a fused sweep into a group's buffer).
   on_mosaic = vocab % 64 == 0 or layout == "vd"
   assert ("mosaic_gpu" in text) == on_mosaic
-  assert ("triton" in text) != on_mosaic
+  assert on_mosaic or "triton" in text
   check_against_oracle(problem, dtype, **kwargs)
 
 
