@@ -140,7 +140,7 @@ def ragged_error(config: GemmConfig, p: Problem) -> str | None:
   kernel, which writes its copies out, takes them.
   """
   lhs, rhs, out = p.ragged
-  in_bytes, out_bytes = jnp.dtype(p.in_dtype).itemsize, jnp.dtype(p.out_dtype).itemsize
+  in_bytes, out_bytes = jnp.dtype(p.in_dtype).itemsize, _stored_bytes(config, p)
   if not any(p.ragged):
     return None
   if lhs and p.lhs_transposed:
@@ -154,6 +154,12 @@ def ragged_error(config: GemmConfig, p: Problem) -> str | None:
   if out and config.epilogue_n * out_bytes > _SWIZZLE_SPAN:
     return f"a ragged output needs epilogue_n of at most {_SWIZZLE_SPAN} bytes"
   return None
+
+
+def _stored_bytes(config: GemmConfig, p: Problem) -> int:
+  """Bytes per element the kernel stores: float32 partial products when
+  split along K, else the output dtype's."""
+  return 4 if config.k_splits > 1 else jnp.dtype(p.out_dtype).itemsize
 
 
 def fit_ragged(config: GemmConfig, p: Problem) -> GemmConfig:
@@ -170,7 +176,7 @@ def fit_ragged(config: GemmConfig, p: Problem) -> GemmConfig:
     tile_n = in_elements
     config = dataclasses.replace(config, tile_m=256, tile_n=tile_n, epilogue_n=tile_n)
   if out:
-    out_elements = _SWIZZLE_SPAN // jnp.dtype(p.out_dtype).itemsize
+    out_elements = _SWIZZLE_SPAN // _stored_bytes(config, p)
     epilogue_n = min(config.epilogue_n, out_elements)
     config = dataclasses.replace(config, epilogue_n=epilogue_n)
   return config

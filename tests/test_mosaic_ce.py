@@ -266,7 +266,7 @@ def test_padded_logits_leave_the_padding_out(rng, options):
     bias=None,
     labels=labels,
   )
-  head = backends.HeadSpec("vd", jnp.dtype(jnp.bfloat16), options, 1001)
+  head = backends.HeadSpec("vd", jnp.dtype(jnp.bfloat16), options, 1001, gemm="mosaic")
   stats = INTERPRET.chunk_forward(x, head, logits=padded)
   want = INTERPRET.forward(logits, labels, options)
   for name in ("lse", "target", "mean_logit"):
@@ -288,6 +288,12 @@ def test_padded_logits_leave_the_padding_out(rng, options):
   assert got.shape == padded.shape
   # bfloat16 dlogits, whose exp XLA:CPU may vectorize differently per width.
   assert_close(got[:, :1001], np.asarray(ref, np.float64), 8e-3, "dlogits")
+  assert not np.asarray(got[:, 1001:], np.float32).any()  # zeros, however large
+  # The fallback's (float32 dlogits) are zero past the weight's columns too.
+  scoring = INTERPRET._scoring(x, head)
+  assert scoring.columns == 1001
+  got = scoring.backward(padded, labels, rows, options, jnp.float32, 1001)
+  assert got.shape == padded.shape and not np.asarray(got[:, 1001:]).any()
 
 
 @pytest.mark.parametrize("layout", ["vd", "dv"])

@@ -11,6 +11,8 @@ need a Hopper GPU; the argument checks and the lowering run everywhere.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -286,7 +288,7 @@ RAGGED_CASES = [
 ]
 
 
-def _run_ragged(rng, product, shape, in_dtype, out_dtype):
+def _run_ragged(rng, product, shape, in_dtype, out_dtype, accumulate=True):
   n, d, v = shape
   vp = -(-v // 64) * 64
   hidden = rng.standard_normal((n, d))
@@ -299,7 +301,8 @@ def _run_ragged(rng, product, shape, in_dtype, out_dtype):
     lhs, rhs, dims, kw = dlogits, weight, _dims(1, 0), dict(zero_extend=True)
   else:
     lhs, rhs, dims, kw = dlogits, hidden, _dims(0, 0), dict(out_shape=(v, d))
-    init = jnp.asarray(rng.standard_normal((v, d)), out_dtype)
+    if accumulate:
+      init = jnp.asarray(rng.standard_normal((v, d)), out_dtype)
   lhs, rhs = (jnp.asarray(x, in_dtype) for x in (lhs, rhs))
   a, b = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
   if product == "logits":
@@ -307,7 +310,7 @@ def _run_ragged(rng, product, shape, in_dtype, out_dtype):
   elif product == "dhidden":
     ref = a[:, :v] @ b
   else:
-    ref = a[:, :v].T @ b + np.asarray(init, np.float64)
+    ref = a[:, :v].T @ b + (0.0 if init is None else np.asarray(init, np.float64))
   out = mosaic_gemm.matmul(lhs, rhs, dims, out_dtype, accumulate=init, **kw)
   assert out.shape == ref.shape and out.dtype == jnp.dtype(out_dtype)
   out = np.asarray(out, np.float64)
@@ -329,6 +332,24 @@ def test_ragged_arrays(rng, product, shape, in_dtype):
   _run_ragged(rng, product, shape, in_dtype, out_dtype)
   if product == "dweight":
     _run_ragged(rng, product, shape, in_dtype, in_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])
+def test_a_ragged_output_split_along_k(rng, out_dtype):
+  """A first dweight (no addend) of a 1105-column vocabulary block over 4096
+  rows: its default config splits the contraction, whose float32 partial
+  products go through the ragged output's epilogue."""
+  problem = mosaic_gemm._check(
+    jax.ShapeDtypeStruct((4096, 1152), jnp.bfloat16),
+    jax.ShapeDtypeStruct((4096, 768), jnp.bfloat16),
+    _dims(0, 0),
+    out_dtype,
+    None,
+    out_shape=(1105, 768),
+  )
+  assert mosaic_gemm._config(problem).k_splits > 1
+  _run_ragged(rng, "dweight", (4096, 768, 1105), "bfloat16", out_dtype, False)
 
 
 @pytest.mark.gpu
@@ -464,6 +485,27 @@ def test_ragged_arrays_lower_for_hopper(product, shape):
   with with_hopper as patch:
     patch.setattr(mosaic_gemm, "unavailable_reason", lambda: None)
     text = jax.jit(product_of).trace(*args).lower(lowering_platforms=("cuda",))
+  assert "mosaic_gpu" in text.as_text()
+
+
+@pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])
+def test_a_ragged_output_split_along_k_stores_float32_pieces(out_dtype):
+  """Split along K, the kernel stores float32 partial products: a ragged
+  output's epilogue pieces are one swizzle span of float32 (32 columns),
+  whatever the output dtype; the product lowers."""
+  S, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
+  args = (S((4096, 1152), bf16), S((4096, 768), bf16))
+  problem = mosaic_gemm._check(*args, _dims(0, 0), out_dtype, None, (1105, 768))
+  config = mosaic_gemm._config(problem)
+  assert config.k_splits > 1 and config.epilogue_n == 32
+  assert ragged_error(config, problem) is None
+  assert ragged_error(dataclasses.replace(config, epilogue_n=64), problem)
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(mosaic_gemm, "unavailable_reason", lambda: None)
+    product = lambda a, b: mosaic_gemm.matmul(
+      a, b, _dims(0, 0), out_dtype, out_shape=(1105, 768)
+    )
+    text = jax.jit(product).trace(*args).lower(lowering_platforms=("cuda",))
   assert "mosaic_gpu" in text.as_text()
 
 

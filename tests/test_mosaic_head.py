@@ -186,6 +186,22 @@ def test_a_ragged_vocabulary_lowers_to_mosaic_kernels_only(
   assert "triton" not in text and "stablehlo.dot_general" not in text
 
 
+@pytest.mark.parametrize("grad_mode", ["recompute", "fused"])
+def test_float16_logits_of_bfloat16_inputs_are_not_padded(as_if_on_hopper, grad_mode):
+  """Logits in another 16-bit dtype than the gradients' (their dlogits are not
+  formed in place, so they go into a group's buffer of the weight's width)
+  are not padded: a ragged vocabulary's step lowers, on XLA's GEMMs."""
+  n, d, vocab = 1000, 256, 50257
+  h = jax.ShapeDtypeStruct((n, d), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((vocab, d), jnp.bfloat16)
+  y = jax.ShapeDtypeStruct((n,), jnp.int32)
+  options = dict(logits_dtype=jnp.float16, grad_mode=grad_mode, memory_budget=10**8)
+  loss = lambda h, w, y: mst_jax.linear_cross_entropy(h, w, y, **options)
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+  text = step.trace(h, w, y).lower(lowering_platforms=("cuda",)).as_text()
+  assert "stablehlo.dot_general" in text
+
+
 def test_vmap_on_hopper_says_to_pass_pallas(as_if_on_hopper):
   """The Mosaic GPU kernels have no batching rule: under jax.vmap the default
   on a Hopper GPU raises a clear error; impl="pallas" lowers."""

@@ -73,8 +73,10 @@ def _dlogits_kernel(
   program: Program,
   options: ce_math.CEOptions,
   vocab_total: int,
+  n_cols: int,
 ):
-  """Writes ``dlogits`` over the logits (one 16-bit ``[R, V]`` ref)."""
+  """Writes ``dlogits`` over the logits (one 16-bit ``[R, V]`` ref), zeros
+  from column ``n_cols`` on (the padding of padded logits)."""
   *row_refs, logits_ref = refs
   shape = (program.blocks.block_rows, program.blocks.block_v)
 
@@ -88,6 +90,7 @@ def _dlogits_kernel(
       cols = first_col + lax.broadcasted_iota(jnp.int32, shape, 1)
       logits = tile_ref[...].astype(jnp.float32)
       grad = ce_math.dlogits_block(logits, cols, labels, rows, options, vocab_total)
+      grad = jnp.where(cols < n_cols, grad, 0.0)
       out_ref[...] = grad.astype(out_ref.dtype)
 
     program.walk(body, [logits_ref], [logits_ref])
@@ -108,23 +111,37 @@ class MosaicChunkCE(base.MatmulThenCE):
       when a chunk needs it.
     tiles: the kernels' tiles.
     interpret: run the kernels in Pallas interpret mode (on a CPU too).
+    columns: the weight's columns, where the logits are padded past them
+      (set per chunk by ``_scoring``): the statistics leave the rest out,
+      and ``dlogits`` are zero there.
   """
 
   fallback: Callable[[], base.LogitsCE] = XlaChunkCE
   tiles: MosaicBlocks = MosaicBlocks()
   interpret: bool = False
+  columns: int | None = None
 
   def _padded(self, x: base.ChunkInputs, head: base.HeadSpec) -> bool:
     """Whether the chunk's logits come from the Mosaic GEMM, padded to whole
     64-column tiles (``_matmul.mosaic_logits``), for these kernels alone:
-    16-bit logits, without a bias or class weights (whose consumers read the
-    logits' width)."""
+    16-bit logits in the dtype of the gradients formed over them (so
+    ``dlogits`` stay on these kernels, in place), without a bias or class
+    weights (whose consumers read the logits' width)."""
     return (
       head.gemm == "mosaic"
       and x.bias is None
       and x.class_weights is None
       and jnp.dtype(head.logits_dtype).itemsize == 2
+      and jnp.dtype(head.logits_dtype) == x.hidden.dtype
     )
+
+  def _scoring(self, x: base.ChunkInputs, head: base.HeadSpec) -> MosaicChunkCE:
+    """This backend for the chunk: over padded logits (``_padded``), one
+    that scores the weight's columns only."""
+    if not self._padded(x, head):
+      return self
+    n_cols = _matmul.vocab_size(x.weight, head.weight_layout)
+    return dataclasses.replace(self, columns=n_cols)
 
   def logits_and_stats(self, x: base.ChunkInputs, head: base.HeadSpec, offset):
     """The chunk's logits and their ``RowStats`` from one Mosaic GEMM, the
@@ -153,26 +170,27 @@ class MosaicChunkCE(base.MatmulThenCE):
     return logits, mosaic_stats.combine(outputs, widths, n_cols, head.options)
 
   def chunk_forward(self, x, head, *, offset=0, logits=None):
-    n_cols = _matmul.vocab_size(x.weight, head.weight_layout)
-    if logits is None or logits.shape[1] == n_cols:
-      return super().chunk_forward(x, head, offset=offset, logits=logits)
-    labels = base.relative_labels(x.labels, offset)  # padded logits
-    return self._stats(logits, labels, head.options, n_cols)
+    scoring = super(MosaicChunkCE, self._scoring(x, head))
+    return scoring.chunk_forward(x, head, offset=offset, logits=logits)
 
   def chunk_backward(self, x, rows, head, out_dtype, *, offset=0, logits=None):
     if logits is None and self._padded(x, head):
       logits = _matmul.mosaic_logits(
         x.hidden, x.weight, head.weight_layout, head.logits_dtype
       )
-    return super().chunk_backward(
+    scoring = super(MosaicChunkCE, self._scoring(x, head))
+    return scoring.chunk_backward(
       x, rows, head, out_dtype, offset=offset, logits=logits
     )
 
-  def forward(self, logits, labels, options):
-    return self._stats(logits, labels, options, logits.shape[1])
+  def chunk_forward_backward(self, x, g_loss, head, out_dtype, *, valid, columns, into):
+    scoring = super(MosaicChunkCE, self._scoring(x, head))
+    return scoring.chunk_forward_backward(
+      x, g_loss, head, out_dtype, valid=valid, columns=columns, into=into
+    )
 
-  def _stats(self, logits, labels, options, n_cols: int):
-    """``forward`` of the first ``n_cols`` columns of ``logits``."""
+  def forward(self, logits, labels, options):
+    n_cols = self.columns or logits.shape[1]
     if not takes(logits):
       logits = logits[:, :n_cols]  # (a fallback's logits are never padded)
       return self.fallback().forward(logits, labels, options)
@@ -199,17 +217,25 @@ class MosaicChunkCE(base.MatmulThenCE):
     return mosaic_stats.combine(outputs, widths, n_cols, options)
 
   def backward(self, logits, labels, rows, options, out_dtype, vocab_size=None):
+    n_rows, width = logits.shape
+    n_cols = self.columns or width
     if not takes(logits) or jnp.dtype(out_dtype) != logits.dtype:
-      return self.fallback().backward(
-        logits, labels, rows, options, out_dtype, vocab_size
+      dlogits = self.fallback().backward(
+        logits, labels, rows, options, out_dtype, vocab_size or n_cols
       )
-    n_rows, n_cols = logits.shape
-    grid = Grid.of(n_rows, n_cols, self.tiles)
+      if n_cols == width:
+        return dlogits
+      cols = lax.broadcasted_iota(jnp.int32, dlogits.shape, 1)
+      return jnp.where(cols < n_cols, dlogits, jnp.zeros_like(dlogits))
+    grid = Grid.of(n_rows, width, self.tiles)
     row_values = [labels, rows.lse, rows.coef_softmax, rows.coef_target]
     if options.entropy:
       row_values += [rows.coef_entropy, rows.expected_score]
     kernel = functools.partial(
-      _dlogits_kernel, options=options, vocab_total=vocab_size or n_cols
+      _dlogits_kernel,
+      options=options,
+      vocab_total=vocab_size or n_cols,
+      n_cols=n_cols,
     )
     # dlogits overwrite the logits (XLA aliases them where nothing else
     # reads them): each tile is read before it is written.
