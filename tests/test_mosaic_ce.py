@@ -291,7 +291,7 @@ def test_padded_logits_leave_the_padding_out(rng, options):
   assert not np.asarray(got[:, 1001:], np.float32).any()  # zeros, however large
   # The fallback's (float32 dlogits) are zero past the weight's columns too.
   scoring = INTERPRET._scoring(x, head)
-  assert scoring.columns == 1001
+  assert scoring.weight_columns == 1001
   got = scoring.backward(padded, labels, rows, options, jnp.float32, 1001)
   assert got.shape == padded.shape and not np.asarray(got[:, 1001:]).any()
 

@@ -111,15 +111,15 @@ class MosaicChunkCE(base.MatmulThenCE):
       when a chunk needs it.
     tiles: the kernels' tiles.
     interpret: run the kernels in Pallas interpret mode (on a CPU too).
-    columns: the weight's columns, where the logits are padded past them
-      (set per chunk by ``_scoring``): the statistics leave the rest out,
-      and ``dlogits`` are zero there.
+    weight_columns: the weight's number of columns, where the logits are
+      padded past them (set per chunk by ``_scoring``): the statistics leave
+      the rest out, and ``dlogits`` are zero there.
   """
 
   fallback: Callable[[], base.LogitsCE] = XlaChunkCE
   tiles: MosaicBlocks = MosaicBlocks()
   interpret: bool = False
-  columns: int | None = None
+  weight_columns: int | None = None
 
   def _padded(self, x: base.ChunkInputs, head: base.HeadSpec) -> bool:
     """Whether the chunk's logits come from the Mosaic GEMM, padded to whole
@@ -141,7 +141,7 @@ class MosaicChunkCE(base.MatmulThenCE):
     if not self._padded(x, head):
       return self
     n_cols = _matmul.vocab_size(x.weight, head.weight_layout)
-    return dataclasses.replace(self, columns=n_cols)
+    return dataclasses.replace(self, weight_columns=n_cols)
 
   def logits_and_stats(self, x: base.ChunkInputs, head: base.HeadSpec, offset):
     """The chunk's logits and their ``RowStats`` from one Mosaic GEMM, the
@@ -190,9 +190,9 @@ class MosaicChunkCE(base.MatmulThenCE):
     )
 
   def forward(self, logits, labels, options):
-    n_cols = self.columns or logits.shape[1]
+    n_cols = self.weight_columns or logits.shape[1]
     if not takes(logits):
-      logits = logits[:, :n_cols]  # (a fallback's logits are never padded)
+      logits = logits[:, :n_cols]  # the fallback reads the weight's columns only
       return self.fallback().forward(logits, labels, options)
     n_rows, width = logits.shape
     grid = Grid.of(n_rows, width, self.tiles)
@@ -218,7 +218,7 @@ class MosaicChunkCE(base.MatmulThenCE):
 
   def backward(self, logits, labels, rows, options, out_dtype, vocab_size=None):
     n_rows, width = logits.shape
-    n_cols = self.columns or width
+    n_cols = self.weight_columns or width
     if not takes(logits) or jnp.dtype(out_dtype) != logits.dtype:
       dlogits = self.fallback().backward(
         logits, labels, rows, options, out_dtype, vocab_size or n_cols
