@@ -126,10 +126,7 @@ def _config(p: Problem, row_epilogue: RowEpilogue | None = None) -> GemmConfig:
   if row_epilogue is not None:
     vectors = len(row_epilogue.input_dtypes) + len(row_epilogue.out_dtypes)
   config = default_config(p.m, p.n, p.k, p.out_dtype, p.accumulate, _num_sms(), vectors)
-  if not any(p.ragged):
-    return config
-  config = fit_ragged(config, p)
-  return fit_shared_memory(config, p.out_dtype, p.accumulate, vectors)
+  return fit_shared_memory(fit_ragged(config, p), p.out_dtype, p.accumulate, vectors)
 
 
 def row_epilogue_config(

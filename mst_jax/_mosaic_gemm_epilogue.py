@@ -123,8 +123,8 @@ class TileStore:
 
   Pieces go through the warpgroup's shared-memory slots by TMA (rows and
   columns past the array's end are read as zeros and not written), copied
-  through ``tma_smem``: the slots' copy view (``views``), the slots
-  themselves unless the output is ragged. With
+  through ``tma_smem``: the slots' copy view (``views``; the slots
+  themselves unless the output is ragged). With
   ``accumulate``, each piece's addend is loaded into its slot ahead of time:
   the first ``slots`` during the main loop, each later one as soon as the
   store before it in its slot has read the slot.
@@ -136,7 +136,7 @@ class TileStore:
   wg: jax.Array
   p: Problem
   c: GemmConfig
-  tma_smem: object = None  # out_smem's copy view, if not out_smem
+  tma_smem: object  # out_smem's copy view (``views``)
 
   def begin(self) -> None:
     """Before the main loop: the slots' last stores have read them; the
@@ -153,10 +153,9 @@ class TileStore:
   def load_addend(self, index: int) -> None:
     rows, cols = _pieces(self.c)[index]
     slot, barrier = self._slot(index)
-    plgpu.copy_gmem_to_smem(self.out_tile.at[rows, cols], self._tma().at[slot], barrier)
-
-  def _tma(self):
-    return self.out_smem if self.tma_smem is None else self.tma_smem
+    plgpu.copy_gmem_to_smem(
+      self.out_tile.at[rows, cols], self.tma_smem.at[slot], barrier
+    )
 
   def store(self, acc: jax.Array) -> None:
     """Stores ``acc`` (float32, or already in the output dtype)."""
@@ -171,7 +170,7 @@ class TileStore:
         plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
       self.out_smem[slot] = piece.astype(self.p.out_dtype)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(self._tma().at[slot], self.out_tile.at[rows, cols])
+      plgpu.copy_smem_to_gmem(self.tma_smem.at[slot], self.out_tile.at[rows, cols])
       if self.p.accumulate and index + slots < len(pieces):
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this store read the slot
         self.load_addend(index + slots)

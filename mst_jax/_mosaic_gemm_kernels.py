@@ -180,7 +180,8 @@ def _cooperative_kernel(
 
       def compute_context(run_pipeline):
         out_tile = out.at[rows, cols].at[wg_m, wg_n]
-        store = epilogues.TileStore(out_tile, out_smem.at[wg], load_barrier, wg, p, c)
+        staging = out_smem.at[wg]
+        store = epilogues.TileStore(out_tile, staging, load_barrier, wg, p, c, staging)
         store.begin()
 
         @functools.partial(

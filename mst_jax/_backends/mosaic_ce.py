@@ -174,11 +174,12 @@ class MosaicChunkCE(base.MatmulThenCE):
     return scoring.chunk_forward(x, head, offset=offset, logits=logits)
 
   def chunk_backward(self, x, rows, head, out_dtype, *, offset=0, logits=None):
-    if logits is None and self._padded(x, head):
+    backend = self._scoring(x, head)
+    if logits is None and backend.weight_columns is not None:  # padded
       logits = _matmul.mosaic_logits(
         x.hidden, x.weight, head.weight_layout, head.logits_dtype
       )
-    scoring = super(MosaicChunkCE, self._scoring(x, head))
+    scoring = super(MosaicChunkCE, backend)
     return scoring.chunk_backward(
       x, rows, head, out_dtype, offset=offset, logits=logits
     )
