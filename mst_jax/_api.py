@@ -8,6 +8,7 @@ the gradient mode); below it every value is concrete.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 
@@ -254,6 +255,14 @@ def per_row_outputs(
       *rows.arrays, options=ce, weight_layout=weight_layout
     )
   plan, fused = resolve(rows, options, perf, weight_layout, layout, entropy=entropy)
+  if (transposed := _transposed_perf(rows, plan, perf, layout)) is not None:
+    # Outside the custom VJPs: autodiff transposes dweight back.
+    rows, perf = rows._replace(weight=rows.weight.T), transposed
+    weight_layout, layout = (
+      "vd",
+      layout and dataclasses.replace(layout, weight_layout="vd"),
+    )
+    plan, fused = resolve(rows, options, perf, "vd", layout, entropy=entropy)
   devices = _mesh.row_devices(layout)
   if pad := _tma_row_padding(n_rows // devices, rows.hidden.dtype, plan):
     rows = _inputs.with_rows_appended(rows, pad, groups=devices)
@@ -271,6 +280,33 @@ def per_row_outputs(
     return outputs
   drop = lambda x: _inputs.drop_appended(x, pad, groups=devices)
   return tuple(x if x.ndim == 0 else drop(x) for x in outputs)
+
+
+def _transposed_perf(rows: Rows, plan: Plan, perf: PerfOptions, layout):
+  """The ``perf`` to plan a ``[D, V]`` weight's transpose with, where the
+  plan's backend runs faster on it (``transposes_weight``), else None.
+
+  The transposed copy and its gradient (``2 V D`` elements a device) come
+  out of the memory budget; where they would take more than half of it,
+  the weight stays as it is.
+  """
+  if plan.config.head.weight_layout != "dv":
+    return None
+  vocab_devices = 1 if layout is None else layout.axis_size(layout.vocab_axis)
+  shape = (rows.hidden.shape[1], rows.vocab_size // vocab_devices)
+  weight = jax.ShapeDtypeStruct(shape, rows.weight.dtype)
+  x = _backends.ChunkInputs(
+    rows.hidden, weight, rows.bias, rows.labels, rows.class_weights
+  )
+  if not plan.config.backend.transposes_weight(x, plan.config.head):
+    return None
+  copies = 2 * math.prod(shape) * weight.dtype.itemsize
+  budget = perf.memory_budget or DEFAULT_MEMORY_BUDGET // vocab_devices
+  if copies > budget // 2:
+    return None
+  if perf.chunk_size is not None:  # the rows are given, not planned
+    return perf
+  return dataclasses.replace(perf, memory_budget=budget - copies)
 
 
 def _tma_row_padding(n_rows: int, dtype, plan: Plan) -> int:

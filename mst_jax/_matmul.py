@@ -195,6 +195,15 @@ def logits_matmul(
   return (logits + bias.astype(acc)[None, :]).astype(dtype)
 
 
+def mosaic_takes_logits(hidden, weight, layout: str, dtype) -> bool:
+  """Whether ``mosaic_logits`` forms these logits (arrays or shapes): a
+  ``[D, V]`` weight needs rows of whole 128-byte TMA tiles (64 columns of
+  16 bits), a ``[V, D]`` one any number of them."""
+  width = padded_width(vocab_size(weight, layout), dtype)
+  dims, out_shape = _LOGITS_DIMS[layout], (hidden.shape[0], width)
+  return _mosaic_gemm.takes(hidden, weight, dims, dtype, out_shape=out_shape)
+
+
 def mosaic_logits(
   hidden: jax.Array,
   weight: jax.Array,
@@ -214,9 +223,8 @@ def mosaic_logits(
   columns.
   """
   dims = _LOGITS_DIMS[layout]
-  width = padded_width(vocab_size(weight, layout), dtype)
-  out_shape = (hidden.shape[0], width)
-  if not _mosaic_gemm.takes(hidden, weight, dims, dtype, out_shape=out_shape):
+  out_shape = (hidden.shape[0], padded_width(vocab_size(weight, layout), dtype))
+  if not mosaic_takes_logits(hidden, weight, layout, dtype):
     return None
   if row_epilogue is None:
     return _mosaic_gemm.matmul(hidden, weight, dims, dtype, out_shape=out_shape)

@@ -34,11 +34,15 @@ def _restore_preallocation(monkeypatch):
   )
 
 
-@pytest.mark.parametrize("case", ["llama", "llama_sft_prefix", "llama_sft_random"])
+@pytest.mark.parametrize(
+  "case", ["llama", "llama_sft_prefix", "llama_sft_random", "gpt2_dv"]
+)
 @pytest.mark.parametrize("impl", ["naive", "naive_cast", "mst_jax:chunk_size=64"])
 def test_every_impl_computes_the_masked_mean_loss(case, impl):
   case = dataclasses.replace(CASES[case], **SMALL)
   hidden, weight, labels, where = make_inputs(case, seed=3)
+  dv = case.weight_layout == "dv"
+  assert weight.shape == ((case.dim, case.vocab) if dv else (case.vocab, case.dim))
   got = jax.jit(make_loss(impl, case))(hidden, weight, labels, where)
   with jax.enable_x64():
     want = reference.linear_cross_entropy(
@@ -46,6 +50,7 @@ def test_every_impl_computes_the_masked_mean_loss(case, impl):
       np.asarray(weight, np.float64),
       labels,
       where=where,
+      weight_layout=case.weight_layout,
     )
   np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
   if case.mask == "none":

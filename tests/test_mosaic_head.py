@@ -24,7 +24,7 @@ from conftest import (
 )
 
 import mst_jax
-from mst_jax import _backends, _mosaic_gemm
+from mst_jax import _api, _backends, _mosaic_gemm
 
 
 def _lowered_text(problem, **kwargs) -> str:
@@ -158,24 +158,28 @@ def test_the_default_on_hopper_is_the_mosaic_program(as_if_on_hopper, kwargs):
   ],
   ids=str,
 )
+@pytest.mark.parametrize("layout", ["vd", "dv"])
 @pytest.mark.parametrize("vocab", [1001, 50257])
 def test_a_ragged_vocabulary_lowers_to_mosaic_kernels_only(
-  as_if_on_hopper, vocab, kwargs
+  as_if_on_hopper, vocab, layout, kwargs
 ):
-  """A ``[V, D]`` weight of 1001 or GPT-2's 50257 rows: the logits padded to
+  """A vocabulary of 1001 or GPT-2's 50257 columns: the logits padded to
   whole 64-column tiles, every product and the cross-entropy on Mosaic GPU
   kernels, no Triton kernel and no XLA GEMM, in every loop order and with
-  kept logits (per-token outputs)."""
+  kept logits (per-token outputs). A ``[D, V]`` weight, whose rows TMA
+  cannot copy, is transposed once per step (and its gradient back)."""
   n, d = 1000, 256
-  kwargs = dict(kwargs)
+  kwargs = dict(kwargs, weight_layout=layout)
   log_probs = kwargs.pop("log_probs", False)
   h = jax.ShapeDtypeStruct((n, d), jnp.bfloat16)
-  w = jax.ShapeDtypeStruct((vocab, d), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((vocab, d) if layout == "vd" else (d, vocab), jnp.bfloat16)
   y = jax.ShapeDtypeStruct((n,), jnp.int32)
 
   def loss(h, w, y):
     if log_probs:
-      lp, entropy = mst_jax.linear_log_probs(h, w, y, return_entropy=True)
+      lp, entropy = mst_jax.linear_log_probs(
+        h, w, y, return_entropy=True, weight_layout=layout
+      )
       return jnp.sum(lp) + jnp.sum(entropy)
     return jnp.sum(mst_jax.linear_cross_entropy(h, w, y, **kwargs))
 
@@ -184,6 +188,42 @@ def test_a_ragged_vocabulary_lowers_to_mosaic_kernels_only(
   assert "_rows_mosaic" in text
   assert "custom_call @mosaic_gpu" in text
   assert "triton" not in text and "stablehlo.dot_general" not in text
+  # Transposes: the weight's and its gradient's (none for a [V, D] weight).
+  transposes = text.count("stablehlo.transpose")
+  assert transposes == (0 if layout == "vd" else 2)
+
+
+def test_a_weight_copy_comes_out_of_the_memory_budget(as_if_on_hopper, monkeypatch):
+  """A ``[D, V]`` weight at V = 50257 is transposed where the copy and its
+  gradient take at most half the memory budget, which then plans the rows
+  with the rest; over half, it stays on XLA's GEMMs."""
+  n, d, vocab = 4096, 512, 50257
+  copies = 2 * d * vocab * 2
+  h = jax.ShapeDtypeStruct((n, d), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((d, vocab), jnp.bfloat16)
+  y = jax.ShapeDtypeStruct((n,), jnp.int32)
+  planned = []  # (weight layout, memory budget) of each plan
+  resolve = _api.resolve
+
+  def recording_resolve(rows, options, perf, weight_layout, *args, **kwargs):
+    planned.append((weight_layout, perf.memory_budget))
+    return resolve(rows, options, perf, weight_layout, *args, **kwargs)
+
+  monkeypatch.setattr(_api, "resolve", recording_resolve)
+
+  def lowered(budget):
+    planned.clear()
+    options = dict(memory_budget=budget, weight_layout="dv", grad_mode="recompute")
+    loss = lambda h, w, y: mst_jax.linear_cross_entropy(h, w, y, **options)
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    return step.trace(h, w, y).lower(lowering_platforms=("cuda",)).as_text()
+
+  assert "stablehlo.dot_general" in lowered(2 * copies - 1)
+  assert planned[-1] == ("dv", 2 * copies - 1)
+  transposed = lowered(3 * copies)
+  assert "stablehlo.dot_general" not in transposed
+  assert transposed.count("stablehlo.transpose") == 2
+  assert planned[-1] == ("vd", 2 * copies)
 
 
 @pytest.mark.parametrize("grad_mode", ["recompute", "fused"])
@@ -221,8 +261,8 @@ def test_vmap_on_hopper_says_to_pass_pallas(as_if_on_hopper):
 
 
 # (dtype, weight layout, V, options): TMA-aligned vocabularies, GPT-2's 50257
-# (a [V, D] weight: the logits padded to whole 64-column tiles; a [D, V] one,
-# whose rows of 50257 TMA cannot copy: XLA's GEMMs and the Triton kernels),
+# (the logits padded to whole 64-column tiles; a [D, V] weight, whose rows of
+# 50257 TMA cannot copy, transposed once per step),
 # both gradient modes, the loss options, the bf16 accumulator, vocabulary
 # blocks (the last one 1105 columns of 50257), per-token losses; chunks of
 # 256 rows split dhidden's contraction (split-K).
@@ -242,6 +282,8 @@ CASES = [
   ("bfloat16", "vd", 50257, dict(chunk_size=512, vocab_block_size=8192)),
   ("bfloat16", "vd", 50257, dict(accum_dtype=jnp.bfloat16, grad_mode="fused")),
   ("bfloat16", "dv", 50257, dict(chunk_size=256)),
+  ("bfloat16", "dv", 50257, dict(reduction="none", **ALL_OPTIONS)),
+  ("bfloat16", "dv", 50257, dict(grad_mode="fused", z_loss=1e-3)),
 ]
 
 
@@ -264,11 +306,11 @@ def test_mosaic_matches_the_oracle(rng, dtype, layout, vocab, kwargs):
   )
   kwargs = dict(kwargs, impl="mosaic", weight_layout=layout)
   text = _lowered_text(problem, **kwargs)
-  # Rows of 50257 columns (a [D, V] weight) are not whole 128-byte TMA rows:
-  # XLA's GEMMs and the Triton kernels (elsewhere Triton runs only what the
-  # Mosaic kernels leave, such as a fused sweep into a group's buffer).
+  # float32 logits of 50257 columns are not padded: XLA's GEMMs and the
+  # Triton kernels (elsewhere Triton runs only what the Mosaic kernels
+  # leave, such as a fused sweep into a group's buffer).
   logits_dtype = kwargs.get("logits_dtype", "bfloat16" if dtype == "bfloat16" else None)
-  on_mosaic = vocab % 64 == 0 or (layout == "vd" and logits_dtype is not None)
+  on_mosaic = vocab % 64 == 0 or logits_dtype is not None
   assert ("mosaic_gpu" in text) == on_mosaic
   assert on_mosaic or "triton" in text
   check_against_oracle(problem, dtype, **kwargs)
@@ -304,6 +346,7 @@ def test_mosaic_distillation_matches_the_oracle(rng):
     ref_loss, ref_grads = value_and_grad(
       mst_jax.reference.linear_distillation_loss, *arrays64
     ).compile()(*arrays64)
+    ref_loss = float(ref_loss)  # outside x64, jnp would truncate it to float32
   assert abs(float(loss) - float(ref_loss)) <= DISTILL_RTOL["loss"] * abs(ref_loss)
   for got, ref in zip(grads, ref_grads, strict=True):
     got, ref = np.asarray(got, np.float64), np.asarray(ref)

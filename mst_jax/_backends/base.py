@@ -168,6 +168,12 @@ class ChunkBackend(Protocol):
     """
     ...
 
+  def transposes_weight(self, x: ChunkInputs, head: HeadSpec) -> bool:
+    """Whether this backend runs faster on a ``[D, V]`` weight
+    (``head.weight_layout == "dv"``) given transposed, a copy per step
+    (``x.weight`` may be a ``jax.ShapeDtypeStruct``)."""
+    ...
+
 
 class LogitsCE(Protocol):
   """Blockwise cross-entropy of given logits ``[rows, V]`` (float32 or bfloat16).
@@ -223,6 +229,10 @@ class MatmulThenCE:
     """The chunk's logits, and the ``RowStats`` of these columns (labels
     relative to ``offset``) where the GEMM forms them too, else None."""
     return self.chunk_logits(x, head), None
+
+  def transposes_weight(self, x: ChunkInputs, head: HeadSpec) -> bool:
+    del x, head
+    return False
 
   def chunk_forward(self, x, head, *, offset=0, logits=None):
     if logits is None:

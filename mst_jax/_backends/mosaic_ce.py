@@ -135,6 +135,20 @@ class MosaicChunkCE(base.MatmulThenCE):
       and jnp.dtype(head.logits_dtype) == x.hidden.dtype
     )
 
+  def transposes_weight(self, x: base.ChunkInputs, head: base.HeadSpec) -> bool:
+    """True for a ``[D, V]`` weight whose rows TMA cannot copy (V not whole
+    64-column tiles: GPT-2's 50257), which would leave every product to
+    XLA's GEMMs and the fallback, where its transpose's padded logits
+    (``_padded``) run on the Mosaic kernels: a copy of the weight (and one
+    of its gradient) takes a fraction of a step's time."""
+    if head.weight_layout != "dv" or not self._padded(x, head):
+      return False
+    dtype, (d, v) = head.logits_dtype, x.weight.shape
+    transposed = jax.ShapeDtypeStruct((v, d), x.weight.dtype)
+    return not _matmul.mosaic_takes_logits(
+      x.hidden, x.weight, "dv", dtype
+    ) and _matmul.mosaic_takes_logits(x.hidden, transposed, "vd", dtype)
+
   def _scoring(self, x: base.ChunkInputs, head: base.HeadSpec) -> MosaicChunkCE:
     """This backend for the chunk: over padded logits (``_padded``), one
     that scores the weight's columns only."""

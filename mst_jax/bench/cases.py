@@ -42,6 +42,9 @@ class Case:
       forward KL from a teacher head of hidden size ``teacher_dim`` to the
       student's; gradients of the student's hidden states and weight).
     teacher_dim: the teacher's hidden size ``D_t`` ("distill" only).
+    weight_layout: "vd" (a ``[V, D]`` weight: an embedding table, a torch
+      ``lm_head.weight``) or "dv" (``[D, V]``: a Flax Dense kernel;
+      "cross_entropy" on one device only).
     description: one line for the table.
   """
 
@@ -58,6 +61,7 @@ class Case:
   devices: int = 1
   objective: str = "cross_entropy"
   teacher_dim: int = 0
+  weight_layout: str = "vd"
   description: str = ""
 
   @property
@@ -103,6 +107,14 @@ CASES = {
     Case("gemma", 8192, 2304, 256000, description="Gemma-2-2B head"),
     Case("llama_32k", 32768, **_LLAMA, description="Llama-3 head, 32k tokens"),
     Case("gpt2", 8192, 1600, 50257, description="GPT-2-XL head, V = 50257"),
+    Case(
+      "gpt2_dv",
+      8192,
+      1600,
+      50257,
+      weight_layout="dv",
+      description="GPT-2-XL head, a [D, V] Flax kernel",
+    ),
     Case(
       "llama_sft_prefix",
       8192,
@@ -182,12 +194,13 @@ def _normal(key, shape, dtype, scale, blocks=256):
 
 
 def make_inputs(case: Case, seed: int = 0):
-  """Random ``(hidden [N, D], weight [V, D], labels [N], where [N])``, then
-  ``(teacher_hidden [N, D_t], teacher_weight [V, D_t])`` for "distill"."""
+  """Random ``(hidden [N, D], weight [V, D] or [D, V], labels [N], where
+  [N])``, then ``(teacher_hidden [N, D_t], teacher_weight [V, D_t])`` for
+  "distill"."""
   k_h, k_w, k_y, k_m, k_t = jax.random.split(jax.random.key(seed), 5)
   dtype = jnp.dtype(case.dtype)
   hidden = _normal(k_h, (case.tokens, case.dim), dtype, 1.0)
-  weight = _normal(k_w, (case.vocab, case.dim), dtype, 1.0 / np.sqrt(case.dim))
+  weight = _normal(k_w, _weight_shape(case), dtype, 1.0 / np.sqrt(case.dim))
   labels = jax.random.randint(k_y, (case.tokens,), 0, case.vocab)
   if case.mask == "prefix":
     position = jnp.arange(case.tokens) % case.seq_len
@@ -216,13 +229,19 @@ def make_inputs(case: Case, seed: int = 0):
   return hidden, weight, labels, where
 
 
+def _weight_shape(case: Case) -> tuple[int, int]:
+  if case.weight_layout == "dv":
+    return case.dim, case.vocab
+  return case.vocab, case.dim
+
+
 def input_shapes(case: Case):
   """``jax.ShapeDtypeStruct`` s of ``make_inputs(case)`` (one device), to compile
   without allocating."""
   dtype = jnp.dtype(case.dtype)
   shapes = (
     jax.ShapeDtypeStruct((case.tokens, case.dim), dtype),
-    jax.ShapeDtypeStruct((case.vocab, case.dim), dtype),
+    jax.ShapeDtypeStruct(_weight_shape(case), dtype),
     jax.ShapeDtypeStruct((case.tokens,), jnp.int32),
     jax.ShapeDtypeStruct((case.tokens,), jnp.bool_),
   )
@@ -343,13 +362,23 @@ def make_loss(spec: str, case: Case):
   name, kwargs = parse_impl(spec)
   log_probs = case.objective == "log_probs"
   distill = case.objective == "distill"
+  dv = case.weight_layout == "dv"
+  if dv and (case.objective != "cross_entropy" or case.parallel):
+    raise Unsupported("a [D, V] weight is benchmarked for the cross-entropy only")
   if name in ("naive", "naive_cast"):
     baseline = {"log_probs": naive_log_probs, "distill": naive_distill}.get(
       case.objective, naive_loss
     )
-    return functools.partial(baseline, cast_logits=name == "naive_cast")
+    baseline = functools.partial(baseline, cast_logits=name == "naive_cast")
+    if dv:  # hidden @ kernel: XLA folds the transpose into the GEMMs
+      return lambda hidden, kernel, *args: baseline(hidden, kernel.T, *args)
+    return baseline
+  if dv and name != "mst_jax":
+    raise Unsupported(f"{name} is benchmarked with a [V, D] weight only")
   if name == "mst_jax":
     kwargs.update(case.mesh_axes)
+    if dv:
+      kwargs["weight_layout"] = "dv"
     if log_probs:
       return functools.partial(_mst_log_probs, **kwargs)
     if distill:

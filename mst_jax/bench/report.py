@@ -44,7 +44,7 @@ def problem(case: Case) -> dict:
     "dim": case.dim,
     "vocab": case.vocab,
     "dtype": case.dtype,
-    "weight_layout": "[V, D]",
+    "weight_layout": "[D, V]" if case.weight_layout == "dv" else "[V, D]",
     "problem": problem_line(case),
   }
 
@@ -56,8 +56,8 @@ def problem_line(case: Case, *, brief: bool = False) -> str:
   of both inputs).
   """
   parts = [f"N={case.tokens:,} D={case.dim:,} V={case.vocab:,} {case.dtype}"]
-  if not brief:
-    parts.append("weight [V, D]")
+  if not brief or case.weight_layout == "dv":
+    parts.append("weight [D, V]" if case.weight_layout == "dv" else "weight [V, D]")
   if case.wrt != "hidden_weight":
     parts.append("gradient of hidden only (frozen head)")
   elif not brief:
