@@ -2,9 +2,11 @@
 
   XLA_FLAGS=--xla_dump_to=DIR python scripts/mem_report.py DIR [k=v ...]
 
-prints ``memory_analysis()`` of the Llama-3 head step (N=8192, or ``tokens=N``)
-with the given ``linear_cross_entropy`` options, then the allocations over
-8 MiB from XLA's buffer assignment in DIR (what each temporary holds).
+prints ``memory_analysis()`` of the Llama-3 head step (N=8192, or ``tokens=N``;
+``dim=D`` and ``vocab=V`` for another head) with the given
+``linear_cross_entropy`` options (``weight_layout=dv``: a ``[D, V]``
+weight), then the allocations over 8 MiB from XLA's buffer assignment in DIR
+(what each temporary holds).
 """
 
 import glob
@@ -20,10 +22,11 @@ from mst_jax.bench.cases import parse_impl
 N, D, V = 8192, 4096, 128256
 dump, spec = sys.argv[1], "mst_jax:" + ",".join(sys.argv[2:])
 _, kwargs = parse_impl(spec)
-N = kwargs.pop("tokens", N)
+N, D, V = kwargs.pop("tokens", N), kwargs.pop("dim", D), kwargs.pop("vocab", V)
+dv = kwargs.get("weight_layout") == "dv"
 shapes = (
   jax.ShapeDtypeStruct((N, D), jnp.bfloat16),
-  jax.ShapeDtypeStruct((V, D), jnp.bfloat16),
+  jax.ShapeDtypeStruct((D, V) if dv else (V, D), jnp.bfloat16),
   jax.ShapeDtypeStruct((N,), jnp.int32),
 )
 loss = lambda h, w, y: mst_jax.linear_cross_entropy(h, w, y, **kwargs)
