@@ -77,6 +77,9 @@ class Plan:
     compact: move valid rows to the front before chunking.
     kernel: the per-chunk Pallas kernel (``_backends.select_distill``), or
       None for the XLA chunk (``_distill_math.chunk_loss``).
+    pad_logits: form each chunk's logits by the Mosaic GEMM padded to whole
+      64-column tiles (``_matmul.mosaic_logits``), which the kernel reads
+      against the weights' columns (``_pads_logits``).
   """
 
   options: DistillOptions
@@ -90,6 +93,7 @@ class Plan:
   gemm: str = "xla"
   compact: bool = True
   kernel: Any = None
+  pad_logits: bool = False
 
 
 class Heads(NamedTuple):
@@ -161,14 +165,19 @@ def _sweep(plan: Plan, x: Heads, g_loss, diff: Differentiated, *, want_loss=True
   loss = jnp.zeros(x.labels.shape, stat_dtype(x.hidden)) if want_loss else None
   layout, tile, gemm = plan.weight_layout, plan.matmul_tile, plan.gemm
 
-  def update(carry, chunk, first=False):
-    loss, grads = carry
-    h = chunk.hidden(hidden)
+  def logits(h, h_t):
+    if plan.pad_logits:
+      student = _matmul.mosaic_logits(h, x.weight, layout, plan.logits_dtype)
+      teacher = _matmul.mosaic_logits(
+        h_t, x.teacher_weight, layout, plan.teacher_logits_dtype
+      )
+      if student is not None and teacher is not None:
+        return student, teacher
     student = _matmul.logits_matmul(
       h, x.weight, x.bias, layout, plan.logits_dtype, tile=tile, gemm=gemm
     )
     teacher = _matmul.logits_matmul(
-      chunk.hidden(teacher_hidden),
+      h_t,
       x.teacher_weight,
       x.teacher_bias,
       layout,
@@ -176,12 +185,21 @@ def _sweep(plan: Plan, x: Heads, g_loss, diff: Differentiated, *, want_loss=True
       tile=tile,
       gemm=gemm,
     )
+    return student, teacher
+
+  def update(carry, chunk, first=False):
+    loss, grads = carry
+    h = chunk.hidden(hidden)
+    student, teacher = logits(h, chunk.hidden(teacher_hidden))
     g_rows = chunk.take(g_loss) if want_grads else None
     inputs = (student, lax.stop_gradient(teacher), chunk.take(labels), chunk.valid)
     if plan.kernel is None:
       rows, dlogits = chunk_loss(*inputs, g_rows, plan.options)
     else:
-      rows, dlogits = plan.kernel.chunk_loss(*inputs, g_rows, plan.options, h.dtype)
+      padded = dict(n_cols=_matmul.vocab_size(x.weight, layout))
+      rows, dlogits = plan.kernel.chunk_loss(
+        *inputs, g_rows, plan.options, h.dtype, **(padded if plan.pad_logits else {})
+      )
     if loss is not None:
       loss = chunk.put(loss, rows.astype(loss.dtype))
     if want_grads:
@@ -301,8 +319,12 @@ def resolve(x: Heads, options: DistillOptions, perf: PerfOptions, layout: str) -
   logits_dtype = resolve_logits_dtype(perf.logits_dtype, dtype)
   teacher_logits_dtype = resolve_logits_dtype(perf.logits_dtype, teacher_dtype)
   platform = jax.default_backend()
-  kernel = select_distill(perf.impl, platform)
+  kernel, gemm = select_distill(perf.impl, platform), select_gemm(perf.impl, platform)
   n_rows, vocab = x.hidden.shape[0], _matmul.vocab_size(x.weight, layout)
+  dtypes = (logits_dtype, teacher_logits_dtype, dtype)
+  pad = _pads_logits(x, layout, kernel, gemm, *dtypes)
+  if pad:  # the chunks' logits are this wide
+    vocab = _matmul.padded_width(vocab, logits_dtype)
   per_logit = logits_dtype.itemsize + teacher_logits_dtype.itemsize
   if kernel is None:
     per_logit += np.dtype(dtype).itemsize + _WORK_BYTES  # dlogits, XLA's passes
@@ -327,6 +349,30 @@ def resolve(x: Heads, options: DistillOptions, perf: PerfOptions, layout: str) -
     dweight_dtype=np.dtype(accum or x.weight.dtype),
     dbias_dtype=np.dtype(accum or at_least_float32(bias_dtype)),
     matmul_tile=_planning.MATMUL_TILE if platform == "cpu" else None,
-    gemm=select_gemm(perf.impl, platform),
+    gemm=gemm,
     kernel=kernel,
+    pad_logits=pad,
   )
+
+
+def _pads_logits(x: Heads, layout: str, kernel, gemm: str, *dtypes) -> bool:
+  """Whether the chunks' logits come padded to whole 64-column tiles: a
+  vocabulary of other widths (GPT-2's 50257), both heads' logits by the
+  Mosaic GEMM (no biases), in ``dtypes`` (the heads' logits', the
+  gradients') that ``kernel`` takes whole (``pads_logits``)."""
+  vocab = _matmul.vocab_size(x.weight, layout)
+  if gemm != "mosaic" or kernel is None or not kernel.pads_logits(*dtypes):
+    return False
+  if x.bias is not None or x.teacher_bias is not None:
+    return False
+  if _matmul.padded_width(vocab, dtypes[0]) == vocab:
+    return False
+  heads = (
+    (x.hidden, x.weight, dtypes[0]),
+    (x.teacher_hidden, x.teacher_weight, dtypes[1]),
+  )
+  for hidden, weight, dtype in heads:
+    rows = jax.ShapeDtypeStruct((_planning.TMA_ROWS, hidden.shape[1]), hidden.dtype)
+    if not _matmul.mosaic_takes_logits(rows, weight, layout, dtype):
+      return False
+  return True

@@ -114,6 +114,30 @@ def test_what_the_kernels_do_not_take_goes_to_the_fallback(rng, case, fallback):
   assert_close(dlogits, ref_grad, rtol, "dlogits", atol=1e-7)
 
 
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("options", [KERNEL_OPTIONS[1], KERNEL_OPTIONS[5]], ids=str)
+def test_logits_padded_past_the_weights_columns(rng, options, out_dtype):
+  """Heads of 1213 columns padded with zeros to 1216 (what the Mosaic GEMM
+  forms for a vocabulary that is not whole 64-column tiles), read against
+  ``n_cols=1213``: the loss and dlogits of the 1213 columns, zeros past
+  them; by the kernels, or (float32 dlogits) by the fallback."""
+  n_cols = VOCAB - 3
+  heads, labels, valid, g_loss = _heads(rng, vocab=n_cols)
+  padded = [jnp.pad(x, ((0, 0), (0, VOCAB - n_cols))) for x in heads]
+  assert takes(*padded) and not takes(*heads)
+  opts = kernel_options(options)
+  g = jnp.asarray(g_loss, jnp.float32)
+  loss, dlogits = INTERPRET.chunk_loss(
+    *padded, labels, valid, g, opts, out_dtype, n_cols=n_cols
+  )
+  ref_loss, ref_grad = kernel_oracle(heads, labels, valid, g_loss, opts)
+  assert dlogits.shape == (ROWS, VOCAB) and dlogits.dtype == out_dtype
+  rtol = kernel_rtol(heads[0], options)
+  assert_close(loss, ref_loss, rtol, "loss", atol=rtol * np.sqrt(ROWS))
+  assert_close(dlogits[:, :n_cols], ref_grad, rtol + 2.0**-8, "dlogits", atol=1e-7)
+  assert np.all(to64(dlogits[:, n_cols:]) == 0.0)
+
+
 @pytest.mark.parametrize("programs", [4, 8, 40], ids=["1part", "2parts", "10parts"])
 def test_any_number_of_vocabulary_parts(rng, programs):
   """One part, a power of 2, and 10 (merged as 16): the JSD's two passes and

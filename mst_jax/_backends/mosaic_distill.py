@@ -95,6 +95,7 @@ def _dlogits_kernel(
   program: mosaic_launch.Program,
   options: _distill_math.DistillOptions,
   vocab_total: int,
+  padded: bool,
 ):
   *row_refs, teacher_ref, student_ref = refs
   shape = (program.blocks.block_rows, program.blocks.block_v)
@@ -114,6 +115,8 @@ def _dlogits_kernel(
       grad = _distill_math.dlogits_block(
         z_s, z_t, cols, labels, rows, options, vocab_total
       )
+      if padded:  # zeros past the weight's columns
+        grad = jnp.where(cols < vocab_total, grad, 0.0)
       out_tile[...] = grad.astype(out_tile.dtype)
 
     program.walk(body, [student_ref, teacher_ref], [student_ref])
@@ -201,20 +204,49 @@ class MosaicDistill:
       approx=mosaic_stats.approx_math(options.scores),
     )
 
+  def pads_logits(self, student_dtype, teacher_dtype, out_dtype) -> bool:
+    """Whether these kernels take logits of these dtypes whole, ``dlogits``
+    in ``out_dtype`` over them: then a vocabulary that is not whole 64-column
+    tiles (GPT-2's 50257) can come as logits padded to them
+    (``_matmul.mosaic_logits``; ``chunk_loss``'s ``n_cols``)."""
+    dtypes = {jnp.dtype(d) for d in (student_dtype, teacher_dtype, out_dtype)}
+    return len(dtypes) == 1 and dtypes.pop().itemsize == 2
+
   def chunk_loss(
-    self, student_logits, teacher_logits, labels, valid, g_loss, options, out_dtype
+    self,
+    student_logits,
+    teacher_logits,
+    labels,
+    valid,
+    g_loss,
+    options,
+    out_dtype,
+    n_cols=None,
   ):
     """``_distill_math.chunk_loss``'s ``(loss, dlogits)``, ``dlogits`` in
-    ``out_dtype`` (None without ``g_loss``)."""
-    args = (student_logits, teacher_logits, labels, valid, g_loss, options)
+    ``out_dtype`` (None without ``g_loss``).
+
+    ``n_cols``: the weights' columns where the logits are padded past them
+    (zeros): the loss leaves the padding out, and ``dlogits`` are zero there.
+    """
+    width = student_logits.shape[1]
+    n_cols = width if n_cols is None else n_cols
     grad_dtype = student_logits.dtype if g_loss is None else jnp.dtype(out_dtype)
     if not takes(student_logits, teacher_logits) or grad_dtype != student_logits.dtype:
+      heads = [student_logits, teacher_logits]
+      if n_cols < width:  # the fallback reads the weights' columns only
+        heads = [x[:, :n_cols] for x in heads]
+      args = (*heads, labels, valid, g_loss, options)
       if (fallback := self.fallback()) is None:
         loss, dlogits = _distill_math.chunk_loss(*args)
-        return loss, None if dlogits is None else dlogits.astype(out_dtype)
-      return fallback.chunk_loss(*args, out_dtype)
-    n_rows, n_cols = student_logits.shape
-    grid = mosaic_launch.Grid.of(n_rows, n_cols, self.tiles)
+        dlogits = None if dlogits is None else dlogits.astype(out_dtype)
+      else:
+        loss, dlogits = fallback.chunk_loss(*args, out_dtype)
+      if dlogits is not None and n_cols < width:
+        dlogits = jnp.pad(dlogits, ((0, 0), (0, width - n_cols)))
+      return loss, dlogits
+    n_rows = student_logits.shape[0]
+    grid = mosaic_launch.Grid.of(n_rows, width, self.tiles)
     heads = [student_logits, teacher_logits]
     empty = _distill_math.empty_stats((), jnp.float32, options)
     part = jax.ShapeDtypeStruct((grid.parts, n_rows), jnp.float32)
@@ -254,7 +286,9 @@ class MosaicDistill:
     row_values = [labels.astype(jnp.int32), *rows[:6], valid.astype(jnp.float32)]
     if rows.hard is not None:
       row_values += list(rows.hard[:3])
-    kernel = functools.partial(_dlogits_kernel, options=options, vocab_total=n_cols)
+    kernel = functools.partial(
+      _dlogits_kernel, options=options, vocab_total=n_cols, padded=n_cols < width
+    )
     # dlogits overwrite the student's logits (XLA aliases them where nothing
     # else reads them): each tile is read before it is written.
     ref = jax.new_ref(student_logits)

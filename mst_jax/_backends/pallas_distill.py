@@ -123,6 +123,11 @@ class PallasTritonDistill(TritonKernels):
     and the teacher's dtype."""
     return jnp.dtype(student_logits.dtype) == jnp.dtype(out_dtype)
 
+  def pads_logits(self, *dtypes) -> bool:
+    """Never: this kernel takes logits of any width."""
+    del dtypes
+    return False
+
   def chunk_loss(
     self, student_logits, teacher_logits, labels, valid, g_loss, options, out_dtype
   ):
