@@ -224,19 +224,21 @@ def test_selection_on_hopper(monkeypatch):
   assert isinstance(chosen, pallas_distill.PallasTritonDistill)
 
 
+@pytest.mark.parametrize("vocab", [32000, 50257])
 @pytest.mark.parametrize("divergence", ["forward_kl", "jsd"])
 def test_the_default_on_hopper_runs_the_mosaic_kernels(
-  as_if_on_hopper, monkeypatch, divergence
+  as_if_on_hopper, monkeypatch, divergence, vocab
 ):
   """impl=None on a Hopper GPU lowers a distillation step to Mosaic GPU
-  kernels only (no Triton): the GEMMs, the statistics pass (and the JSD's
-  second, here with the hard-label term), and dlogits; impl="pallas" keeps
-  the Triton kernel."""
+  kernels only (no Triton, no XLA GEMM): the GEMMs, the statistics pass (and
+  the JSD's second, here with the hard-label term), and dlogits, also at
+  GPT-2's vocabulary (logits padded to whole 64-column tiles);
+  impl="pallas" keeps the Triton kernel."""
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   h_s = jax.ShapeDtypeStruct((1000, 256), jnp.bfloat16)
-  w_s = jax.ShapeDtypeStruct((32000, 256), jnp.bfloat16)
+  w_s = jax.ShapeDtypeStruct((vocab, 256), jnp.bfloat16)
   h_t = jax.ShapeDtypeStruct((1000, 320), jnp.bfloat16)
-  w_t = jax.ShapeDtypeStruct((32000, 320), jnp.bfloat16)
+  w_t = jax.ShapeDtypeStruct((vocab, 320), jnp.bfloat16)
   labels = jax.ShapeDtypeStruct((1000,), jnp.int32)
   hard = 0.5 if divergence == "jsd" else 0.0
 
@@ -249,7 +251,7 @@ def test_the_default_on_hopper_runs_the_mosaic_kernels(
     return lowered.as_text()
 
   default = text()
-  assert "triton" not in default
+  assert "triton" not in default and "stablehlo.dot_general" not in default
   # Two logits GEMMs, dhidden, dweight; the statistics, the JSD's sums, dlogits.
   kernels = 4 + 2 + (divergence == "jsd")
   assert default.count("custom_call @mosaic_gpu") == kernels

@@ -144,6 +144,15 @@ CASES = {
       description="distillation into a smaller student",
     ),
     Case(
+      "gpt2_distill",
+      8192,
+      1024,
+      50257,
+      objective="distill",
+      teacher_dim=1600,
+      description="distillation at GPT-2's vocabulary",
+    ),
+    Case(
       "llama_logprobs",
       8192,
       **_LLAMA,
