@@ -295,14 +295,11 @@ def _transposed_perf(rows: Rows, plan: Plan, perf: PerfOptions, layout):
   vocab_devices = 1 if layout is None else layout.axis_size(layout.vocab_axis)
   shape = (rows.hidden.shape[1], rows.vocab_size // vocab_devices)
   weight = jax.ShapeDtypeStruct(shape, rows.weight.dtype)
-  x = _backends.ChunkInputs(
-    rows.hidden, weight, rows.bias, rows.labels, rows.class_weights
-  )
-  if not plan.config.backend.transposes_weight(x, plan.config.head):
-    return None
+  x = _backends.ChunkInputs(rows.hidden, weight, rows.bias, rows.labels)
+  x, config = x._replace(class_weights=rows.class_weights), plan.config
   copies = 2 * math.prod(shape) * weight.dtype.itemsize
-  budget = perf.memory_budget or DEFAULT_MEMORY_BUDGET // vocab_devices
-  if copies > budget // 2:
+  budget = _budget(perf, vocab_devices)
+  if copies > budget // 2 or not config.backend.transposes_weight(x, config.head):
     return None
   if perf.chunk_size is not None:  # the rows are given, not planned
     return perf
@@ -406,17 +403,16 @@ def _loop_order(rows: Rows, perf: PerfOptions, logits_dtype, layout, *, cpu: boo
   vocab_devices = 1 if layout is None else layout.axis_size(layout.vocab_axis)
   n_rows = rows.hidden.shape[0] // _mesh.row_devices(layout)
   vocab = rows.vocab_size // vocab_devices
-  dtype, budget = rows.hidden.dtype, perf.memory_budget
+  dtype = rows.hidden.dtype
   chunk = perf.chunk_size and min(perf.chunk_size, n_rows)
   if perf.vocab_block_size is not None:
     block = perf.vocab_block_size
-    # A row's cost does not depend on V: the default budget is not divided.
     chunk = chunk or _planning.plan_vocab_blocked_rows(
       n_rows,
       rows.hidden.shape[1],
       min(block, vocab),
       dtype,
-      memory_budget=budget or DEFAULT_MEMORY_BUDGET,
+      memory_budget=_budget(perf, vocab_devices),
     )
     # dweight stays in place: a float32 [V, D] buffer would be this order's largest.
     return VocabBlocks(chunk, block), perf.accum_dtype
@@ -425,19 +421,27 @@ def _loop_order(rows: Rows, perf: PerfOptions, logits_dtype, layout, *, cpu: boo
       n_rows, chunk, rows.weight.dtype
     )
     return RowChunks(chunk, chunk), accum
-  # The default budget is the whole head's: vocab shards split it, so each
-  # device plans the row chunks one device would use.
   chunk, group, accum = _planning.plan_with_accumulator(
     n_rows,
     vocab,
     rows.hidden.shape[1],
     dtype,
     rows.weight.dtype,
-    memory_budget=budget or DEFAULT_MEMORY_BUDGET // vocab_devices,
+    memory_budget=_budget(perf, vocab_devices),
     logits_dtype=logits_dtype,
     cpu=cpu,
   )
   return RowChunks(chunk, group), perf.accum_dtype or accum
+
+
+def _budget(perf: PerfOptions, vocab_devices: int) -> int:
+  """A device's memory budget: ``perf``'s, else the default, the whole head's:
+  vocab shards split it, unless in vocabulary blocks (whose rows cost no V)."""
+  if perf.memory_budget is not None:
+    return perf.memory_budget
+  if perf.vocab_block_size is not None:
+    return DEFAULT_MEMORY_BUDGET
+  return DEFAULT_MEMORY_BUDGET // vocab_devices
 
 
 def _platform(layout: _mesh.Layout | None) -> str:

@@ -172,6 +172,31 @@ def test_a_label_outside_the_vocabulary_is_nan_as_in_xla(rng):
   assert_close(to64(dlogits)[~bad], to64(ref_grad)[~bad], 2.0**-8, "dlogits")
 
 
+def test_a_label_in_or_past_the_padding_is_nan_as_in_xla(rng):
+  """Logits padded past 1213 columns: labels in the padding (1213, 1215), past
+  it and negative give NaN rows as XLA's chunk of the 1213 columns does; the
+  padding's dlogits stay zero."""
+  n_cols = VOCAB - 3
+  heads, labels, valid, g_loss = _heads(rng, vocab=n_cols)
+  padded = [jnp.pad(x, ((0, 0), (0, VOCAB - n_cols))) for x in heads]
+  bad_rows, bad_labels = [3, 4, 5, 6], [n_cols, VOCAB - 1, VOCAB + 5, -7]
+  for row, label in zip(bad_rows, bad_labels, strict=True):
+    labels, valid = labels.at[row].set(label), valid.at[row].set(True)
+  opts = kernel_options(KERNEL_OPTIONS[3])
+  g = jnp.asarray(g_loss, jnp.float32)
+  loss, dlogits = INTERPRET.chunk_loss(
+    *padded, labels, valid, g, opts, jnp.bfloat16, n_cols=n_cols
+  )
+  ref_loss, ref_grad = _distill_math.chunk_loss(*heads, labels, valid, g, opts)
+  bad = np.isin(np.arange(ROWS), bad_rows)
+  assert np.isnan(to64(loss)[bad]).all() and np.isnan(to64(ref_loss)[bad]).all()
+  assert np.isnan(to64(dlogits)[bad, :n_cols]).any(axis=1).all()
+  assert np.all(to64(dlogits[:, n_cols:]) == 0.0)
+  assert_close(to64(loss)[~bad], to64(ref_loss)[~bad], 1e-5, "loss", atol=1e-5)
+  got = to64(dlogits)[~bad, :n_cols]
+  assert_close(got, to64(ref_grad)[~bad], 2.0**-8, "dlogits")
+
+
 def test_in_place_where_the_kernels_or_the_fallback_are():
   """The Mosaic kernels and the Triton kernel write dlogits over the
   logits; XLA's chunk never does, so the planner must not count on it for

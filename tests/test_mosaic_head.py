@@ -25,6 +25,7 @@ from conftest import (
 
 import mst_jax
 from mst_jax import _api, _backends, _mosaic_gemm
+from mst_jax._backends.xla import XlaChunkCE
 
 
 def _lowered_text(problem, **kwargs) -> str:
@@ -224,6 +225,31 @@ def test_a_weight_copy_comes_out_of_the_memory_budget(as_if_on_hopper, monkeypat
   assert "stablehlo.dot_general" not in transposed
   assert transposed.count("stablehlo.transpose") == 2
   assert planned[-1] == ("vd", 2 * copies)
+
+
+@pytest.mark.parametrize(
+  "kwargs",
+  [
+    dict(),
+    dict(reduction="none", label_smoothing=0.1, z_loss=1e-3),
+    dict(grad_mode="recompute", chunk_size=64),
+    dict(chunk_size=64, vocab_block_size=300, z_loss=1e-3, grad_mode="recompute"),
+  ],
+  ids=str,
+)
+def test_a_transposed_weight_gives_the_given_ones_gradients(rng, monkeypatch, kwargs):
+  """A ``[D, V]`` weight transposed for the backend (forced here on XLA's,
+  which runs on any host): the loss, and ``dweight`` back in ``[D, V]``,
+  against the float64 oracle."""
+  transposed = []
+  monkeypatch.setattr(
+    XlaChunkCE,
+    "transposes_weight",
+    lambda self, x, head: transposed.append(x.weight.shape) or True,
+  )
+  problem = make_problem(rng, (3, 97), dim=48, vocab=1001, weight_layout="dv")
+  check_against_oracle(problem, "float32", weight_layout="dv", impl="xla", **kwargs)
+  assert transposed and transposed[0] == (48, 1001)
 
 
 @pytest.mark.parametrize("grad_mode", ["recompute", "fused"])

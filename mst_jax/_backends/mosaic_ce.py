@@ -137,7 +137,8 @@ class MosaicChunkCE(base.MatmulThenCE):
 
   def transposes_weight(self, x: base.ChunkInputs, head: base.HeadSpec) -> bool:
     """True for a ``[D, V]`` weight whose rows TMA cannot copy (V not whole
-    64-column tiles: GPT-2's 50257), which would leave every product to
+    64-column tiles: GPT-2's 50257), which would leave the products of
+    whole-vocabulary chunks (with vocabulary blocks, the last block's) to
     XLA's GEMMs and the fallback, where its transpose's padded logits
     (``_padded``) run on the Mosaic kernels: a copy of the weight (and one
     of its gradient) takes a fraction of a step's time."""

@@ -570,3 +570,87 @@ def test_an_unaligned_sharded_step_lowers_to_mosaic_kernels_only(
   text = step.trace(h, w, y).lower(lowering_platforms=("cuda",)).as_text()
   assert "mst_jax_mosaic_gemm" in text and "_rows_mosaic" in text
   assert "triton" not in text and "stablehlo.dot_general" not in text
+
+
+def test_a_dv_weight_whose_shards_tma_cannot_copy_is_transposed(as_if_on_hopper):
+  """V = 8 x 1001 over 8 vocab shards: each device's ``[D, 1001]`` columns
+  are not whole TMA rows (the whole weight's 8008 are), so the weight is
+  transposed once and every product and the cross-entropy run on Mosaic
+  kernels; ``dweight`` comes back sharded like the weight."""
+  mesh = _mesh((1, 8))
+  h = jax.ShapeDtypeStruct((1000, 64), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((64, 8 * 1001), jnp.bfloat16)
+  y = jax.ShapeDtypeStruct((1000,), jnp.int32)
+
+  def loss(hidden, weight, labels):
+    return mst_jax.linear_cross_entropy(
+      hidden, weight, labels, mesh=mesh, vocab_axis="model", weight_layout="dv"
+    )
+
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+  text = step.trace(h, w, y).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mst_jax_mosaic_gemm" in text and "_rows_mosaic" in text
+  assert "triton" not in text and "stablehlo.dot_general" not in text
+  assert text.count("stablehlo.transpose") == 2
+
+
+def test_vocab_blocks_plan_a_transposed_weight_with_the_undivided_budget(
+  as_if_on_hopper, monkeypatch
+):
+  """Vocabulary blocks plan with the whole default budget on a vocab-sharded
+  mesh (a row's cost does not depend on V): so does the transposed copy of
+  a ``[D, V]`` weight, less the copies."""
+  from mst_jax import _api
+
+  mesh = _mesh((1, 8))
+  d, local = 1024, 50257
+  h = jax.ShapeDtypeStruct((4096, d), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((d, 8 * local), jnp.bfloat16)
+  y = jax.ShapeDtypeStruct((4096,), jnp.int32)
+  planned = []
+  resolve = _api.resolve
+
+  def recording_resolve(rows, options, perf, weight_layout, *args, **kwargs):
+    planned.append((weight_layout, perf.memory_budget))
+    return resolve(rows, options, perf, weight_layout, *args, **kwargs)
+
+  monkeypatch.setattr(_api, "resolve", recording_resolve)
+
+  def loss(hidden, weight, labels):
+    return mst_jax.linear_cross_entropy(
+      hidden,
+      weight,
+      labels,
+      mesh=mesh,
+      vocab_axis="model",
+      weight_layout="dv",
+      vocab_block_size=8192,
+    )
+
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+  step.trace(h, w, y).lower(lowering_platforms=("cuda",))
+  copies = 2 * d * local * 2
+  assert planned[-1] == ("vd", _api.DEFAULT_MEMORY_BUDGET - copies)
+
+
+def test_a_transposed_dv_weight_on_a_mesh_matches_the_oracle(rng, monkeypatch):
+  """The transposition forced on XLA's backend (it runs on any host), vocab
+  and data parallel: loss and gradients against the float64 oracle,
+  ``dweight`` back in ``[D, V]``."""
+  from mst_jax._backends.xla import XlaChunkCE
+
+  monkeypatch.setattr(XlaChunkCE, "transposes_weight", lambda self, x, head: True)
+  problem = make_problem(rng, (N,), dim=D, vocab=V, weight_layout="dv")
+  for grad_mode in ("fused", "recompute"):
+    check_against_oracle(
+      problem,
+      "float32",
+      mesh=_mesh((2, 4)),
+      batch_axis="data",
+      vocab_axis="model",
+      weight_layout="dv",
+      impl="xla",
+      chunk_size=4,
+      grad_mode=grad_mode,
+      **OPTIONS,
+    )
