@@ -101,12 +101,44 @@ def test_entropy_matches_the_oracle(rng):
 
 
 @pytest.mark.parametrize(
+  "options", [PLAIN, ALL_OPTIONS, SCALED], ids=["plain", "all", "scaled"]
+)
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_float32_logits(rng, options, out_dtype):
+  """float32 logits (float16 inputs' default, ``logits_dtype=jnp.float32``):
+  float32 ``dlogits`` over them, 16-bit ones into a new array."""
+  logits, labels, valid = _logits_case(rng, "normal", 200, 1248)
+  assert takes(logits)
+  check_backend(INTERPRET, logits, labels, valid, options, rng, out_dtype)
+
+
+def test_float32_logits_into_a_groups_buffer(rng):
+  """The fused sweep writes a chunk's 16-bit ``dlogits`` of float32 logits
+  into its rows of a group's buffer, leaving the other rows as they were."""
+  logits, labels, valid = _logits_case(rng, "normal", 64, 640)
+  g_loss = jnp.asarray(rng.random(64), jnp.float32)
+  buffer = jnp.asarray(rng.standard_normal((256, 640)), jnp.bfloat16)
+  stats, got = INTERPRET.forward_backward(
+    logits, labels, valid, g_loss, ALL_OPTIONS, jnp.bfloat16, into=(buffer, 128)
+  )
+  want_stats, want = INTERPRET.forward_backward(
+    logits, labels, valid, g_loss, ALL_OPTIONS, jnp.bfloat16
+  )
+  np.testing.assert_array_equal(got[128:192], want)
+  np.testing.assert_array_equal(
+    np.delete(got, np.s_[128:192], 0), np.delete(buffer, np.s_[128:192], 0)
+  )
+  for a, b in zip(jax.tree.leaves(stats), jax.tree.leaves(want_stats), strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(
   "shape, dtype",
-  [((37, 1031), jnp.bfloat16), ((200, 1000), jnp.bfloat16), ((64, 640), jnp.float32)],
-  ids=["ragged", "50257-like", "float32"],
+  [((37, 1031), jnp.bfloat16), ((200, 1000), jnp.bfloat16), ((64, 1000), jnp.float32)],
+  ids=["ragged", "50257-like", "float32-ragged"],
 )
 def test_what_the_kernels_do_not_take_goes_to_the_fallback(rng, shape, dtype):
-  """Rows not a multiple of 8, columns not of 64, float32 logits: the
+  """Rows not a multiple of 8, columns not of 64 (of 32 in float32): the
   fallback's results exactly."""
   logits, labels, valid = _logits_case(rng, "normal", *shape)
   logits = logits.astype(dtype)
@@ -224,6 +256,25 @@ def test_gpu_float16_and_few_rows(rng):
     logits, labels, valid = _logits_case(rng, "normal", n_rows, 128256)
     logits = logits.astype(dtype)
     check_backend(MosaicChunkCE(), logits, labels, valid, ALL_OPTIONS, rng, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+  "vocab, out_dtype",
+  [
+    (128256, jnp.float32),
+    (128256, jnp.bfloat16),
+    (128256, jnp.float16),
+    (32032, jnp.float32),
+  ],
+  ids=str,
+)
+def test_gpu_float32_logits(rng, vocab, out_dtype):
+  """float32 logits: float32 tiles of 32 columns (32032 = 1001 of them),
+  16-bit ``dlogits`` into a new array."""
+  _skip_without_hopper()
+  logits, labels, valid = _logits_case(rng, "normal", 1000, vocab)
+  check_backend(MosaicChunkCE(), logits, labels, valid, ALL_OPTIONS, rng, out_dtype)
 
 
 @pytest.mark.gpu

@@ -73,19 +73,22 @@ def test_the_flax_options_take_mosaic():
     dict(accum_dtype=jnp.bfloat16, **ALL_OPTIONS),
     dict(log_probs=True),
     dict(logits_dtype=jnp.float32),
+    dict(logits_dtype=jnp.float32, grad_mode="recompute"),
+    dict(dtype=jnp.float16),  # float32 logits by default
   ],
   ids=str,
 )
 def test_the_gpu_program_lowers_for_cuda(as_if_on_hopper, kwargs):
   """impl="mosaic" lowers to Mosaic GEMMs and Mosaic cross-entropy kernels
-  (the entropy's included), chunks of 256 rows of 1000, the statistics in
-  the logits GEMM's epilogue; only float32 logits (outside the kernels'
-  16-bit tiles) go to the Triton kernels."""
+  (the entropy's included), chunks of 256 rows of 1000, the statistics of
+  16-bit logits in the logits GEMM's epilogue, of float32 ones in a kernel
+  of their own; nothing on Triton."""
   n, d, v = 1000, 320, 32000
   layout = kwargs.pop("weight_layout", "vd")
   log_probs = kwargs.pop("log_probs", False)
-  h = jax.ShapeDtypeStruct((n, d), jnp.bfloat16)
-  w = jax.ShapeDtypeStruct((v, d) if layout == "vd" else (d, v), jnp.bfloat16)
+  dtype = kwargs.pop("dtype", jnp.bfloat16)
+  h = jax.ShapeDtypeStruct((n, d), dtype)
+  w = jax.ShapeDtypeStruct((v, d) if layout == "vd" else (d, v), dtype)
   y = jax.ShapeDtypeStruct((n,), jnp.int32)
   options = dict(impl="mosaic", chunk_size=256, weight_layout=layout, **kwargs)
 
@@ -98,10 +101,11 @@ def test_the_gpu_program_lowers_for_cuda(as_if_on_hopper, kwargs):
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
   text = step.trace(h, w, y).lower(lowering_platforms=("cuda",)).as_text()
   assert "mst_jax_mosaic_gemm" in text
-  float32_logits = kwargs.get("logits_dtype") == jnp.float32
+  float32_logits = kwargs.get("logits_dtype") == jnp.float32 or dtype == jnp.float16
   # 16-bit logits: the statistics in the logits GEMM's epilogue.
   assert ("_rows_mosaic" in text) != float32_logits
-  assert ("triton" in text) == float32_logits
+  assert ("mst_ce_stats_mosaic" in text) == float32_logits
+  assert "triton" not in text
 
 
 @pytest.mark.parametrize("return_entropy", [False, True], ids=str)
@@ -295,6 +299,8 @@ def test_vmap_on_hopper_says_to_pass_pallas(as_if_on_hopper):
 CASES = [
   ("bfloat16", "vd", 32000, dict(chunk_size=256)),
   ("bfloat16", "dv", 32000, dict(chunk_size=256, grad_mode="recompute")),
+  # float32 logits: 16-bit dlogits gathered into a group's buffer.
+  ("bfloat16", "vd", 32000, dict(chunk_size=256, logits_dtype=jnp.float32)),
   # A sum: float16 dlogits of a mean over V=128256 would underflow to 0.
   ("float16", "vd", 128256, dict(chunk_size=512, reduction="sum", **ALL_OPTIONS)),
   ("bfloat16", "dv", 128256, dict(chunk_size=256, accum_dtype=jnp.bfloat16)),
@@ -333,12 +339,11 @@ def test_mosaic_matches_the_oracle(rng, dtype, layout, vocab, kwargs):
   kwargs = dict(kwargs, impl="mosaic", weight_layout=layout)
   text = _lowered_text(problem, **kwargs)
   # float32 logits of 50257 columns are not padded: XLA's GEMMs and the
-  # Triton kernels (elsewhere Triton runs only what the Mosaic kernels
-  # leave, such as a fused sweep into a group's buffer).
+  # Triton kernels; everything else runs on the Mosaic kernels alone.
   logits_dtype = kwargs.get("logits_dtype", "bfloat16" if dtype == "bfloat16" else None)
   on_mosaic = vocab % 64 == 0 or logits_dtype is not None
   assert ("mosaic_gpu" in text) == on_mosaic
-  assert on_mosaic or "triton" in text
+  assert ("triton" in text) != on_mosaic
   check_against_oracle(problem, dtype, **kwargs)
 
 

@@ -1,7 +1,7 @@
 """Per-chunk cross-entropy as Pallas kernels lowered through Mosaic GPU (Hopper).
 
-Two kernels over a chunk's 16-bit logits ``[R, V]`` (all math in float32 and
-``ce_math``'s, as in the other backends):
+Two kernels over a chunk's logits ``[R, V]``, 16-bit or float32 (all math in
+float32 and ``ce_math``'s, as in the other backends):
 
 1. ``_stats_kernel``: the ``RowStats`` of a ``[block_rows, V / parts]`` slab,
    in one online pass over ``[block_rows, block_v]`` tiles that TMA streams
@@ -9,7 +9,8 @@ Two kernels over a chunk's 16-bit logits ``[R, V]`` (all math in float32 and
    cut into ``parts`` so that a chunk of few rows still gives every SM work;
    ``ce_math.combine_stats`` merges the parts' statistics.
 2. ``_dlogits_kernel``: elementwise ``dlogits`` (``ce_math.dlogits_block``)
-   over the same tiles, written over the logits (``dlogits`` in their dtype).
+   over the same tiles, written over the logits (``dlogits`` in their dtype)
+   or, from float32 logits, into a new 16-bit array.
 
 A loss and its gradient in one sweep are the two kernels in turn (the Triton
 backend fuses them into one launch, which measured faster on the H200:
@@ -17,12 +18,12 @@ docs/benchmarks.md). Where the Mosaic GEMM forms the chunk's 16-bit logits (no
 bias, no class weights), the statistics come from that GEMM's epilogue instead
 (``mosaic_stats.TileStats``) and only ``_dlogits_kernel`` reads the logits.
 
-The kernels take logits of ``8 i`` rows and ``64 j`` columns (whole TMA
-tiles: ``mosaic_launch.takes``). The Mosaic GEMM forms the logits of a
-vocabulary of other widths (GPT-2's 50257) padded to whole tiles
-(``_matmul.mosaic_logits``): the statistics leave the padding out, and the
-products of ``dlogits`` read only the weight's columns. What the kernels do
-not take (other shapes and dtypes, a group buffer to write into) goes to what
+The kernels take logits of ``8 i`` rows and ``64 j`` columns (``32 j`` in
+float32: whole TMA tiles, ``mosaic_launch.takes``). The Mosaic GEMM forms
+the 16-bit logits of a vocabulary of other widths (GPT-2's 50257) padded to
+whole tiles (``_matmul.mosaic_logits``): the statistics leave the padding
+out, and the products of ``dlogits`` read only the weight's columns. What
+the kernels do not take (other shapes and dtypes) goes to what
 ``MosaicChunkCE.fallback`` makes. ``mosaic_launch`` launches them, on a
 Hopper GPU or in interpret mode.
 """
@@ -45,7 +46,7 @@ from mst_jax._backends.xla import XlaChunkCE
 
 
 def _stats_kernel(
-  logits_ref,  # [R, V] 16-bit
+  logits_ref,  # [R, V] 16-bit or float32
   labels_ref,  # [R] int32
   *out_refs,  # [parts, R] each: mosaic_stats.finish's values
   program: Program,
@@ -74,10 +75,16 @@ def _dlogits_kernel(
   options: ce_math.CEOptions,
   vocab_total: int,
   n_cols: int,
+  in_place: bool,
 ):
-  """Writes ``dlogits`` over the logits (one 16-bit ``[R, V]`` ref), zeros
-  from column ``n_cols`` on (the padding of padded logits)."""
-  *row_refs, logits_ref = refs
+  """Writes ``dlogits`` over the logits (``in_place``) or into the ``[R, V]``
+  ref after them, zeros from column ``n_cols`` on (the padding of padded
+  logits)."""
+  if in_place:
+    *row_refs, logits_ref = refs
+    out_ref = logits_ref
+  else:
+    *row_refs, logits_ref, out_ref = refs
   shape = (program.blocks.block_rows, program.blocks.block_v)
 
   def with_rows(values):
@@ -93,7 +100,7 @@ def _dlogits_kernel(
       grad = jnp.where(cols < n_cols, grad, 0.0)
       out_ref[...] = grad.astype(out_ref.dtype)
 
-    program.walk(body, [logits_ref], [logits_ref])
+    program.walk(body, [logits_ref], [out_ref])
 
   program.with_rows([labels_ref, *row_refs], with_rows)
 
@@ -107,8 +114,7 @@ class MosaicChunkCE(base.MatmulThenCE):
 
   Attributes:
     fallback: makes the ``LogitsCE`` for what the kernels do not take (other
-      shapes, float32 logits, a group buffer to write into), called only
-      when a chunk needs it.
+      shapes and dtypes), called only when a chunk needs it.
     tiles: the kernels' tiles.
     interpret: run the kernels in Pallas interpret mode (on a CPU too).
     weight_columns: the weight's number of columns, where the logits are
@@ -235,7 +241,7 @@ class MosaicChunkCE(base.MatmulThenCE):
   def backward(self, logits, labels, rows, options, out_dtype, vocab_size=None):
     n_rows, width = logits.shape
     n_cols = self.weight_columns or width
-    if not takes(logits) or jnp.dtype(out_dtype) != logits.dtype:
+    if not (takes(logits) and takes(jax.ShapeDtypeStruct(logits.shape, out_dtype))):
       dlogits = self.fallback().backward(
         logits, labels, rows, options, out_dtype, vocab_size or n_cols
       )
@@ -247,35 +253,42 @@ class MosaicChunkCE(base.MatmulThenCE):
     row_values = [labels, rows.lse, rows.coef_softmax, rows.coef_target]
     if options.entropy:
       row_values += [rows.coef_entropy, rows.expected_score]
+    in_place = jnp.dtype(out_dtype) == logits.dtype
     kernel = functools.partial(
       _dlogits_kernel,
       options=options,
       vocab_total=vocab_size or n_cols,
       n_cols=n_cols,
+      in_place=in_place,
     )
-    # dlogits overwrite the logits (XLA aliases them where nothing else
-    # reads them): each tile is read before it is written.
-    ref = jax.new_ref(logits)
-    launch(
+    run = functools.partial(
+      launch,
       kernel,
       "mst_ce_dlogits_mosaic",
       grid,
       row_values,
       None,
-      [ref],
       tiles=self.tiles,
       interpret=self.interpret,
       approx=mosaic_stats.approx_math(options),
     )
+    if not in_place:  # float32 logits, 16-bit dlogits: a new array
+      return run([logits], new=out_dtype)
+    # dlogits overwrite the logits (XLA aliases them where nothing else
+    # reads them): each tile is read before it is written.
+    ref = jax.new_ref(logits)
+    run([ref])
     return jax.freeze(ref)
 
   def forward_backward(
     self, logits, labels, valid, g_loss, options, out_dtype, *, into=None
   ):
-    if into is not None or not takes(logits):
+    if not takes(logits):
       return self.fallback().forward_backward(
         logits, labels, valid, g_loss, options, out_dtype, into=into
       )
+    # Into a group's buffer (float32 logits, 16-bit dlogits): the chunk's
+    # dlogits, then copied into it.
     return base.unfused_forward_backward(
-      self, logits, labels, valid, g_loss, options, out_dtype, into=None
+      self, logits, labels, valid, g_loss, options, out_dtype, into=into
     )

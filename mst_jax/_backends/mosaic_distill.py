@@ -155,8 +155,10 @@ def _merge_parts(parts: list, options) -> _distill_math.DistillStats:
 def takes(student_logits: jax.Array, teacher_logits: jax.Array) -> bool:
   """Whether the Mosaic kernels take these heads: one 16-bit dtype, whole
   TMA tiles (``mosaic_launch.takes``)."""
-  return student_logits.dtype == teacher_logits.dtype and mosaic_launch.takes(
-    student_logits
+  return (
+    student_logits.dtype == teacher_logits.dtype
+    and jnp.dtype(student_logits.dtype).itemsize == 2
+    and mosaic_launch.takes(student_logits)
   )
 
 

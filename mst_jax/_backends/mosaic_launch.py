@@ -1,11 +1,12 @@
 """Where the Mosaic GPU cross-entropy and distillation kernels run
 (``mosaic_ce``, ``mosaic_distill``): their tiles, a grid of row blocks by
-vocabulary parts over 16-bit ``[R, V]`` arrays, what a program reads and
-writes (``Program``), and ``launch``.
+vocabulary parts over ``[R, V]`` arrays (16-bit or float32), what a program
+reads and writes (``Program``), and ``launch``.
 
 TMA moves whole shared-memory tiles of 8 rows x 128 bytes, so the kernels
-take arrays of ``8 i`` rows and ``64 j`` columns (``takes``); rows and
-columns past the array's ends are read as zeros and not written. On a Hopper
+take arrays of ``8 i`` rows and ``64 j`` columns (``32 j`` in float32:
+``takes``); rows and columns past the array's ends are read as zeros and
+not written. On a Hopper
 GPU the kernels launch with ``pl.kernel``; in interpret mode (a CPU) they
 run through ``pallas_call`` instead, on arrays padded to whole parts of whole
 tiles, which each program reads and writes directly: the same bodies,
@@ -159,33 +160,40 @@ class Program:
         return tile_body((index,), *tiles, carry)
 
       return lax.fori_loop(0, self.grid.steps, step, init)
-    bits = jnp.dtype(ins[0].dtype).itemsize * 8
-    swizzle = plgpu.find_swizzle(cols * bits)
-    transforms = (
-      plgpu.TilingTransform((_TILE_ROWS, swizzle * 8 // bits)),
-      plgpu.SwizzleTransform(swizzle),
-    )
-    spec = plgpu.BlockSpec((rows, cols), tile_index, transforms=transforms)
+
+    def spec(ref):
+      bits = jnp.dtype(ref.dtype).itemsize * 8
+      swizzle = plgpu.find_swizzle(cols * bits)
+      transforms = (
+        plgpu.TilingTransform((_TILE_ROWS, swizzle * 8 // bits)),
+        plgpu.SwizzleTransform(swizzle),
+      )
+      return plgpu.BlockSpec((rows, cols), tile_index, transforms=transforms)
+
     return plgpu.emit_pipeline(
       tile_body,
       grid=(self.grid.steps,),
-      in_specs=[spec] * len(ins),
-      out_specs=[spec] * len(outs),
+      in_specs=[spec(ref) for ref in ins],
+      out_specs=[spec(ref) for ref in outs],
       max_concurrent_steps=self.blocks.stages,
       init_carry=init,
     )(*ins, *outs)
 
 
-def launch(kernel, name, grid, rows, out_type, arrays, *, tiles, interpret, approx):
+def launch(
+  kernel, name, grid, rows, out_type, arrays, *, tiles, interpret, approx, new=None
+):
   """``kernel(..., program=)`` over ``grid``'s ``(row blocks, parts)``.
 
   ``rows``: ``[R]`` arrays; ``arrays``: ``[R, V]`` arrays of one shape.
   ``out_type``: ``[parts, R]`` outputs, and the kernel takes
-  ``(*arrays, *rows, *outputs)``; with ``out_type=None`` the last of
-  ``arrays`` is a ``jax.Ref`` that the kernel writes over, and it takes
-  ``(*rows, *arrays)``. Row vectors and per-part outputs are padded to whole
-  row blocks (the kernels move them whole, by TMA, between device and shared
-  memory). Returns the outputs, or None.
+  ``(*arrays, *rows, *outputs)``. With ``out_type=None`` the kernel writes
+  ``[R, V]`` tiles and takes ``(*rows, *arrays)``: over the last of
+  ``arrays``, a ``jax.Ref``, or with ``new`` (a dtype) into a new array of
+  that dtype, the kernel's last argument. Row vectors and per-part outputs
+  are padded to whole row blocks (the kernels move them whole, by TMA,
+  between device and shared memory). Returns the outputs, the new array, or
+  None.
   """
   n_rows, n_cols = arrays[0].shape
   program = Program(grid, tiles, interpret)
@@ -193,28 +201,35 @@ def launch(kernel, name, grid, rows, out_type, arrays, *, tiles, interpret, appr
   padded_rows = grid.row_blocks * tiles.block_rows
   rows = [jnp.pad(r, (0, padded_rows - n_rows)) for r in rows]
   written = out_type is None
-  if not written:
+  if new is not None:
+    out_type = jax.ShapeDtypeStruct((n_rows, n_cols), new)
+  elif not written:
     out_type = [
       jax.ShapeDtypeStruct((o.shape[0], padded_rows), o.dtype) for o in out_type
     ]
   if not interpret:
     outputs = pl.kernel(
       body,
-      out_type=() if written else out_type,
+      out_type=() if written and new is None else out_type,
       mesh=plgpu.Mesh(grid=(grid.row_blocks, grid.parts), grid_names=("rows", "parts")),
       compiler_params=plgpu.CompilerParams(
         approx_math=approx, lowering_semantics=plgpu.LoweringSemantics.Warpgroup
       ),
       name=name,
     )(*((*rows, *arrays) if written else (*arrays, *rows)))
-    return None if written else [o[:, :n_rows] for o in outputs]
+    if written:
+      return outputs if new is not None else None
+    return [o[:, :n_rows] for o in outputs]
   # Interpret mode: the arrays padded too (TMA reads zeros past the ends and
   # drops writes there); the written one is an output aliased to its input.
   padded_cols = grid.parts * grid.steps * tiles.block_v
   pad = ((0, padded_rows - n_rows), (0, padded_cols - n_cols))
   padded = [jnp.pad(a[...] if written else a, pad) for a in arrays]
   args, aliases = (*padded, *rows), {}
-  if written:
+  if new is not None:
+    out_type = jax.ShapeDtypeStruct(padded[0].shape, new)
+    args = (*rows, *padded)
+  elif written:
     out_type = jax.ShapeDtypeStruct(padded[-1].shape, padded[-1].dtype)
     args, aliases = (*rows, *padded), {len(rows) + len(padded) - 1: 0}
     body = lambda *refs, f=body: f(*refs[:-2], refs[-1])  # the aliased output
@@ -232,6 +247,8 @@ def launch(kernel, name, grid, rows, out_type, arrays, *, tiles, interpret, appr
     interpret=True,
     name=name,
   )(*args)
+  if new is not None:
+    return outputs[:n_rows, :n_cols]
   if written:
     arrays[-1][...] = outputs[:n_rows, :n_cols]
     return None
@@ -239,12 +256,15 @@ def launch(kernel, name, grid, rows, out_type, arrays, *, tiles, interpret, appr
 
 
 def takes(logits: jax.Array) -> bool:
-  """Whether the Mosaic kernels take these logits: 16-bit, of whole TMA tiles."""
-  itemsize = jnp.dtype(logits.dtype).itemsize
+  """Whether the Mosaic kernels take these logits (or an array of their
+  shape and dtype): 16-bit or float32 floats, of whole TMA tiles."""
+  dtype = jnp.dtype(logits.dtype)
+  itemsize = dtype.itemsize
   n_rows, n_cols = logits.shape
   return (
     plgpu is not None
-    and itemsize == 2
+    and jnp.issubdtype(dtype, jnp.floating)
+    and itemsize in (2, 4)
     and n_rows % _TILE_ROWS == 0
     and n_cols % (_TILE_BYTES // itemsize) == 0
   )

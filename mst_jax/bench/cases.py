@@ -105,6 +105,13 @@ CASES = {
     Case("cpu", 2048, 128, 16384, "float32", description="a small head for a CPU"),
     Case("llama", 8192, **_LLAMA, description="Llama-3-8B head"),
     Case("gemma", 8192, 2304, 256000, description="Gemma-2-2B head"),
+    Case(
+      "llama_f16",
+      8192,
+      **_LLAMA,
+      dtype="float16",
+      description="Llama-3 head, float16 inputs (float32 logits)",
+    ),
     Case("llama_32k", 32768, **_LLAMA, description="Llama-3 head, 32k tokens"),
     Case("gpt2", 8192, 1600, 50257, description="GPT-2-XL head, V = 50257"),
     Case(
