@@ -355,6 +355,37 @@ def resolve(x: Heads, options: DistillOptions, perf: PerfOptions, layout: str) -
   )
 
 
+def transposes_weights(x: Heads, plan: Plan) -> bool:
+  """Whether the sweep runs faster on both heads' ``[D, V]`` weights given
+  transposed (a copy of each per step): where the Mosaic GEMM would pad the
+  logits of ``[V, D]`` weights of this vocabulary, but TMA cannot copy the
+  rows of ``[D, V]`` ones (V not whole 64-column tiles: GPT-2's 50257), which
+  leaves the sweep to XLA's GEMMs and the fallback kernel."""
+  if plan.weight_layout != "dv" or plan.pad_logits:
+    return False
+  flip = lambda w: jax.ShapeDtypeStruct(w.shape[::-1], w.dtype)
+  flipped = x._replace(weight=flip(x.weight), teacher_weight=flip(x.teacher_weight))
+  dtypes = (plan.logits_dtype, plan.teacher_logits_dtype, x.hidden.dtype)
+  return _pads_logits(flipped, "vd", plan.kernel, plan.gemm, *dtypes)
+
+
+def transposed(x: Heads, plan: Plan, perf: PerfOptions):
+  """``(heads, perf)``: both heads with their ``[D, V]`` weights transposed
+  and the ``perf`` to plan them with, where ``transposes_weights`` and the
+  copies (both weights' and the student's gradient's) take at most half the
+  memory budget, which plans the rows with the rest; else None."""
+  if not transposes_weights(x, plan):
+    return None
+  nbytes = lambda w: w.size * np.dtype(w.dtype).itemsize
+  copies = 2 * nbytes(x.weight) + nbytes(x.teacher_weight)
+  budget = perf.memory_budget or _planning.DEFAULT_MEMORY_BUDGET
+  if copies > budget // 2:
+    return None
+  if perf.chunk_size is None:  # else the rows are given, not planned
+    perf = dataclasses.replace(perf, memory_budget=budget - copies)
+  return x._replace(weight=x.weight.T, teacher_weight=x.teacher_weight.T), perf
+
+
 def _pads_logits(x: Heads, layout: str, kernel, gemm: str, *dtypes) -> bool:
   """Whether the chunks' logits come padded to whole 64-column tiles: a
   vocabulary of other widths (GPT-2's 50257), both heads' logits by the

@@ -291,6 +291,36 @@ def test_matches_the_float64_oracle(
   )
 
 
+@pytest.mark.parametrize(
+  "reduction, options",
+  [
+    ("mean", dict(divergence="jsd", hard_label_weight=0.5)),
+    ("none", dict(divergence="reverse_kl", grad_mode="recompute")),
+  ],
+  ids=["jsd-mean", "reverse_kl-none"],
+)
+def test_transposed_weights_give_the_given_ones_gradients(
+  rng, monkeypatch, reduction, options
+):
+  """``[D, V]`` weights transposed for the sweep (forced here on XLA's GEMMs,
+  which run on any host; on a Hopper GPU at GPT-2's vocabulary): the loss,
+  and ``dweight`` back in ``[D, V]``, against the float64 oracle; the
+  copies come out of the memory budget."""
+  planned = []  # (weight layout, memory budget) of each plan
+  resolve = _distill_driver.resolve
+
+  def recording_resolve(x, distill, perf, layout):
+    planned.append((layout, perf.memory_budget))
+    return resolve(x, distill, perf, layout)
+
+  monkeypatch.setattr(_distill_driver, "transposes_weights", lambda x, plan: True)
+  monkeypatch.setattr(_distill_driver, "resolve", recording_resolve)
+  pair = make_pair(rng, (3, 13), layout="dv", mask="prefix")
+  check(pair, "float32", reduction, weight_layout="dv", memory_budget=10**6, **options)
+  copies = 4 * (2 * D_S * V + D_T * V)  # float32
+  assert planned[:2] == [("dv", 10**6), ("vd", 10**6 - copies)]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", [None, "pallas", "xla"], ids=str)
 @pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])

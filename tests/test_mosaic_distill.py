@@ -249,27 +249,34 @@ def test_selection_on_hopper(monkeypatch):
   assert isinstance(chosen, pallas_distill.PallasTritonDistill)
 
 
+@pytest.mark.parametrize("layout", ["vd", "dv"])
 @pytest.mark.parametrize("vocab", [32000, 50257])
 @pytest.mark.parametrize("divergence", ["forward_kl", "jsd"])
 def test_the_default_on_hopper_runs_the_mosaic_kernels(
-  as_if_on_hopper, monkeypatch, divergence, vocab
+  as_if_on_hopper, monkeypatch, divergence, vocab, layout
 ):
   """impl=None on a Hopper GPU lowers a distillation step to Mosaic GPU
   kernels only (no Triton, no XLA GEMM): the GEMMs, the statistics pass (and
   the JSD's second, here with the hard-label term), and dlogits, also at
-  GPT-2's vocabulary (logits padded to whole 64-column tiles);
+  GPT-2's vocabulary (logits padded to whole 64-column tiles; ``[D, V]``
+  weights, whose rows of 50257 TMA cannot copy, transposed once per step);
   impl="pallas" keeps the Triton kernel."""
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  shape = lambda d: (vocab, d) if layout == "vd" else (d, vocab)
   h_s = jax.ShapeDtypeStruct((1000, 256), jnp.bfloat16)
-  w_s = jax.ShapeDtypeStruct((vocab, 256), jnp.bfloat16)
+  w_s = jax.ShapeDtypeStruct(shape(256), jnp.bfloat16)
   h_t = jax.ShapeDtypeStruct((1000, 320), jnp.bfloat16)
-  w_t = jax.ShapeDtypeStruct((vocab, 320), jnp.bfloat16)
+  w_t = jax.ShapeDtypeStruct(shape(320), jnp.bfloat16)
   labels = jax.ShapeDtypeStruct((1000,), jnp.int32)
   hard = 0.5 if divergence == "jsd" else 0.0
 
   def text(**options):
     loss = lambda *heads: mst_jax.linear_distillation_loss(
-      *heads, divergence=divergence, hard_label_weight=hard, **options
+      *heads,
+      divergence=divergence,
+      hard_label_weight=hard,
+      weight_layout=layout,
+      **options,
     )
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
     lowered = step.trace(h_s, w_s, h_t, w_t, labels).lower(lowering_platforms=("cuda",))
@@ -280,6 +287,10 @@ def test_the_default_on_hopper_runs_the_mosaic_kernels(
   # Two logits GEMMs, dhidden, dweight; the statistics, the JSD's sums, dlogits.
   kernels = 4 + 2 + (divergence == "jsd")
   assert default.count("custom_call @mosaic_gpu") == kernels
+  # Transposes: both weights and the student's gradient, where TMA cannot
+  # copy a [D, V] weight's rows.
+  transposes = 3 if layout == "dv" and vocab % 64 else 0
+  assert default.count("stablehlo.transpose") == transposes
   pallas = text(impl="pallas")
   assert "mosaic_gpu" not in pallas and "triton" in pallas
 

@@ -355,12 +355,17 @@ DISTILL_RTOL = {"loss": 1e-2, "grads": 3e-2}
 @pytest.mark.gpu
 @pytest.mark.parametrize(
   "vocab, options",
-  [(32000, {}), (50257, {}), (50257, dict(divergence="jsd", hard_label_weight=0.3))],
+  [
+    (32000, {}),
+    (50257, {}),
+    (50257, dict(divergence="jsd", hard_label_weight=0.3)),
+    (50257, dict(weight_layout="dv", divergence="reverse_kl")),
+  ],
   ids=str,
 )
 def test_mosaic_distillation_matches_the_oracle(rng, vocab, options):
   """Also at GPT-2's vocabulary, whose logits the GEMM pads to whole
-  64-column tiles."""
+  64-column tiles (``[D, V]`` weights transposed first)."""
   if (reason := _mosaic_gemm.unavailable_reason()) is not None:
     pytest.skip(reason)
   n, d_s, d_t = 1000, 256, 512
@@ -368,6 +373,8 @@ def test_mosaic_distillation_matches_the_oracle(rng, vocab, options):
   student = teacher @ rng.standard_normal((d_t, d_s)) / np.sqrt(d_t)
   w_s = rng.standard_normal((vocab, d_s)) * 3 / np.sqrt(d_s)
   w_t = rng.standard_normal((vocab, d_t)) * 3 / np.sqrt(d_t)
+  if options.get("weight_layout") == "dv":
+    w_s, w_t = w_s.T, w_t.T
   arrays = [jnp.asarray(x, jnp.bfloat16) for x in (student, w_s, teacher, w_t)]
   labels = jnp.asarray(rng.integers(0, vocab, n), jnp.int32)
   options = dict(options, temperature=2.0)
