@@ -160,6 +160,16 @@ CASES = {
       description="distillation at GPT-2's vocabulary",
     ),
     Case(
+      "gpt2_distill_dv",
+      8192,
+      1024,
+      50257,
+      objective="distill",
+      teacher_dim=1600,
+      weight_layout="dv",
+      description="distillation at GPT-2's vocabulary, [D, V] Flax kernels",
+    ),
+    Case(
       "llama_logprobs",
       8192,
       **_LLAMA,
@@ -211,8 +221,8 @@ def _normal(key, shape, dtype, scale, blocks=256):
 
 def make_inputs(case: Case, seed: int = 0):
   """Random ``(hidden [N, D], weight [V, D] or [D, V], labels [N], where
-  [N])``, then ``(teacher_hidden [N, D_t], teacher_weight [V, D_t])`` for
-  "distill"."""
+  [N])``, then ``(teacher_hidden [N, D_t], teacher_weight)`` (in the weight's
+  layout) for "distill"."""
   k_h, k_w, k_y, k_m, k_t = jax.random.split(jax.random.key(seed), 5)
   dtype = jnp.dtype(case.dtype)
   hidden = _normal(k_h, (case.tokens, case.dim), dtype, 1.0)
@@ -240,15 +250,15 @@ def make_inputs(case: Case, seed: int = 0):
     k_th, k_tw = jax.random.split(k_t)
     dim = case.teacher_dim
     teacher_hidden = _normal(k_th, (case.tokens, dim), dtype, 1.0)
-    teacher_weight = _normal(k_tw, (case.vocab, dim), dtype, 1.0 / np.sqrt(dim))
+    teacher_weight = _normal(k_tw, _weight_shape(case, dim), dtype, 1.0 / np.sqrt(dim))
     return hidden, weight, labels, where, teacher_hidden, teacher_weight
   return hidden, weight, labels, where
 
 
-def _weight_shape(case: Case) -> tuple[int, int]:
-  if case.weight_layout == "dv":
-    return case.dim, case.vocab
-  return case.vocab, case.dim
+def _weight_shape(case: Case, dim: int | None = None) -> tuple[int, int]:
+  """A head's weight shape (``dim``: the teacher's, default the student's)."""
+  dim = dim or case.dim
+  return (dim, case.vocab) if case.weight_layout == "dv" else (case.vocab, dim)
 
 
 def input_shapes(case: Case):
@@ -265,7 +275,7 @@ def input_shapes(case: Case):
     return shapes
   teacher = (
     jax.ShapeDtypeStruct((case.tokens, case.teacher_dim), dtype),
-    jax.ShapeDtypeStruct((case.vocab, case.teacher_dim), dtype),
+    jax.ShapeDtypeStruct(_weight_shape(case, case.teacher_dim), dtype),
   )
   return shapes + teacher
 
@@ -379,14 +389,21 @@ def make_loss(spec: str, case: Case):
   log_probs = case.objective == "log_probs"
   distill = case.objective == "distill"
   dv = case.weight_layout == "dv"
-  if dv and (case.objective != "cross_entropy" or case.parallel):
-    raise Unsupported("a [D, V] weight is benchmarked for the cross-entropy only")
+  if dv and (log_probs or case.parallel):
+    raise Unsupported(
+      "a [D, V] weight is benchmarked on one device, for the cross-entropy and"
+      " distillation"
+    )
   if name in ("naive", "naive_cast"):
     baseline = {"log_probs": naive_log_probs, "distill": naive_distill}.get(
       case.objective, naive_loss
     )
     baseline = functools.partial(baseline, cast_logits=name == "naive_cast")
-    if dv:  # hidden @ kernel: XLA folds the transpose into the GEMMs
+    if dv and distill:  # hidden @ kernel: XLA folds the transposes into the GEMMs
+      return lambda h, kernel, y, where, h_t, kernel_t: baseline(
+        h, kernel.T, y, where, h_t, kernel_t.T
+      )
+    if dv:
       return lambda hidden, kernel, *args: baseline(hidden, kernel.T, *args)
     return baseline
   if dv and name != "mst_jax":
