@@ -299,7 +299,7 @@ def test_vmap_on_hopper_says_to_pass_pallas(as_if_on_hopper):
 CASES = [
   ("bfloat16", "vd", 32000, dict(chunk_size=256)),
   ("bfloat16", "dv", 32000, dict(chunk_size=256, grad_mode="recompute")),
-  # float32 logits: 16-bit dlogits gathered into a group's buffer.
+  # float32 logits: 16-bit dlogits into a new array.
   ("bfloat16", "vd", 32000, dict(chunk_size=256, logits_dtype=jnp.float32)),
   # A sum: float16 dlogits of a mean over V=128256 would underflow to 0.
   ("float16", "vd", 128256, dict(chunk_size=512, reduction="sum", **ALL_OPTIONS)),

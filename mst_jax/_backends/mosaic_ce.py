@@ -23,9 +23,9 @@ float32: whole TMA tiles, ``mosaic_launch.takes``). The Mosaic GEMM forms
 the 16-bit logits of a vocabulary of other widths (GPT-2's 50257) padded to
 whole tiles (``_matmul.mosaic_logits``): the statistics leave the padding
 out, and the products of ``dlogits`` read only the weight's columns. What
-the kernels do not take (other shapes and dtypes) goes to what
-``MosaicChunkCE.fallback`` makes. ``mosaic_launch`` launches them, on a
-Hopper GPU or in interpret mode.
+the kernels do not take (other shapes and dtypes, a group's buffer to write
+into) goes to what ``MosaicChunkCE.fallback`` makes. ``mosaic_launch``
+launches them, on a Hopper GPU or in interpret mode.
 """
 
 from __future__ import annotations
@@ -114,7 +114,8 @@ class MosaicChunkCE(base.MatmulThenCE):
 
   Attributes:
     fallback: makes the ``LogitsCE`` for what the kernels do not take (other
-      shapes and dtypes), called only when a chunk needs it.
+      shapes and dtypes, a group's buffer to write into), called only when a
+      chunk needs it.
     tiles: the kernels' tiles.
     interpret: run the kernels in Pallas interpret mode (on a CPU too).
     weight_columns: the weight's number of columns, where the logits are
@@ -283,12 +284,14 @@ class MosaicChunkCE(base.MatmulThenCE):
   def forward_backward(
     self, logits, labels, valid, g_loss, options, out_dtype, *, into=None
   ):
-    if not takes(logits):
+    # Into a group's buffer (float32 logits, 16-bit dlogits) the fallback
+    # writes in place, at a row offset these kernels cannot take from device
+    # memory (Mosaic GPU's layout inference rejects it); a new array and a
+    # copy measured slower and held a chunk's dlogits more (docs/benchmarks.md).
+    if into is not None or not takes(logits):
       return self.fallback().forward_backward(
         logits, labels, valid, g_loss, options, out_dtype, into=into
       )
-    # Into a group's buffer (float32 logits, 16-bit dlogits): the chunk's
-    # dlogits, then copied into it.
     return base.unfused_forward_backward(
-      self, logits, labels, valid, g_loss, options, out_dtype, into=into
+      self, logits, labels, valid, g_loss, options, out_dtype, into=None
     )
