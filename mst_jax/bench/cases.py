@@ -99,6 +99,17 @@ class Case:
 
 
 _LLAMA = dict(dim=4096, vocab=128256)
+
+
+def _dv(case: Case) -> Case:
+  """``case`` with ``[D, V]`` weights (Flax ``Dense`` kernels)."""
+  description = f"{case.description}, [D, V] Flax kernels"
+  name = f"{case.name}_dv"
+  return dataclasses.replace(
+    case, name=name, weight_layout="dv", description=description
+  )
+
+
 CASES = {
   c.name: c
   for c in [
@@ -114,14 +125,6 @@ CASES = {
     ),
     Case("llama_32k", 32768, **_LLAMA, description="Llama-3 head, 32k tokens"),
     Case("gpt2", 8192, 1600, 50257, description="GPT-2-XL head, V = 50257"),
-    Case(
-      "gpt2_dv",
-      8192,
-      1600,
-      50257,
-      weight_layout="dv",
-      description="GPT-2-XL head, a [D, V] Flax kernel",
-    ),
     Case(
       "llama_sft_prefix",
       8192,
@@ -160,16 +163,6 @@ CASES = {
       description="distillation at GPT-2's vocabulary",
     ),
     Case(
-      "gpt2_distill_dv",
-      8192,
-      1024,
-      50257,
-      objective="distill",
-      teacher_dim=1600,
-      weight_layout="dv",
-      description="distillation at GPT-2's vocabulary, [D, V] Flax kernels",
-    ),
-    Case(
       "llama_logprobs",
       8192,
       **_LLAMA,
@@ -196,6 +189,7 @@ CASES = {
     ),
   ]
 }
+CASES.update((f"{n}_dv", _dv(CASES[n])) for n in ("gpt2", "gpt2_distill"))
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "dtype", "blocks"))
