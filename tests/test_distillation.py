@@ -321,6 +321,27 @@ def test_transposed_weights_give_the_given_ones_gradients(
   assert planned[:2] == [("dv", 10**6), ("vd", 10**6 - copies)]
 
 
+def test_weights_are_transposed_only_within_half_the_budget(monkeypatch):
+  """The copies (both weights and the student's gradient) may take at most
+  half the memory budget; the rows are planned with the rest, unless given."""
+  monkeypatch.setattr(_distill_driver, "transposes_weights", lambda x, plan: True)
+  shape = lambda *s: jnp.zeros(s, jnp.bfloat16)
+  v, d_s, d_t = 50257, 96, 160
+  x = _distill_driver.Heads(
+    shape(8, d_s), shape(d_s, v), None, shape(8, d_t), shape(d_t, v), None, None, None
+  )
+  copies = 2 * (2 * d_s * v + d_t * v)
+  for budget in (2 * copies - 2, 2 * copies - 1):
+    perf = mst_jax.PerfOptions(memory_budget=budget)
+    assert _distill_driver.transposed(x, None, perf) is None
+  perf = mst_jax.PerfOptions(memory_budget=2 * copies)
+  heads, planned = _distill_driver.transposed(x, None, perf)
+  assert (heads.weight.shape, heads.teacher_weight.shape) == ((v, d_s), (v, d_t))
+  assert planned.memory_budget == copies
+  given = mst_jax.PerfOptions(chunk_size=64)  # the rows given: nothing to plan
+  assert _distill_driver.transposed(x, None, given)[1] == given
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", [None, "pallas", "xla"], ids=str)
 @pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])

@@ -103,12 +103,27 @@ def test_entropy_matches_the_oracle(rng):
 @pytest.mark.parametrize(
   "options", [PLAIN, ALL_OPTIONS, SCALED], ids=["plain", "all", "scaled"]
 )
-@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-def test_float32_logits(rng, options, out_dtype):
-  """float32 logits (float16 inputs' default, ``logits_dtype=jnp.float32``):
-  float32 ``dlogits`` over them, 16-bit ones into a new array."""
-  logits, labels, valid = _logits_case(rng, "normal", 200, 1248)
+@pytest.mark.parametrize(
+  ("logits_dtype", "out_dtype"),
+  [
+    (jnp.float32, jnp.float32),
+    (jnp.float32, jnp.bfloat16),
+    (jnp.float32, jnp.float16),
+    (jnp.bfloat16, jnp.float32),
+    (jnp.bfloat16, jnp.float16),
+    (jnp.float16, jnp.bfloat16),
+  ],
+  ids=["f32-f32", "f32-bf16", "f32-f16", "bf16-f32", "bf16-f16", "f16-bf16"],
+)
+def test_logits_and_dlogits_dtypes(rng, options, logits_dtype, out_dtype):
+  """float32 logits (float16 inputs' default, ``logits_dtype=jnp.float32``)
+  and ``dlogits`` of another dtype than the logits' (float32 inputs with
+  16-bit logits): in place over equal dtypes, else into a new array. 1216
+  columns are whole TMA tiles in every dtype, so no case leaves the kernels."""
+  logits, labels, valid = _logits_case(rng, "normal", 200, 1216)
+  logits = logits.astype(logits_dtype)  # the oracle reads these
   assert takes(logits)
+  assert takes(jax.ShapeDtypeStruct(logits.shape, out_dtype))
   check_backend(INTERPRET, logits, labels, valid, options, rng, out_dtype)
 
 

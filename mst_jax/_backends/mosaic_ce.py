@@ -273,7 +273,7 @@ class MosaicChunkCE(base.MatmulThenCE):
       interpret=self.interpret,
       approx=mosaic_stats.approx_math(options),
     )
-    if not in_place:  # float32 logits, 16-bit dlogits: a new array
+    if not in_place:  # dlogits of another dtype than the logits': a new array
       return run([logits], new=out_dtype)
     # dlogits overwrite the logits (XLA aliases them where nothing else
     # reads them): each tile is read before it is written.
@@ -284,7 +284,7 @@ class MosaicChunkCE(base.MatmulThenCE):
   def forward_backward(
     self, logits, labels, valid, g_loss, options, out_dtype, *, into=None
   ):
-    # Into a group's buffer (float32 logits, 16-bit dlogits) the fallback
+    # Into a group's buffer (dlogits of another dtype than the logits') the fallback
     # writes in place, at a row offset these kernels cannot take from device
     # memory (Mosaic GPU's layout inference rejects it); a new array and a
     # copy measured slower and held a chunk's dlogits more (docs/benchmarks.md).

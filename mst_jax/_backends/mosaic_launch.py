@@ -195,6 +195,7 @@ def launch(
   between device and shared memory). Returns the outputs, the new array, or
   None.
   """
+  assert new is None or out_type is None, "a new array is written, not outputs"
   n_rows, n_cols = arrays[0].shape
   program = Program(grid, tiles, interpret)
   body = functools.partial(kernel, program=program)
