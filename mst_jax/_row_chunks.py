@@ -268,8 +268,6 @@ def _group_buffer(sweep: _Sweep, outputs, grads):
     if into_buffer:  # every row counts: chunk by chunk, at rows known statically
       for index in range(group_size // chunk_size):
         chunk = chunk_of(chunk_size, group.valid, index, group)
-        # One chunk's logits at a time: each chunk starts after the last wrote.
-        chunk, buffer = lax.optimization_barrier((chunk, buffer))
         into = (buffer, index * chunk_size)
         outputs, buffer = sweep.chunk_dlogits(outputs, chunk, into)
     else:
