@@ -253,9 +253,7 @@ def _group_buffer(sweep: _Sweep, outputs, grads):
 
   Each chunk's float32 logits become ``dlogits`` in the compute dtype,
   gathered into one ``[group, V]`` buffer (in place when chunks tile the
-  group exactly: the group's chunks unrolled, so each writes at a row known
-  when tracing, which the Mosaic kernels need); a group whose rows all count
-  then does its ``dhidden`` and
+  group exactly); a group whose rows all count then does its ``dhidden`` and
   ``dweight`` matmuls once. Groups with excluded rows go chunk by chunk. The
   two kinds run in two loops, as in ``_whole_groups_in_place``.
   """
@@ -265,21 +263,17 @@ def _group_buffer(sweep: _Sweep, outputs, grads):
 
   def whole_group(carry, group):
     outputs, grads, buffer = carry
-    if into_buffer:  # every row counts: chunk by chunk, at rows known statically
-      for index in range(group_size // chunk_size):
-        chunk = chunk_of(chunk_size, group.valid, index, group)
-        into = (buffer, index * chunk_size)
-        outputs, buffer = sweep.chunk_dlogits(outputs, chunk, into)
-    else:
 
-      def fill(carry, chunk):
-        outputs, buffer = carry
-        outputs, dlogits = sweep.chunk_dlogits(outputs, chunk, None)
-        return outputs, chunk.put(buffer, dlogits, local=True)
+    def fill(carry, chunk):
+      outputs, buffer = carry
+      if into_buffer:
+        return sweep.chunk_dlogits(outputs, chunk, (buffer, chunk.offset))
+      outputs, dlogits = sweep.chunk_dlogits(outputs, chunk, None)
+      return outputs, chunk.put(buffer, dlogits, local=True)
 
-      outputs, buffer = sweep_chunks(
-        chunk_size, group.valid, fill, (outputs, buffer), group=group
-      )
+    outputs, buffer = sweep_chunks(
+      chunk_size, group.valid, fill, (outputs, buffer), group=group
+    )
     h = group.hidden(hidden)
     grads = _accumulate(sweep.config, grads, group, h, buffer, weight)
     return outputs, grads, buffer

@@ -181,18 +181,7 @@ class Program:
 
 
 def launch(
-  kernel,
-  name,
-  grid,
-  rows,
-  out_type,
-  arrays,
-  *,
-  tiles,
-  interpret,
-  approx,
-  new=None,
-  at_row=None,
+  kernel, name, grid, rows, out_type, arrays, *, tiles, interpret, approx, new=None
 ):
   """``kernel(..., program=)`` over ``grid``'s ``(row blocks, parts)``.
 
@@ -201,9 +190,7 @@ def launch(
   ``(*arrays, *rows, *outputs)``. With ``out_type=None`` the kernel writes
   ``[R, V]`` tiles and takes ``(*rows, *arrays)``: over the last of
   ``arrays``, a ``jax.Ref``, or with ``new`` (a dtype) into a new array of
-  that dtype, the kernel's last argument. With ``at_row`` (an int: rows of
-  whole row blocks), that ``jax.Ref`` has more rows, and the kernel writes
-  its rows ``at_row:at_row + R``. Row vectors and per-part outputs
+  that dtype, the kernel's last argument. Row vectors and per-part outputs
   are padded to whole row blocks (the kernels move them whole, by TMA,
   between device and shared memory). Returns the outputs, the new array, or
   None.
@@ -213,10 +200,6 @@ def launch(
   program = Program(grid, tiles, interpret)
   body = functools.partial(kernel, program=program)
   padded_rows = grid.row_blocks * tiles.block_rows
-  if at_row is not None:  # the written ref's rows from at_row on
-    assert out_type is None and new is None and n_rows == padded_rows, at_row
-    inner, window = body, pl.ds(at_row, n_rows)
-    body = lambda *refs: inner(*refs[:-1], refs[-1].at[window])
   rows = [jnp.pad(r, (0, padded_rows - n_rows)) for r in rows]
   written = out_type is None
   if new is not None:
@@ -241,11 +224,8 @@ def launch(
   # Interpret mode: the arrays padded too (TMA reads zeros past the ends and
   # drops writes there); the written one is an output aliased to its input.
   padded_cols = grid.parts * grid.steps * tiles.block_v
-  pad = lambda a: (
-    (0, max(padded_rows, a.shape[0]) - a.shape[0]),
-    (0, padded_cols - n_cols),
-  )
-  padded = [jnp.pad(a[...] if written else a, pad(a)) for a in arrays]
+  pad = ((0, padded_rows - n_rows), (0, padded_cols - n_cols))
+  padded = [jnp.pad(a[...] if written else a, pad) for a in arrays]
   args, aliases = (*padded, *rows), {}
   if new is not None:
     out_type = jax.ShapeDtypeStruct(padded[0].shape, new)
@@ -271,7 +251,7 @@ def launch(
   if new is not None:
     return outputs[:n_rows, :n_cols]
   if written:
-    arrays[-1][...] = outputs[: arrays[-1].shape[0], :n_cols]
+    arrays[-1][...] = outputs[:n_rows, :n_cols]
     return None
   return [o[:, :n_rows] for o in outputs]
 
