@@ -325,10 +325,10 @@ def test_weights_are_transposed_only_within_half_the_budget(monkeypatch):
   """The copies (both weights and the student's gradient) may take at most
   half the memory budget; the rows are planned with the rest, unless given."""
   monkeypatch.setattr(_distill_driver, "transposes_weights", lambda x, plan: True)
-  shape = lambda *s: jnp.zeros(s, jnp.bfloat16)
+  zeros = lambda *s: jnp.zeros(s, jnp.bfloat16)
   v, d_s, d_t = 50257, 96, 160
   x = _distill_driver.Heads(
-    shape(8, d_s), shape(d_s, v), None, shape(8, d_t), shape(d_t, v), None, None, None
+    zeros(8, d_s), zeros(d_s, v), None, zeros(8, d_t), zeros(d_t, v), None, None, None
   )
   copies = 2 * (2 * d_s * v + d_t * v)
   for budget in (2 * copies - 2, 2 * copies - 1):
