@@ -13,7 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import assert_close, has_gpu
-from test_backends import ALL_OPTIONS, PLAIN, SCALED, _logits_case, check_backend
+from test_backends import (
+  ALL_OPTIONS,
+  PLAIN,
+  SCALED,
+  _logits_case,
+  _oracle,
+  check_backend,
+)
 
 from mst_jax import _backends as backends
 from mst_jax import _ce_math as ce_math
@@ -127,17 +134,60 @@ def test_logits_and_dlogits_dtypes(rng, options, logits_dtype, out_dtype):
   check_backend(INTERPRET, logits, labels, valid, options, rng, out_dtype)
 
 
-def test_a_groups_buffer_goes_to_the_fallback(rng):
-  """The fused sweep's 16-bit ``dlogits`` of float32 logits, written into
-  rows of a group's buffer: the fallback's, exactly."""
+def check_group_buffer(backend, rng, options, out_dtype, n_rows, vocab):
+  """``dlogits`` of float32 logits written into rows ``n_rows:2 n_rows`` of
+  a group's buffer of ``2.5 n_rows``, at a row given as a traced int32 (as
+  the fused sweep's chunks give it), compiled, against the oracle; the
+  buffer's other rows keep their values."""
+  logits, labels, valid = _logits_case(rng, "normal", n_rows, vocab)
+  g_loss = jnp.asarray(rng.random(n_rows) + 0.5, jnp.float32)
+  buffer = jnp.asarray(rng.standard_normal((n_rows * 5 // 2, vocab)), out_dtype)
+  assert backend._writes_into(logits, out_dtype, (buffer, jnp.int32(n_rows)))
+
+  def run(logits, labels, valid, g_loss, buffer, row):
+    into = (buffer, row)
+    return backend.forward_backward(
+      logits, labels, valid, g_loss, options, out_dtype, into=into
+    )
+
+  stats, got = jax.jit(run)(logits, labels, valid, g_loss, buffer, n_rows)
+  (_, ref_lse, _), ref_dlogits = _oracle(
+    logits, labels, valid, g_loss, jnp.zeros_like(g_loss), options
+  )
+  assert got.shape == buffer.shape and got.dtype == buffer.dtype
+  np.testing.assert_array_equal(got[:n_rows], buffer[:n_rows])
+  np.testing.assert_array_equal(got[2 * n_rows :], buffer[2 * n_rows :])
+  rtol = 1e-5 if out_dtype == jnp.float32 else 8e-3
+  assert_close(got[n_rows : 2 * n_rows], ref_dlogits, rtol, "dlogits")
+  _, lse, _, _ = ce_math.row_outputs(stats, labels, valid, options, vocab)
+  assert_close(lse, ref_lse, 1e-6, "lse")
+
+
+@pytest.mark.parametrize(
+  "options", [PLAIN, ALL_OPTIONS, SCALED], ids=["plain", "all", "scaled"]
+)
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_a_groups_buffer_is_written_in_place(rng, options, out_dtype):
+  """The fused sweep's ``dlogits`` into a group's buffer (1216 columns:
+  whole TMA tiles in either dtype)."""
+  check_group_buffer(INTERPRET, rng, options, out_dtype, 128, 1216)
+
+
+def test_a_groups_buffer_at_rows_not_whole_row_blocks_goes_to_the_fallback(rng):
+  """Logits not whole row blocks, or a row (known when tracing) inside a row
+  block: the fallback's results exactly."""
   logits, labels, valid = _logits_case(rng, "normal", 64, 640)
   g_loss = jnp.asarray(rng.random(64), jnp.float32)
   buffer = jnp.asarray(rng.standard_normal((256, 640)), jnp.bfloat16)
-  args = (logits, labels, valid, g_loss, ALL_OPTIONS, jnp.bfloat16)
-  got = INTERPRET.forward_backward(*args, into=(buffer, 128))
-  want = backends.XlaChunkCE().forward_backward(*args, into=(buffer, 128))
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-    np.testing.assert_array_equal(a, b)
+  args = (logits, labels, valid, g_loss)
+  xla = backends.XlaChunkCE()
+  for into, rows in [((buffer, 128), 56), ((buffer, 96), 64)]:
+    sliced = [a[:rows] for a in args]
+    assert not INTERPRET._writes_into(sliced[0], jnp.bfloat16, into)
+    got = INTERPRET.forward_backward(*sliced, ALL_OPTIONS, jnp.bfloat16, into=into)
+    want = xla.forward_backward(*sliced, ALL_OPTIONS, jnp.bfloat16, into=into)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+      np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize(
@@ -283,6 +333,15 @@ def test_gpu_float32_logits(rng, vocab, out_dtype):
   _skip_without_hopper()
   logits, labels, valid = _logits_case(rng, "normal", 1000, vocab)
   check_backend(MosaicChunkCE(), logits, labels, valid, ALL_OPTIONS, rng, out_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float16])
+def test_gpu_a_groups_buffer_is_written_in_place(rng, out_dtype):
+  """At the Llama-3 vocabulary: TMA writes the chunk's rows of the buffer,
+  at a row read from device memory."""
+  _skip_without_hopper()
+  check_group_buffer(MosaicChunkCE(), rng, ALL_OPTIONS, out_dtype, 1024, 128256)
 
 
 @pytest.mark.gpu

@@ -11,6 +11,8 @@ to XLA's GEMMs with one warning and computes what ``impl=None`` computes.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -270,6 +272,45 @@ def test_float16_logits_of_bfloat16_inputs_are_not_padded(as_if_on_hopper, grad_
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
   text = step.trace(h, w, y).lower(lowering_platforms=("cuda",)).as_text()
   assert "stablehlo.dot_general" in text
+
+
+# float32 logits (of float16 inputs by default, or asked for) in whole groups
+# of 4 chunks: 2048 rows, V=32000, 128 MiB make 256-row chunks in 1024-row groups.
+WHOLE_GROUPS = [
+  ("float16", dict(reduction="sum")),  # a mean's float16 dlogits underflow
+  ("bfloat16", dict(logits_dtype=jnp.float32)),
+]
+
+
+@pytest.mark.parametrize("dtype, kwargs", WHOLE_GROUPS, ids=str)
+def test_a_groups_buffer_is_written_by_mosaic_kernels(as_if_on_hopper, dtype, kwargs):
+  """Each chunk of a whole group writes its 16-bit ``dlogits`` of float32
+  logits into the group's buffer with the Mosaic kernel, in place, at a row
+  read from device memory: no Triton kernel, and no dynamic_update_slice."""
+  h = jax.ShapeDtypeStruct((2048, 320), dtype)
+  w = jax.ShapeDtypeStruct((32000, 320), dtype)
+  y = jax.ShapeDtypeStruct((2048,), jnp.int32)
+  options = dict(impl="mosaic", memory_budget=128 << 20, **kwargs)
+  loss = lambda h, w, y: jnp.sum(mst_jax.linear_cross_entropy(h, w, y, **options))
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+  text = step.trace(h, w, y).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mst_ce_dlogits_mosaic" in text and "triton" not in text
+  assert not re.search(r"dynamic_update_slice[^\n]*x32000x", text)  # no copy
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, kwargs", WHOLE_GROUPS, ids=str)
+def test_gpu_whole_groups_of_float32_logits(rng, dtype, kwargs):
+  """The same on the GPU against the float64 oracle: every token counts, so
+  every group is whole."""
+  if (reason := _mosaic_gemm.unavailable_reason()) is not None:
+    pytest.skip(reason)
+  problem = make_problem(rng, (2, 1024), dim=320, vocab=32000, dtype=dtype, mask="none")
+  kwargs = dict(kwargs, impl="mosaic", memory_budget=128 << 20)
+  text = _lowered_text(problem, **kwargs)
+  assert "triton" not in text
+  assert not re.search(r"dynamic_update_slice[^\n]*x32000x", text)
+  check_against_oracle(problem, dtype, **kwargs)
 
 
 def test_vmap_on_hopper_says_to_pass_pallas(as_if_on_hopper):

@@ -297,6 +297,7 @@ def unfused_forward_backward(
   class_weights: jax.Array | None = None,
   classes: ClassRows | None = None,
   stats: RowStats | None = None,
+  backward_writes_into: bool = False,
 ) -> tuple[RowStats, jax.Array]:
   """``forward_backward`` as a ``forward`` then a ``backward``.
 
@@ -305,7 +306,8 @@ def unfused_forward_backward(
   the whole vocabulary (default: the logits' width). ``class_weights`` (the
   columns') and ``classes`` (the rows') when there are class weights.
   ``stats``: the ``forward`` of these columns when already known (formed
-  with the logits), else computed here.
+  with the logits), else computed here. ``backward_writes_into``: the
+  backend's ``backward`` takes ``into`` and writes the buffer itself.
   """
   vocab_size = vocab_size or logits.shape[-1]
   weights = {} if class_weights is None else {"class_weights": class_weights}
@@ -323,10 +325,11 @@ def unfused_forward_backward(
     vocab_size,
     classes=classes,
   )
+  written = {"into": into} if backward_writes_into else {}
   dlogits = backend.backward(
-    logits, local, rows, options, out_dtype, vocab_size, **weights
+    logits, local, rows, options, out_dtype, vocab_size, **weights, **written
   )
-  return stats, write_into(into, dlogits)
+  return stats, dlogits if backward_writes_into else write_into(into, dlogits)
 
 
 def write_into(into: tuple[jax.Array, jax.Array] | None, dlogits: jax.Array):

@@ -9,8 +9,10 @@ float32 and ``ce_math``'s, as in the other backends):
    cut into ``parts`` so that a chunk of few rows still gives every SM work;
    ``ce_math.combine_stats`` merges the parts' statistics.
 2. ``_dlogits_kernel``: elementwise ``dlogits`` (``ce_math.dlogits_block``)
-   over the same tiles, written over the logits (``dlogits`` in their dtype)
-   or, from float32 logits, into a new 16-bit array.
+   over the same tiles, written over the logits (``dlogits`` in their dtype),
+   from float32 logits into a new 16-bit array, or (the fused sweep's whole
+   groups) into rows of a group's buffer, at a row read from device memory
+   (``launch``'s ``at_row``).
 
 A loss and its gradient in one sweep are the two kernels in turn (the Triton
 backend fuses them into one launch, which measured faster on the H200:
@@ -23,9 +25,10 @@ float32: whole TMA tiles, ``mosaic_launch.takes``). The Mosaic GEMM forms
 the 16-bit logits of a vocabulary of other widths (GPT-2's 50257) padded to
 whole tiles (``_matmul.mosaic_logits``): the statistics leave the padding
 out, and the products of ``dlogits`` read only the weight's columns. What
-the kernels do not take (other shapes and dtypes, a group's buffer to write
-into) goes to what ``MosaicChunkCE.fallback`` makes. ``mosaic_launch``
-launches them, on a Hopper GPU or in interpret mode.
+the kernels do not take (other shapes and dtypes, a group's buffer written
+at rows that are not whole row blocks) goes to what
+``MosaicChunkCE.fallback`` makes. ``mosaic_launch`` launches them, on a
+Hopper GPU or in interpret mode.
 """
 
 from __future__ import annotations
@@ -114,8 +117,8 @@ class MosaicChunkCE(base.MatmulThenCE):
 
   Attributes:
     fallback: makes the ``LogitsCE`` for what the kernels do not take (other
-      shapes and dtypes, a group's buffer to write into), called only when a
-      chunk needs it.
+      shapes and dtypes, an ``into`` that ``_writes_into`` refuses), called
+      only when a chunk needs it.
     tiles: the kernels' tiles.
     interpret: run the kernels in Pallas interpret mode (on a CPU too).
     weight_columns: the weight's number of columns, where the logits are
@@ -239,7 +242,12 @@ class MosaicChunkCE(base.MatmulThenCE):
     widths = mosaic_stats.part_widths(n_cols, grid.steps * self.tiles.block_v)
     return mosaic_stats.combine(outputs, widths, n_cols, options)
 
-  def backward(self, logits, labels, rows, options, out_dtype, vocab_size=None):
+  def backward(
+    self, logits, labels, rows, options, out_dtype, vocab_size=None, *, into=None
+  ):
+    """``LogitsCE.backward``; with ``into=(buffer, row)`` (``_writes_into``)
+    the ``dlogits`` go into the buffer's rows from ``row`` on, in place, and
+    the buffer is returned."""
     n_rows, width = logits.shape
     n_cols = self.weight_columns or width
     if not (takes(logits) and takes(jax.ShapeDtypeStruct(logits.shape, out_dtype))):
@@ -254,7 +262,7 @@ class MosaicChunkCE(base.MatmulThenCE):
     row_values = [labels, rows.lse, rows.coef_softmax, rows.coef_target]
     if options.entropy:
       row_values += [rows.coef_entropy, rows.expected_score]
-    in_place = jnp.dtype(out_dtype) == logits.dtype
+    in_place = into is None and jnp.dtype(out_dtype) == logits.dtype
     kernel = functools.partial(
       _dlogits_kernel,
       options=options,
@@ -273,6 +281,11 @@ class MosaicChunkCE(base.MatmulThenCE):
       interpret=self.interpret,
       approx=mosaic_stats.approx_math(options),
     )
+    if into is not None:  # into a group's buffer (XLA aliases it, as below)
+      buffer, row = into
+      ref = jax.new_ref(buffer)
+      run([logits, ref], at_row=row)
+      return jax.freeze(ref)
     if not in_place:  # dlogits of another dtype than the logits': a new array
       return run([logits], new=out_dtype)
     # dlogits overwrite the logits (XLA aliases them where nothing else
@@ -281,17 +294,39 @@ class MosaicChunkCE(base.MatmulThenCE):
     run([ref])
     return jax.freeze(ref)
 
+  def _writes_into(self, logits, out_dtype, into) -> bool:
+    """Whether ``backward`` writes these logits' ``dlogits`` into
+    ``into=(buffer, row)``: the logits in whole row blocks (nothing written
+    past their rows), a buffer of ``out_dtype`` and their width in whole TMA
+    tiles. ``row``, known only on the device, must be a multiple of the
+    logits' rows (the fused sweep's chunks tile their group), so of the row
+    blocks: only an int is checked."""
+    buffer, row = into
+    return (
+      logits.shape[0] % self.tiles.block_rows == 0
+      and not (isinstance(row, int) and row % self.tiles.block_rows)
+      and buffer.shape[1] == logits.shape[1]
+      and jnp.dtype(buffer.dtype) == jnp.dtype(out_dtype)
+      and takes(buffer)
+    )
+
   def forward_backward(
     self, logits, labels, valid, g_loss, options, out_dtype, *, into=None
   ):
-    # Into a group's buffer (dlogits of another dtype than the logits') the fallback
-    # writes in place, at a row offset these kernels cannot take from device
-    # memory (Mosaic GPU's layout inference rejects it); a new array and a
-    # copy measured slower and held a chunk's dlogits more (docs/benchmarks.md).
-    if into is not None or not takes(logits):
+    if not takes(logits) or (
+      into is not None and not self._writes_into(logits, out_dtype, into)
+    ):
       return self.fallback().forward_backward(
         logits, labels, valid, g_loss, options, out_dtype, into=into
       )
     return base.unfused_forward_backward(
-      self, logits, labels, valid, g_loss, options, out_dtype, into=None
+      self,
+      logits,
+      labels,
+      valid,
+      g_loss,
+      options,
+      out_dtype,
+      into=into,
+      backward_writes_into=into is not None,
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -91,6 +92,7 @@ class Program:
   grid: Grid
   blocks: MosaicBlocks
   interpret: bool
+  shift: Any = None  # in the kernel: a [1] int32 ref, written tiles' row offset
 
   def index(self):
     """``(row block, part)``."""
@@ -141,19 +143,22 @@ class Program:
   def walk(self, body, ins, outs=(), *, init=None):
     """Runs ``body(col, *in_tiles, *out_tiles[, carry])`` over the program's
     tiles of the ``[R, V]`` refs ``ins`` and ``outs`` (``col``: the tile's
-    first column); returns the carry."""
+    first column; with ``shift``, ``outs`` are written that many row blocks
+    further down); returns the carry."""
     rows, cols = self.blocks.block_rows, self.blocks.block_v
     row_block, part = self.index()
-    tile_index = lambda step: (row_block, part * self.grid.steps + step)
+    out_block = row_block if self.shift is None else row_block + self.shift[0]
+    tile_index = lambda step, row=row_block: (row, part * self.grid.steps + step)
+    out_index = functools.partial(tile_index, row=out_block)
     tile_body = lambda index, *args: body(tile_index(index[0])[1] * cols, *args)
     if self.interpret:
 
       def step(index, carry):
-        window = tuple(
-          pl.ds(i * size, size)
-          for i, size in zip(tile_index(index), (rows, cols), strict=True)
+        window = lambda at: tuple(
+          pl.ds(i * size, size) for i, size in zip(at, (rows, cols), strict=True)
         )
-        tiles = [ref.at[window] for ref in (*ins, *outs)]
+        tiles = [ref.at[window(tile_index(index))] for ref in ins]
+        tiles += [ref.at[window(out_index(index))] for ref in outs]
         if init is None:
           tile_body((index,), *tiles)
           return carry
@@ -161,27 +166,38 @@ class Program:
 
       return lax.fori_loop(0, self.grid.steps, step, init)
 
-    def spec(ref):
+    def spec(ref, index):
       bits = jnp.dtype(ref.dtype).itemsize * 8
       swizzle = plgpu.find_swizzle(cols * bits)
       transforms = (
         plgpu.TilingTransform((_TILE_ROWS, swizzle * 8 // bits)),
         plgpu.SwizzleTransform(swizzle),
       )
-      return plgpu.BlockSpec((rows, cols), tile_index, transforms=transforms)
+      return plgpu.BlockSpec((rows, cols), index, transforms=transforms)
 
     return plgpu.emit_pipeline(
       tile_body,
       grid=(self.grid.steps,),
-      in_specs=[spec(ref) for ref in ins],
-      out_specs=[spec(ref) for ref in outs],
+      in_specs=[spec(ref, tile_index) for ref in ins],
+      out_specs=[spec(ref, out_index) for ref in outs],
       max_concurrent_steps=self.blocks.stages,
       init_carry=init,
     )(*ins, *outs)
 
 
 def launch(
-  kernel, name, grid, rows, out_type, arrays, *, tiles, interpret, approx, new=None
+  kernel,
+  name,
+  grid,
+  rows,
+  out_type,
+  arrays,
+  *,
+  tiles,
+  interpret,
+  approx,
+  new=None,
+  at_row=None,
 ):
   """``kernel(..., program=)`` over ``grid``'s ``(row blocks, parts)``.
 
@@ -190,7 +206,10 @@ def launch(
   ``(*arrays, *rows, *outputs)``. With ``out_type=None`` the kernel writes
   ``[R, V]`` tiles and takes ``(*rows, *arrays)``: over the last of
   ``arrays``, a ``jax.Ref``, or with ``new`` (a dtype) into a new array of
-  that dtype, the kernel's last argument. Row vectors and per-part outputs
+  that dtype, the kernel's last argument. With ``at_row`` (a row of whole
+  row blocks, traced or not) that ``jax.Ref`` has more rows, and the kernel
+  writes its rows ``at_row:at_row + R`` (``Program.shift``; ``R`` whole row
+  blocks, nothing written past them). Row vectors and per-part outputs
   are padded to whole row blocks (the kernels move them whole, by TMA,
   between device and shared memory). Returns the outputs, the new array, or
   None.
@@ -202,6 +221,12 @@ def launch(
   padded_rows = grid.row_blocks * tiles.block_rows
   rows = [jnp.pad(r, (0, padded_rows - n_rows)) for r in rows]
   written = out_type is None
+  if at_row is not None:  # a [1] int32 argument before the others
+    assert written and new is None and n_rows == padded_rows, "whole row blocks"
+    shift = jnp.asarray(at_row, jnp.int32).reshape(1) // tiles.block_rows
+    shifted = lambda ref: dataclasses.replace(program, shift=ref)
+    body = lambda shift_ref, *refs: kernel(*refs, program=shifted(shift_ref))
+    rows = [shift, *rows]
   if new is not None:
     out_type = jax.ShapeDtypeStruct((n_rows, n_cols), new)
   elif not written:
@@ -224,8 +249,11 @@ def launch(
   # Interpret mode: the arrays padded too (TMA reads zeros past the ends and
   # drops writes there); the written one is an output aliased to its input.
   padded_cols = grid.parts * grid.steps * tiles.block_v
-  pad = ((0, padded_rows - n_rows), (0, padded_cols - n_cols))
-  padded = [jnp.pad(a[...] if written else a, pad) for a in arrays]
+  pad = lambda a: (
+    (0, max(padded_rows, a.shape[0]) - a.shape[0]),
+    (0, padded_cols - n_cols),
+  )
+  padded = [jnp.pad(a[...] if written else a, pad(a)) for a in arrays]
   args, aliases = (*padded, *rows), {}
   if new is not None:
     out_type = jax.ShapeDtypeStruct(padded[0].shape, new)
@@ -251,7 +279,7 @@ def launch(
   if new is not None:
     return outputs[:n_rows, :n_cols]
   if written:
-    arrays[-1][...] = outputs[:n_rows, :n_cols]
+    arrays[-1][...] = outputs[: arrays[-1].shape[0], :n_cols]
     return None
   return [o[:, :n_rows] for o in outputs]
 
