@@ -252,10 +252,11 @@ def _group_buffer(sweep: _Sweep, outputs, grads):
   """Chosen for logits wider than the compute dtype (float32 logits of bf16).
 
   Each chunk's float32 logits become ``dlogits`` in the compute dtype,
-  gathered into one ``[group, V]`` buffer (in place when chunks tile the
-  group exactly); a group whose rows all count then does its ``dhidden`` and
-  ``dweight`` matmuls once. Groups with excluded rows go chunk by chunk. The
-  two kinds run in two loops, as in ``_whole_groups_in_place``.
+  gathered into one ``[group, V]`` buffer (in place, at rows that are
+  multiples of the chunk size, when chunks tile the group exactly); a group
+  whose rows all count then does its ``dhidden`` and ``dweight`` matmuls
+  once. Groups with excluded rows go chunk by chunk. The two kinds run in
+  two loops, as in ``_whole_groups_in_place``.
   """
   order, hidden, weight = sweep.order, sweep.hidden, sweep.weight
   group_size, chunk_size = order.rows_per_group, order.rows_per_chunk

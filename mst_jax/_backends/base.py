@@ -164,7 +164,8 @@ class ChunkBackend(Protocol):
     ``columns`` says which of the vocabulary's columns the weight holds. With
     ``into=(buffer, row_offset)``, ``dlogits`` is written into rows
     ``row_offset:row_offset + rows`` of ``buffer`` (in place where the backend
-    can) and the buffer is returned instead.
+    can) and the buffer is returned instead; ``row_offset`` (traced) is a
+    multiple of ``rows``.
     """
     ...
 
