@@ -313,20 +313,10 @@ class MosaicChunkCE(base.MatmulThenCE):
   def forward_backward(
     self, logits, labels, valid, g_loss, options, out_dtype, *, into=None
   ):
-    if not takes(logits) or (
-      into is not None and not self._writes_into(logits, out_dtype, into)
-    ):
-      return self.fallback().forward_backward(
-        logits, labels, valid, g_loss, options, out_dtype, into=into
-      )
+    args = (logits, labels, valid, g_loss, options, out_dtype)
+    writes = into is not None
+    if not takes(logits) or (writes and not self._writes_into(logits, out_dtype, into)):
+      return self.fallback().forward_backward(*args, into=into)
     return base.unfused_forward_backward(
-      self,
-      logits,
-      labels,
-      valid,
-      g_loss,
-      options,
-      out_dtype,
-      into=into,
-      backward_writes_into=into is not None,
+      self, *args, into=into, backward_writes_into=writes
     )
