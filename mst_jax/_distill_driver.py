@@ -324,7 +324,7 @@ def resolve(x: Heads, options: DistillOptions, perf: PerfOptions, layout: str) -
   dtypes = (logits_dtype, teacher_logits_dtype, dtype)
   pad = _pads_logits(x, layout, kernel, gemm, *dtypes)
   if pad:  # the chunks' logits are this wide
-    vocab = _matmul.padded_width(vocab, logits_dtype)
+    vocab = _matmul.padded_width(vocab)
   per_logit = logits_dtype.itemsize + teacher_logits_dtype.itemsize
   if kernel is None:
     per_logit += np.dtype(dtype).itemsize + _WORK_BYTES  # dlogits, XLA's passes
@@ -396,7 +396,7 @@ def _pads_logits(x: Heads, layout: str, kernel, gemm: str, *dtypes) -> bool:
     return False
   if x.bias is not None or x.teacher_bias is not None:
     return False
-  if _matmul.padded_width(vocab, dtypes[0]) == vocab:
+  if _matmul.padded_width(vocab) == vocab:
     return False
   heads = (
     (x.hidden, x.weight, dtypes[0]),

@@ -133,11 +133,14 @@ def _trim(x: jax.Array, size: int, axis: int) -> jax.Array:
   return lax.slice_in_dim(x, 0, size, axis=axis)
 
 
-def padded_width(width: int, dtype) -> int:
+PADDED_COLUMNS = 64
+
+
+def padded_width(width: int) -> int:
   """The width of the logits the Mosaic kernels form for ``width`` columns:
-  whole 128-byte rows (64 columns of 16 bits), which TMA copies."""
-  columns = 128 // jnp.dtype(dtype).itemsize
-  return -(-width // columns) * columns
+  whole 64-column tiles, so that their 16-bit ``dlogits`` are whole
+  128-byte rows, which TMA copies (float32 logits too)."""
+  return -(-width // PADDED_COLUMNS) * PADDED_COLUMNS
 
 
 def _write_columns(total: jax.Array, part: jax.Array, start, axis: int) -> jax.Array:
@@ -197,13 +200,14 @@ def logits_matmul(
   return (logits + bias.astype(acc)[None, :]).astype(dtype)
 
 
-def mosaic_takes_logits(hidden, weight, layout: str, dtype) -> bool:
+def mosaic_takes_logits(hidden, weight, layout: str, dtype, *, here=True) -> bool:
   """Whether ``mosaic_logits`` forms these logits (arrays or shapes): a
   ``[D, V]`` weight needs rows of whole 128-byte TMA tiles (64 columns of
-  16 bits), a ``[V, D]`` one any number of them."""
-  width = padded_width(vocab_size(weight, layout), dtype)
+  16 bits), a ``[V, D]`` one any number of them. ``here=False``: whether it
+  would on a Hopper GPU."""
+  width = padded_width(vocab_size(weight, layout))
   dims, out_shape = _LOGITS_DIMS[layout], (hidden.shape[0], width)
-  return _mosaic_gemm.takes(hidden, weight, dims, dtype, out_shape=out_shape)
+  return _mosaic_gemm.takes(hidden, weight, dims, dtype, out_shape=out_shape, here=here)
 
 
 def mosaic_logits(
@@ -225,7 +229,7 @@ def mosaic_logits(
   columns.
   """
   dims = _LOGITS_DIMS[layout]
-  out_shape = (hidden.shape[0], padded_width(vocab_size(weight, layout), dtype))
+  out_shape = (hidden.shape[0], padded_width(vocab_size(weight, layout)))
   if not mosaic_takes_logits(hidden, weight, layout, dtype):
     return None
   if row_epilogue is None:

@@ -182,12 +182,15 @@ def unavailable_reason() -> str | None:
   return None
 
 
-def takes(lhs, rhs, dimension_numbers, out_dtype, accumulate=None, **shapes) -> bool:
+def takes(
+  lhs, rhs, dimension_numbers, out_dtype, accumulate=None, *, here=True, **shapes
+) -> bool:
   """Whether ``matmul`` runs these arguments here (a Hopper GPU, bf16/f16
   operands, arrays of whole 128-byte rows); ``mst_jax._matmul`` uses
   ``lax.dot_general`` for the rest. ``shapes``: ``matmul``'s ``out_shape``
-  and ``zero_extend``."""
-  if unavailable_reason() is not None:
+  and ``zero_extend``. ``here=False``: whether it would on a Hopper GPU
+  (the shapes and dtypes alone)."""
+  if here and unavailable_reason() is not None:
     return False
   try:
     _check(lhs, rhs, dimension_numbers, out_dtype, accumulate, **shapes)

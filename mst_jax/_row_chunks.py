@@ -253,7 +253,8 @@ def _group_buffer(sweep: _Sweep, outputs, grads):
 
   Each chunk's float32 logits become ``dlogits`` in the compute dtype,
   gathered into one ``[group, V]`` buffer (in place, at rows that are
-  multiples of the chunk size, when chunks tile the group exactly); a group
+  multiples of the chunk size, when chunks tile the group exactly; V is the
+  backend's ``dlogits_width``, which may pad the weight's columns); a group
   whose rows all count then does its ``dhidden`` and ``dweight`` matmuls
   once. Groups with excluded rows go chunk by chunk. The two kinds run in
   two loops, as in ``_whole_groups_in_place``.
@@ -279,7 +280,8 @@ def _group_buffer(sweep: _Sweep, outputs, grads):
     grads = _accumulate(sweep.config, grads, group, h, buffer, weight)
     return outputs, grads, buffer
 
-  width = _matmul.vocab_size(weight, sweep.config.layout)  # this shard's
+  config = sweep.config
+  width = config.backend.dlogits_width(sweep.x.chunk_shapes(chunk_size), config.head)
   buffer = jnp.zeros((group_size, width), hidden.dtype)
   outputs, grads, _ = sweep_chunks(
     group_size, sweep.valid, whole_group, (outputs, grads, buffer), visit=_whole_rows

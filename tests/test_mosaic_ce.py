@@ -6,6 +6,7 @@ Hopper GPU at real sizes (the TMA pipelines, in-place writes, ragged tiles).
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import jax
@@ -412,6 +413,40 @@ def test_padded_logits_leave_the_padding_out(rng, options):
   assert scoring.weight_columns == 1001
   got = scoring.backward(padded, labels, rows, options, jnp.float32, 1001)
   assert got.shape == padded.shape and not np.asarray(got[:, 1001:]).any()
+
+
+@pytest.mark.parametrize("n_rows", [128, 56, 37], ids=["whole", "blocks", "ragged"])
+def test_padded_float32_logits_into_a_groups_buffer(rng, n_rows):
+  """float32 logits padded past 1001 columns (the padding far above the
+  rest) in one sweep into rows ``n_rows:2 n_rows`` of a group's padded
+  16-bit buffer: by the kernel in place (whole row blocks), into a new
+  array then copied (rows not whole blocks), or by the fallback (rows not
+  whole TMA tiles). The statistics and ``dlogits`` of the weight's columns
+  (label smoothing spread over 1001), zeros in the padding, the buffer's
+  other rows unchanged."""
+  logits, labels, valid = _logits_case(rng, "normal", n_rows, 1001)
+  padded = jnp.concatenate([logits, jnp.full((n_rows, 23), 60.0)], axis=1)
+  scoring = dataclasses.replace(INTERPRET, weight_columns=1001)
+  g_loss = jnp.asarray(rng.random(n_rows) + 0.5, jnp.float32)
+  buffer = jnp.asarray(rng.standard_normal((3 * n_rows, 1024)), jnp.bfloat16)
+
+  def run(padded, labels, valid, g_loss, buffer, row):
+    return scoring.forward_backward(
+      padded, labels, valid, g_loss, ALL_OPTIONS, jnp.bfloat16, into=(buffer, row)
+    )
+
+  stats, got = jax.jit(run)(padded, labels, valid, g_loss, buffer, n_rows)
+  (_, ref_lse, _), ref_dlogits = _oracle(
+    logits, labels, valid, g_loss, jnp.zeros_like(g_loss), ALL_OPTIONS
+  )
+  assert got.shape == buffer.shape and got.dtype == buffer.dtype
+  for rows in (slice(0, n_rows), slice(2 * n_rows, None)):
+    np.testing.assert_array_equal(got[rows], buffer[rows])
+  written = got[n_rows : 2 * n_rows]
+  assert_close(written[:, :1001], ref_dlogits, 8e-3, "dlogits")
+  assert not np.asarray(written[:, 1001:], np.float32).any()
+  _, lse, _, _ = ce_math.row_outputs(stats, labels, valid, ALL_OPTIONS, 1001)
+  assert_close(lse, ref_lse, 1e-6, "lse")
 
 
 @pytest.mark.parametrize("layout", ["vd", "dv"])

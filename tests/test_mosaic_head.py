@@ -26,7 +26,7 @@ from conftest import (
 )
 
 import mst_jax
-from mst_jax import _api, _backends, _mosaic_gemm
+from mst_jax import _api, _backends, _matmul, _mosaic_gemm
 from mst_jax._backends.xla import XlaChunkCE
 
 
@@ -258,58 +258,53 @@ def test_a_transposed_weight_gives_the_given_ones_gradients(rng, monkeypatch, kw
   assert transposed and transposed[0] == (48, 1001)
 
 
-@pytest.mark.parametrize("grad_mode", ["recompute", "fused"])
-def test_float16_logits_of_bfloat16_inputs_are_not_padded(as_if_on_hopper, grad_mode):
-  """Logits in another 16-bit dtype than the gradients' (their dlogits are not
-  formed in place, so they go into a group's buffer of the weight's width)
-  are not padded: a ragged vocabulary's step lowers, on XLA's GEMMs."""
-  n, d, vocab = 1000, 256, 50257
-  h = jax.ShapeDtypeStruct((n, d), jnp.bfloat16)
-  w = jax.ShapeDtypeStruct((vocab, d), jnp.bfloat16)
-  y = jax.ShapeDtypeStruct((n,), jnp.int32)
-  options = dict(logits_dtype=jnp.float16, grad_mode=grad_mode, memory_budget=10**8)
-  loss = lambda h, w, y: mst_jax.linear_cross_entropy(h, w, y, **options)
-  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-  text = step.trace(h, w, y).lower(lowering_platforms=("cuda",)).as_text()
-  assert "stablehlo.dot_general" in text
-
-
 # float32 logits (of float16 inputs by default, or asked for) in whole groups
-# of 4 chunks: 2048 rows, V=32000, 128 MiB make 256-row chunks in 1024-row groups.
+# of 4 chunks: 2048 rows and 128 MiB make 256-row chunks in 1024-row groups
+# (at V=32000 and at GPT-2's 50257, whose logits, dlogits and the groups'
+# buffers are padded to 50304 columns).
 WHOLE_GROUPS = [
-  ("float16", dict(reduction="sum")),  # a mean's float16 dlogits underflow
-  ("bfloat16", dict(logits_dtype=jnp.float32)),
+  ("float16", 32000, dict(reduction="sum")),  # a mean's float16 dlogits underflow
+  ("bfloat16", 32000, dict(logits_dtype=jnp.float32)),
+  ("float16", 50257, dict(reduction="sum")),
+  ("bfloat16", 50257, dict(logits_dtype=jnp.float32, label_smoothing=0.1)),
 ]
 
 
-@pytest.mark.parametrize("dtype, kwargs", WHOLE_GROUPS, ids=str)
-def test_a_groups_buffer_is_written_by_mosaic_kernels(as_if_on_hopper, dtype, kwargs):
+@pytest.mark.parametrize("dtype, vocab, kwargs", WHOLE_GROUPS, ids=str)
+def test_a_groups_buffer_is_written_by_mosaic_kernels(
+  as_if_on_hopper, dtype, vocab, kwargs
+):
   """Each chunk of a whole group writes its 16-bit ``dlogits`` of float32
   logits into the group's buffer with the Mosaic kernel, in place, at a row
-  read from device memory: no Triton kernel, and no dynamic_update_slice."""
+  read from device memory: no Triton kernel, no XLA GEMM, and no
+  dynamic_update_slice."""
   h = jax.ShapeDtypeStruct((2048, 320), dtype)
-  w = jax.ShapeDtypeStruct((32000, 320), dtype)
+  w = jax.ShapeDtypeStruct((vocab, 320), dtype)
   y = jax.ShapeDtypeStruct((2048,), jnp.int32)
   options = dict(impl="mosaic", memory_budget=128 << 20, **kwargs)
   loss = lambda h, w, y: jnp.sum(mst_jax.linear_cross_entropy(h, w, y, **options))
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
   text = step.trace(h, w, y).lower(lowering_platforms=("cuda",)).as_text()
   assert "mst_ce_dlogits_mosaic" in text and "triton" not in text
-  assert not re.search(r"dynamic_update_slice[^\n]*x32000x", text)  # no copy
+  assert "stablehlo.dot_general" not in text
+  width = _matmul.padded_width(vocab)
+  assert f"1024x{width}x{jnp.dtype(dtype).name[0]}" in text  # the group's buffer
+  assert not re.search(rf"dynamic_update_slice[^\n]*x{width}x", text)  # no copy
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype, kwargs", WHOLE_GROUPS, ids=str)
-def test_gpu_whole_groups_of_float32_logits(rng, dtype, kwargs):
+@pytest.mark.parametrize("dtype, vocab, kwargs", WHOLE_GROUPS, ids=str)
+def test_gpu_whole_groups_of_float32_logits(rng, dtype, vocab, kwargs):
   """The same on the GPU against the float64 oracle: every token counts, so
   every group is whole."""
   if (reason := _mosaic_gemm.unavailable_reason()) is not None:
     pytest.skip(reason)
-  problem = make_problem(rng, (2, 1024), dim=320, vocab=32000, dtype=dtype, mask="none")
+  problem = make_problem(rng, (2, 1024), dim=320, vocab=vocab, dtype=dtype, mask="none")
   kwargs = dict(kwargs, impl="mosaic", memory_budget=128 << 20)
   text = _lowered_text(problem, **kwargs)
-  assert "triton" not in text
-  assert not re.search(r"dynamic_update_slice[^\n]*x32000x", text)
+  assert "triton" not in text and "stablehlo.dot_general" not in text
+  width = _matmul.padded_width(vocab)
+  assert not re.search(rf"dynamic_update_slice[^\n]*x{width}x", text)
   check_against_oracle(problem, dtype, **kwargs)
 
 
@@ -348,10 +343,12 @@ CASES = [
   ("bfloat16", "vd", 128256, dict(chunk_size=512, vocab_block_size=8192)),
   ("bfloat16", "vd", 50257, dict(chunk_size=256, label_smoothing=0.1)),
   ("bfloat16", "vd", 50257, dict(grad_mode="recompute", **ALL_OPTIONS)),
-  # float16 inputs: float32 logits by default (XLA's GEMMs and the Triton
-  # kernels at V = 50257, whose float32 logits are not padded), or float16.
+  # float16 inputs: float32 logits by default (padded too), or float16.
   ("float16", "vd", 50257, dict(reduction="none", **ALL_OPTIONS)),
   ("float16", "vd", 50257, dict(reduction="sum", logits_dtype=jnp.float16)),
+  ("float16", "dv", 50257, dict(reduction="sum", chunk_size=256, z_loss=1e-3)),
+  # float16 logits of bfloat16 inputs: bfloat16 dlogits into a new array.
+  ("bfloat16", "vd", 50257, dict(logits_dtype=jnp.float16, grad_mode="recompute")),
   ("bfloat16", "vd", 50257, dict(chunk_size=512, vocab_block_size=8192)),
   ("bfloat16", "vd", 50257, dict(accum_dtype=jnp.bfloat16, grad_mode="fused")),
   ("bfloat16", "dv", 50257, dict(chunk_size=256)),
@@ -379,12 +376,8 @@ def test_mosaic_matches_the_oracle(rng, dtype, layout, vocab, kwargs):
   )
   kwargs = dict(kwargs, impl="mosaic", weight_layout=layout)
   text = _lowered_text(problem, **kwargs)
-  # float32 logits of 50257 columns are not padded: XLA's GEMMs and the
-  # Triton kernels; everything else runs on the Mosaic kernels alone.
-  logits_dtype = kwargs.get("logits_dtype", "bfloat16" if dtype == "bfloat16" else None)
-  on_mosaic = vocab % 64 == 0 or logits_dtype is not None
-  assert ("mosaic_gpu" in text) == on_mosaic
-  assert ("triton" in text) != on_mosaic
+  assert "mosaic_gpu" in text and "triton" not in text
+  assert "stablehlo.dot_general" not in text
   check_against_oracle(problem, dtype, **kwargs)
 
 

@@ -169,6 +169,13 @@ class ChunkBackend(Protocol):
     """
     ...
 
+  def dlogits_width(self, x: ChunkInputs, head: HeadSpec) -> int:
+    """The width of the ``dlogits`` the chunk methods return (and of a
+    buffer ``into`` that they write): the weight's columns, or more where
+    the backend pads the logits past them (``dlogits`` zero there). ``x``'s
+    arrays may be ``jax.ShapeDtypeStruct``s."""
+    ...
+
   def transposes_weight(self, x: ChunkInputs, head: HeadSpec) -> bool:
     """Whether this backend runs faster on a ``[D, V]`` weight
     (``head.weight_layout == "dv"``) given transposed, a copy per step
@@ -230,6 +237,9 @@ class MatmulThenCE:
     """The chunk's logits, and the ``RowStats`` of these columns (labels
     relative to ``offset``) where the GEMM forms them too, else None."""
     return self.chunk_logits(x, head), None
+
+  def dlogits_width(self, x: ChunkInputs, head: HeadSpec) -> int:
+    return _matmul.vocab_size(x.weight, head.weight_layout)
 
   def transposes_weight(self, x: ChunkInputs, head: HeadSpec) -> bool:
     del x, head

@@ -22,9 +22,11 @@ bias, no class weights), the statistics come from that GEMM's epilogue instead
 
 The kernels take logits of ``8 i`` rows and ``64 j`` columns (``32 j`` in
 float32: whole TMA tiles, ``mosaic_launch.takes``). The Mosaic GEMM forms
-the 16-bit logits of a vocabulary of other widths (GPT-2's 50257) padded to
-whole tiles (``_matmul.mosaic_logits``): the statistics leave the padding
-out, and the products of ``dlogits`` read only the weight's columns. What
+the logits (16-bit or float32) of a vocabulary of other widths (GPT-2's
+50257) padded to whole 64-column tiles (``_matmul.mosaic_logits``), and
+their ``dlogits`` and a group's buffer are as wide (``dlogits_width``): the
+statistics leave the padding out, ``dlogits`` are zero there, and the
+products of ``dlogits`` read only the weight's columns. What
 the kernels do not take (other shapes and dtypes, a group's buffer written
 at rows that are not whole row blocks) goes to what
 ``MosaicChunkCE.fallback`` makes. ``mosaic_launch`` launches them, on a
@@ -134,16 +136,21 @@ class MosaicChunkCE(base.MatmulThenCE):
   def _padded(self, x: base.ChunkInputs, head: base.HeadSpec) -> bool:
     """Whether the chunk's logits come from the Mosaic GEMM, padded to whole
     64-column tiles (``_matmul.mosaic_logits``), for these kernels alone:
-    16-bit logits in the dtype of the gradients formed over them (so
-    ``dlogits`` stay on these kernels, in place), without a bias or class
-    weights (whose consumers read the logits' width)."""
+    without a bias or class weights (whose consumers read the logits'
+    width), where that GEMM takes them (``head.gemm`` is ``"mosaic"`` on a
+    Hopper GPU alone)."""
     return (
       head.gemm == "mosaic"
       and x.bias is None
       and x.class_weights is None
-      and jnp.dtype(head.logits_dtype).itemsize == 2
-      and jnp.dtype(head.logits_dtype) == x.hidden.dtype
+      and _matmul.mosaic_takes_logits(
+        x.hidden, x.weight, head.weight_layout, head.logits_dtype, here=False
+      )
     )
+
+  def dlogits_width(self, x: base.ChunkInputs, head: base.HeadSpec) -> int:
+    n_cols = _matmul.vocab_size(x.weight, head.weight_layout)
+    return _matmul.padded_width(n_cols) if self._padded(x, head) else n_cols
 
   def transposes_weight(self, x: base.ChunkInputs, head: base.HeadSpec) -> bool:
     """True for a ``[D, V]`` weight whose rows TMA cannot copy (V not whole
@@ -152,13 +159,13 @@ class MosaicChunkCE(base.MatmulThenCE):
     XLA's GEMMs and the fallback, where its transpose's padded logits
     (``_padded``) run on the Mosaic kernels: a copy of the weight (and one
     of its gradient) takes a fraction of a step's time."""
-    if head.weight_layout != "dv" or not self._padded(x, head):
+    if head.weight_layout != "dv" or head.gemm != "mosaic" or self._padded(x, head):
       return False
-    dtype, (d, v) = head.logits_dtype, x.weight.shape
+    d, v = x.weight.shape
     transposed = jax.ShapeDtypeStruct((v, d), x.weight.dtype)
-    return not _matmul.mosaic_takes_logits(
-      x.hidden, x.weight, "dv", dtype
-    ) and _matmul.mosaic_takes_logits(x.hidden, transposed, "vd", dtype)
+    return self._padded(
+      x._replace(weight=transposed), dataclasses.replace(head, weight_layout="vd")
+    )
 
   def _scoring(self, x: base.ChunkInputs, head: base.HeadSpec) -> MosaicChunkCE:
     """This backend for the chunk: over padded logits (``_padded``), one
@@ -168,20 +175,29 @@ class MosaicChunkCE(base.MatmulThenCE):
     n_cols = _matmul.vocab_size(x.weight, head.weight_layout)
     return dataclasses.replace(self, weight_columns=n_cols)
 
-  def logits_and_stats(self, x: base.ChunkInputs, head: base.HeadSpec, offset):
-    """The chunk's logits and their ``RowStats`` from one Mosaic GEMM, the
-    statistics computed in its epilogue (``mosaic_stats.TileStats``), so
-    nothing reads the logits back for them; the logits alone (statistics
-    None) where that GEMM does not run (XLA's GEMMs, a bias, class weights,
-    shapes it does not take) and for float32 logits (whose tile would take
-    all of the epilogue's registers).
+  def chunk_logits(self, x: base.ChunkInputs, head: base.HeadSpec) -> jax.Array:
+    """The chunk's logits, padded to whole 64-column tiles where ``_padded``
+    (zeros past the weight's columns)."""
+    logits = None
+    if self._padded(x, head):
+      logits = _matmul.mosaic_logits(
+        x.hidden, x.weight, head.weight_layout, head.logits_dtype
+      )
+    return super().chunk_logits(x, head) if logits is None else logits
 
-    The logits of a vocabulary that is not whole 64-column tiles (GPT-2's
-    50257) are padded to them, zeros that the statistics leave out; the
-    chunk's ``dlogits`` over them are padded alike (``_matmul`` reads them
-    against the weight's columns only)."""
-    if not self._padded(x, head):
-      return super().logits_and_stats(x, head, offset)
+  def logits_and_stats(self, x: base.ChunkInputs, head: base.HeadSpec, offset):
+    """The chunk's logits (``chunk_logits``) and, for 16-bit logits, their
+    ``RowStats`` from one Mosaic GEMM, computed in its epilogue
+    (``mosaic_stats.TileStats``), so nothing reads the logits back for them;
+    the logits alone (statistics None) where that GEMM does not run (XLA's
+    GEMMs, a bias, class weights, shapes it does not take) and for float32
+    logits (whose tile would take all of the epilogue's registers).
+
+    The statistics leave the padding of padded logits out, and the chunk's
+    ``dlogits`` over them are padded alike (``_matmul`` reads them against
+    the weight's columns only)."""
+    if not self._padded(x, head) or jnp.dtype(head.logits_dtype).itemsize != 2:
+      return self.chunk_logits(x, head), None
     n_cols = _matmul.vocab_size(x.weight, head.weight_layout)
     epilogue = mosaic_stats.TileStats(head.options, n_cols)
     labels = base.relative_labels(x.labels, offset).astype(jnp.int32)
@@ -189,7 +205,7 @@ class MosaicChunkCE(base.MatmulThenCE):
       x.hidden, x.weight, head.weight_layout, head.logits_dtype, epilogue, (labels,)
     )
     if fused is None:
-      return super().logits_and_stats(x, head, offset)
+      return self.chunk_logits(x, head), None
     logits, outputs, part_cols = fused
     widths = mosaic_stats.part_widths(n_cols, part_cols)
     return logits, mosaic_stats.combine(outputs, widths, n_cols, head.options)
@@ -199,12 +215,7 @@ class MosaicChunkCE(base.MatmulThenCE):
     return scoring.chunk_forward(x, head, offset=offset, logits=logits)
 
   def chunk_backward(self, x, rows, head, out_dtype, *, offset=0, logits=None):
-    backend = self._scoring(x, head)
-    if logits is None and backend.weight_columns is not None:  # padded
-      logits = _matmul.mosaic_logits(
-        x.hidden, x.weight, head.weight_layout, head.logits_dtype
-      )
-    scoring = super(MosaicChunkCE, backend)
+    scoring = super(MosaicChunkCE, self._scoring(x, head))
     return scoring.chunk_backward(
       x, rows, head, out_dtype, offset=offset, logits=logits
     )
@@ -314,9 +325,17 @@ class MosaicChunkCE(base.MatmulThenCE):
     self, logits, labels, valid, g_loss, options, out_dtype, *, into=None
   ):
     args = (logits, labels, valid, g_loss, options, out_dtype)
-    writes = into is not None
-    if not takes(logits) or (writes and not self._writes_into(logits, out_dtype, into)):
+    writes = into is not None and self._writes_into(logits, out_dtype, into)
+    if self.weight_columns is None and (
+      not takes(logits) or (into is not None and not writes)
+    ):
       return self.fallback().forward_backward(*args, into=into)
+    # Padded logits stay here: ``forward`` and ``backward`` give the
+    # fallback the weight's columns and pad its dlogits.
     return base.unfused_forward_backward(
-      self, *args, into=into, backward_writes_into=writes
+      self,
+      *args,
+      into=into,
+      vocab_size=self.weight_columns,
+      backward_writes_into=writes,
     )
