@@ -281,7 +281,8 @@ def _group_buffer(sweep: _Sweep, outputs, grads):
     return outputs, grads, buffer
 
   config = sweep.config
-  width = config.backend.dlogits_width(sweep.x.chunk_shapes(chunk_size), config.head)
+  chunk = jax.eval_shape(lambda x: x.chunk(chunk_of(chunk_size, x.valid, 0)), sweep.x)
+  width = config.backend.dlogits_width(chunk, config.head)
   buffer = jnp.zeros((group_size, width), hidden.dtype)
   outputs, grads, _ = sweep_chunks(
     group_size, sweep.valid, whole_group, (outputs, grads, buffer), visit=_whole_rows

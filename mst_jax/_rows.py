@@ -161,18 +161,6 @@ class RowInputs(NamedTuple):
     rows = self._replace(hidden=view(self.hidden), **self._per_row(gather))
     return rows, gather, scatter
 
-  def chunk_shapes(self, n_rows: int) -> ChunkInputs:
-    """The shapes of a chunk of ``n_rows`` rows (``chunk``'s)."""
-    shape = lambda x: None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype)
-    rows = lambda x: jax.ShapeDtypeStruct((n_rows, *x.shape[1:]), x.dtype)
-    return ChunkInputs(
-      rows(self.hidden),
-      shape(self.weight),
-      shape(self.bias),
-      rows(self.labels),
-      class_weights=shape(self.class_weights),
-    )
-
   def chunk(self, chunk: Chunk) -> ChunkInputs:
     """A chunk's rows (excluded ones zeroed) with the whole weight."""
     classes = self.classes
