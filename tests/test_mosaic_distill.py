@@ -59,7 +59,7 @@ def test_kernels_match_the_oracle(rng, options):
   """Per-row losses and bfloat16 dlogits (written over the student's logits)
   against the float64 full-logits reference and its autodiff gradient."""
   heads, labels, valid, g_loss = _heads(rng)
-  assert takes(*heads)
+  assert takes(*heads, jnp.bfloat16)
   opts = kernel_options(options)
   loss, dlogits = INTERPRET.chunk_loss(
     *heads, labels, valid, jnp.asarray(g_loss, jnp.float32), opts, jnp.bfloat16
@@ -81,14 +81,41 @@ TRITON = pallas_distill.PallasTritonDistill(
 
 
 @pytest.mark.parametrize(
+  "logits_dtype, out_dtype",
+  [
+    (jnp.float32, jnp.bfloat16),
+    (jnp.float32, jnp.float32),
+    (jnp.bfloat16, jnp.float32),
+  ],
+  ids=str,
+)
+def test_other_logits_and_dlogits_dtypes(rng, logits_dtype, out_dtype):
+  """float32 heads (float16 inputs' default logits), ``dlogits`` of another
+  dtype than the logits' (into a new array): on the kernels, against the
+  float64 oracle."""
+  heads, labels, valid, g_loss = _heads(rng, logits_dtype)
+  assert takes(*heads, out_dtype)
+  opts = kernel_options(KERNEL_OPTIONS[1])
+  g = jnp.asarray(g_loss, jnp.float32)
+  never = lambda: pytest.fail("the fallback was asked for")
+  kernel = dataclasses.replace(INTERPRET, fallback=never)
+  loss, dlogits = kernel.chunk_loss(*heads, labels, valid, g, opts, out_dtype)
+  ref_loss, ref_grad = kernel_oracle(heads, labels, valid, g_loss, opts)
+  assert dlogits.dtype == out_dtype and dlogits.shape == heads[0].shape
+  rtol = kernel_rtol(heads[0], KERNEL_OPTIONS[1])
+  assert_close(loss, ref_loss, rtol, "loss", atol=rtol * np.sqrt(ROWS))
+  rtol += 2.0**-8 if out_dtype == jnp.bfloat16 else 0.0
+  assert_close(dlogits, ref_grad, rtol, "dlogits", atol=1e-7)
+
+
+@pytest.mark.parametrize(
   "case, fallback",
   [
-    ("float32", None),
     ("two_dtypes", None),
-    ("float32_dlogits", None),
     ("unaligned_vocab", None),
     ("unaligned_rows", None),
-    ("float32", TRITON),
+    ("float32_unaligned", None),
+    ("two_dtypes", TRITON),
     ("unaligned_vocab", TRITON),
   ],
   ids=lambda x: "triton" if x is TRITON else ("xla" if x is None else x),
@@ -96,13 +123,14 @@ TRITON = pallas_distill.PallasTritonDistill(
 def test_what_the_kernels_do_not_take_goes_to_the_fallback(rng, case, fallback):
   """Other logits go to the fallback (XLA's chunk or the Triton kernel),
   whose results the kernel returns."""
-  vocab = VOCAB - 3 if case == "unaligned_vocab" else VOCAB
+  vocab = VOCAB - 3 if "unaligned" in case else VOCAB
   rows = ROWS - 3 if case == "unaligned_rows" else ROWS
-  dtype = jnp.float32 if case == "float32" else jnp.bfloat16
+  dtype = jnp.float32 if case == "float32_unaligned" else jnp.bfloat16
   heads, labels, valid, g_loss = _heads(rng, dtype, rows, vocab)
   if case == "two_dtypes":
     heads[1] = heads[1].astype(jnp.float32)
-  out_dtype = jnp.float32 if case in ("float32", "float32_dlogits") else dtype
+  out_dtype = dtype
+  assert not takes(*heads, out_dtype)
   opts = kernel_options(KERNEL_OPTIONS[1])
   g = jnp.asarray(g_loss, jnp.float32)
   kernel = dataclasses.replace(INTERPRET, fallback=lambda: fallback)
@@ -120,11 +148,11 @@ def test_logits_padded_past_the_weights_columns(rng, options, out_dtype):
   """Heads of 1213 columns padded with zeros to 1216 (what the Mosaic GEMM
   forms for a vocabulary that is not whole 64-column tiles), read against
   ``n_cols=1213``: the loss and dlogits of the 1213 columns, zeros past
-  them; by the kernels, or (float32 dlogits) by the fallback."""
+  them; in place, or (float32 dlogits) into a new array."""
   n_cols = VOCAB - 3
   heads, labels, valid, g_loss = _heads(rng, vocab=n_cols)
   padded = [jnp.pad(x, ((0, 0), (0, VOCAB - n_cols))) for x in heads]
-  assert takes(*padded) and not takes(*heads)
+  assert takes(*padded, out_dtype) and not takes(*heads, out_dtype)
   opts = kernel_options(options)
   g = jnp.asarray(g_loss, jnp.float32)
   loss, dlogits = INTERPRET.chunk_loss(
@@ -249,24 +277,26 @@ def test_selection_on_hopper(monkeypatch):
   assert isinstance(chosen, pallas_distill.PallasTritonDistill)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("layout", ["vd", "dv"])
 @pytest.mark.parametrize("vocab", [32000, 50257])
 @pytest.mark.parametrize("divergence", ["forward_kl", "jsd"])
 def test_the_default_on_hopper_runs_the_mosaic_kernels(
-  as_if_on_hopper, monkeypatch, divergence, vocab, layout
+  as_if_on_hopper, monkeypatch, divergence, vocab, layout, dtype
 ):
   """impl=None on a Hopper GPU lowers a distillation step to Mosaic GPU
   kernels only (no Triton, no XLA GEMM): the GEMMs, the statistics pass (and
   the JSD's second, here with the hard-label term), and dlogits, also at
   GPT-2's vocabulary (logits padded to whole 64-column tiles; ``[D, V]``
-  weights, whose rows of 50257 TMA cannot copy, transposed once per step);
-  impl="pallas" keeps the Triton kernel."""
+  weights, whose rows of 50257 TMA cannot copy, transposed once per step),
+  and for float16 heads (float32 logits); impl="pallas" keeps the Triton
+  kernel."""
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   shape = lambda d: (vocab, d) if layout == "vd" else (d, vocab)
-  h_s = jax.ShapeDtypeStruct((1000, 256), jnp.bfloat16)
-  w_s = jax.ShapeDtypeStruct(shape(256), jnp.bfloat16)
-  h_t = jax.ShapeDtypeStruct((1000, 320), jnp.bfloat16)
-  w_t = jax.ShapeDtypeStruct(shape(320), jnp.bfloat16)
+  h_s = jax.ShapeDtypeStruct((1000, 256), dtype)
+  w_s = jax.ShapeDtypeStruct(shape(256), dtype)
+  h_t = jax.ShapeDtypeStruct((1000, 320), dtype)
+  w_t = jax.ShapeDtypeStruct(shape(320), dtype)
   labels = jax.ShapeDtypeStruct((1000,), jnp.int32)
   hard = 0.5 if divergence == "jsd" else 0.0
 
@@ -311,5 +341,24 @@ def test_gpu_kernels_match_the_oracle(rng, options):
   )
   ref_loss, ref_grad = kernel_oracle(heads, labels, valid, g_loss, opts)
   rtol = kernel_rtol(heads[0], options, base=1e-4)  # ex2.approx: a few ulps
+  assert_close(loss, ref_loss, rtol, "loss", atol=rtol * np.sqrt(1000))
+  assert_close(dlogits, ref_grad, rtol + 2.0**-8, "dlogits", atol=1e-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [KERNEL_OPTIONS[1], KERNEL_OPTIONS[5]], ids=str)
+def test_gpu_float32_heads(rng, options):
+  """float32 heads (float16 inputs' default logits, twice the shared memory
+  per tile) with bfloat16 ``dlogits`` into a new array, compiled at a real
+  vocabulary."""
+  heads, labels, valid, g_loss = _heads(rng, jnp.float32, rows=1000, vocab=32000)
+  opts = kernel_options(options)
+  g = jnp.asarray(g_loss, jnp.float32)
+  loss, dlogits = jax.jit(MosaicDistill().chunk_loss, static_argnums=(5, 6))(
+    *heads, labels, valid, g, opts, jnp.bfloat16
+  )
+  ref_loss, ref_grad = kernel_oracle(heads, labels, valid, g_loss, opts)
+  rtol = kernel_rtol(heads[0], options, base=1e-4)  # ex2.approx: a few ulps
+  assert dlogits.dtype == jnp.bfloat16
   assert_close(loss, ref_loss, rtol, "loss", atol=rtol * np.sqrt(1000))
   assert_close(dlogits, ref_grad, rtol + 2.0**-8, "dlogits", atol=1e-7)

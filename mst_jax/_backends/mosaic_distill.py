@@ -1,7 +1,7 @@
 """Per-chunk distillation as Pallas kernels lowered through Mosaic GPU (Hopper).
 
-Over a chunk's 16-bit student and teacher logits ``[R, V]`` (one dtype; math
-in float32 and ``_distill_math``'s, as the other backends), on
+Over a chunk's student and teacher logits ``[R, V]`` (one dtype, 16-bit or
+float32; math in float32 and ``_distill_math``'s, as the other backends), on
 ``mosaic_launch``'s tiles, vocabulary parts and TMA pipelines:
 
 1. ``_stats_kernel``: each ``[block_rows, V / parts]`` slab's
@@ -10,13 +10,13 @@ in float32 and ``_distill_math``'s, as the other backends), on
 2. ``_jsd_kernel`` (``divergence="jsd"``): the JSD's two sums, given the
    whole rows' normalizers, in a second pass;
 3. ``_dlogits_kernel``: the student's ``dlogits`` (``dlogits_block``),
-   written over the student's logits.
+   written over the student's logits, or (float32 logits, 16-bit
+   ``dlogits``) into a new array.
 
 Each row's loss and the ``DistillRows`` of its gradient (``finish``) are
 formed in XLA between the passes: a few ``[R]`` vectors. What the kernels do
-not take (float32 logits, heads of two dtypes, shapes that are not whole TMA
-tiles, ``dlogits`` of another dtype than the student's logits) goes to what
-``MosaicDistill.fallback`` makes.
+not take (heads of two dtypes, shapes that are not whole TMA tiles) goes to
+what ``MosaicDistill.fallback`` makes.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mst_jax import _ce_math, _distill_math, _mosaic_gemm
+from mst_jax import _ce_math, _distill_math, _matmul, _mosaic_gemm
 from mst_jax._backends import mosaic_launch, mosaic_stats
 
 
@@ -46,7 +46,7 @@ def _tempered_tile(first_col, student_ref, teacher_ref, options, n_cols):
 
 
 def _stats_kernel(
-  student_ref,  # [R, V] 16-bit
+  student_ref,  # [R, V] 16-bit or float32
   teacher_ref,  # [R, V] likewise
   *out_refs,  # [parts, R] float32 each: DistillStats' fields that are not None
   program: mosaic_launch.Program,
@@ -65,7 +65,7 @@ def _stats_kernel(
 
 
 def _jsd_kernel(
-  student_ref,  # [R, V] 16-bit
+  student_ref,  # [R, V] 16-bit or float32
   teacher_ref,  # [R, V] likewise
   *refs,  # [R] float32: log_norms' four; then [parts, R] float32: the two sums
   program: mosaic_launch.Program,
@@ -91,13 +91,19 @@ def _dlogits_kernel(
   labels_ref,  # [R] int32
   *refs,  # [R] float32 each: DistillRows' fields (valid as 0 / 1, then the
   # hard-label term's lse, coef_softmax, coef_target); then the teacher's
-  # [R, V] logits and the student's, written over
+  # [R, V] logits and the student's, written over (in_place), else the
+  # [R, V] array written
   program: mosaic_launch.Program,
   options: _distill_math.DistillOptions,
   vocab_total: int,
   padded: bool,
+  in_place: bool,
 ):
-  *row_refs, teacher_ref, student_ref = refs
+  if in_place:
+    *row_refs, teacher_ref, student_ref = refs
+    out_ref = student_ref
+  else:
+    *row_refs, teacher_ref, student_ref, out_ref = refs
   shape = (program.blocks.block_rows, program.blocks.block_v)
 
   def with_rows(values):
@@ -119,7 +125,7 @@ def _dlogits_kernel(
         grad = jnp.where(cols < vocab_total, grad, 0.0)
       out_tile[...] = grad.astype(out_tile.dtype)
 
-    program.walk(body, [student_ref, teacher_ref], [student_ref])
+    program.walk(body, [student_ref, teacher_ref], [out_ref])
 
   program.with_rows([labels_ref, *row_refs], with_rows)
 
@@ -152,13 +158,15 @@ def _merge_parts(parts: list, options) -> _distill_math.DistillStats:
   return jax.tree.map(lambda x: x[0], stats)
 
 
-def takes(student_logits: jax.Array, teacher_logits: jax.Array) -> bool:
-  """Whether the Mosaic kernels take these heads: one 16-bit dtype, whole
-  TMA tiles (``mosaic_launch.takes``)."""
+def takes(student_logits, teacher_logits, out_dtype) -> bool:
+  """Whether the Mosaic kernels take these heads (arrays or their shapes)
+  and their ``dlogits`` in ``out_dtype``: one dtype, 16-bit or float32,
+  whole TMA tiles (``mosaic_launch.takes``) for both."""
+  out = jax.ShapeDtypeStruct(student_logits.shape, out_dtype)
   return (
     student_logits.dtype == teacher_logits.dtype
-    and jnp.dtype(student_logits.dtype).itemsize == 2
     and mosaic_launch.takes(student_logits)
+    and mosaic_launch.takes(out)
   )
 
 
@@ -190,10 +198,10 @@ class MosaicDistill:
     take the two heads, or where the fallback does (the Triton kernel; XLA's
     chunk never does). Heads these kernels take never ask for the fallback."""
     same = jnp.dtype(student_logits.dtype) == jnp.dtype(out_dtype)
-    whole = takes(student_logits, teacher_logits)
+    whole = takes(student_logits, teacher_logits, out_dtype)
     return same and (whole or self.fallback() is not None)
 
-  def _launch(self, kernel, name, grid, rows, out_type, arrays, options):
+  def _launch(self, kernel, name, grid, rows, out_type, arrays, options, new=None):
     return mosaic_launch.launch(
       kernel,
       name,
@@ -204,6 +212,7 @@ class MosaicDistill:
       tiles=self.tiles,
       interpret=self.interpret,
       approx=mosaic_stats.approx_math(options.scores),
+      new=new,
     )
 
   def pads_logits(self, student_dtype, teacher_dtype, out_dtype) -> bool:
@@ -211,8 +220,9 @@ class MosaicDistill:
     in ``out_dtype`` over them: then a vocabulary that is not whole 64-column
     tiles (GPT-2's 50257) can come as logits padded to them
     (``_matmul.mosaic_logits``; ``chunk_loss``'s ``n_cols``)."""
-    dtypes = {jnp.dtype(d) for d in (student_dtype, teacher_dtype, out_dtype)}
-    return len(dtypes) == 1 and dtypes.pop().itemsize == 2
+    shape = (64, _matmul.PADDED_COLUMNS)  # a row block of padded logits
+    heads = [jax.ShapeDtypeStruct(shape, d) for d in (student_dtype, teacher_dtype)]
+    return takes(*heads, out_dtype)
 
   def chunk_loss(
     self,
@@ -234,7 +244,7 @@ class MosaicDistill:
     width = student_logits.shape[1]
     n_cols = width if n_cols is None else n_cols
     grad_dtype = student_logits.dtype if g_loss is None else jnp.dtype(out_dtype)
-    if not takes(student_logits, teacher_logits) or grad_dtype != student_logits.dtype:
+    if not takes(student_logits, teacher_logits, grad_dtype):
       heads = [student_logits, teacher_logits]
       if n_cols < width:  # the fallback reads the weights' columns only
         heads = [x[:, :n_cols] for x in heads]
@@ -288,19 +298,21 @@ class MosaicDistill:
     row_values = [labels.astype(jnp.int32), *rows[:6], valid.astype(jnp.float32)]
     if rows.hard is not None:
       row_values += list(rows.hard[:3])
+    in_place = grad_dtype == student_logits.dtype
     kernel = functools.partial(
-      _dlogits_kernel, options=options, vocab_total=n_cols, padded=n_cols < width
+      _dlogits_kernel,
+      options=options,
+      vocab_total=n_cols,
+      padded=n_cols < width,
+      in_place=in_place,
     )
+    run = functools.partial(
+      self._launch, kernel, "mst_distill_dlogits_mosaic", grid, row_values, None
+    )
+    if not in_place:  # 16-bit dlogits of float32 logits: a new array
+      return loss, run([teacher_logits, student_logits], options, new=grad_dtype)
     # dlogits overwrite the student's logits (XLA aliases them where nothing
     # else reads them): each tile is read before it is written.
     ref = jax.new_ref(student_logits)
-    self._launch(
-      kernel,
-      "mst_distill_dlogits_mosaic",
-      grid,
-      row_values,
-      None,
-      [teacher_logits, ref],
-      options,
-    )
+    run([teacher_logits, ref], options)
     return loss, jax.freeze(ref)
