@@ -144,7 +144,7 @@ def _accumulate(plan: Plan, grads, chunk, h, dlogits, weight, first: bool):
   if dhidden is not None:
     dhidden = chunk.put(dhidden, rows)
   if dbias is not None:
-    part = jnp.sum(dlogits, axis=0, dtype=dbias.dtype)
+    part = _matmul.bias_gradient(dlogits, dbias.shape[0], dbias.dtype)
     dbias = part if first else dbias + part
   return dhidden, dweight, dbias
 
@@ -167,9 +167,11 @@ def _sweep(plan: Plan, x: Heads, g_loss, diff: Differentiated, *, want_loss=True
 
   def logits(h, h_t):
     if plan.pad_logits:
-      student = _matmul.mosaic_logits(h, x.weight, layout, plan.logits_dtype)
+      student = _matmul.mosaic_logits(
+        h, x.weight, layout, plan.logits_dtype, bias=x.bias
+      )
       teacher = _matmul.mosaic_logits(
-        h_t, x.teacher_weight, layout, plan.teacher_logits_dtype
+        h_t, x.teacher_weight, layout, plan.teacher_logits_dtype, bias=x.teacher_bias
       )
       if student is not None and teacher is not None:
         return student, teacher
@@ -388,22 +390,20 @@ def transposed(x: Heads, plan: Plan, perf: PerfOptions):
 
 def _pads_logits(x: Heads, layout: str, kernel, gemm: str, *dtypes) -> bool:
   """Whether the chunks' logits come padded to whole 64-column tiles: a
-  vocabulary of other widths (GPT-2's 50257), both heads' logits by the
-  Mosaic GEMM (no biases), in ``dtypes`` (the heads' logits', the
+  vocabulary of other widths (GPT-2's 50257), both heads' logits (biases
+  added) by the Mosaic GEMM, in ``dtypes`` (the heads' logits', the
   gradients') that ``kernel`` takes whole (``pads_logits``)."""
   vocab = _matmul.vocab_size(x.weight, layout)
   if gemm != "mosaic" or kernel is None or not kernel.pads_logits(*dtypes):
     return False
-  if x.bias is not None or x.teacher_bias is not None:
-    return False
   if _matmul.padded_width(vocab) == vocab:
     return False
   heads = (
-    (x.hidden, x.weight, dtypes[0]),
-    (x.teacher_hidden, x.teacher_weight, dtypes[1]),
+    (x.hidden, x.weight, x.bias, dtypes[0]),
+    (x.teacher_hidden, x.teacher_weight, x.teacher_bias, dtypes[1]),
   )
-  for hidden, weight, dtype in heads:
+  for hidden, weight, bias, dtype in heads:
     rows = jax.ShapeDtypeStruct((_planning.TMA_ROWS, hidden.shape[1]), hidden.dtype)
-    if not _matmul.mosaic_takes_logits(rows, weight, layout, dtype):
+    if not _matmul.mosaic_takes_logits(rows, weight, layout, dtype, bias=bias):
       return False
   return True

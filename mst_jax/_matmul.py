@@ -197,16 +197,35 @@ def logits_matmul(
   if bias is None:
     return _dot(hidden, weight, _LOGITS_DIMS[layout], dtype, gemm)
   logits = _dot(hidden, weight, _LOGITS_DIMS[layout], acc, gemm)
-  return (logits + bias.astype(acc)[None, :]).astype(dtype)
+  return _add_bias(logits, bias, dtype)
 
 
-def mosaic_takes_logits(hidden, weight, layout: str, dtype, *, here=True) -> bool:
+def _add_bias(logits: jax.Array, bias: jax.Array, dtype) -> jax.Array:
+  """``logits + bias`` (added in the logits' float32, rounded once to
+  ``dtype``); logits padded past the bias's columns get zeros there."""
+  bias = bias.astype(logits.dtype)
+  if bias.shape[0] < logits.shape[1]:
+    bias = jnp.pad(bias, (0, logits.shape[1] - bias.shape[0]))
+  return (logits + bias[None, :]).astype(dtype)
+
+
+def bias_gradient(dlogits: jax.Array, width: int, dtype) -> jax.Array:
+  """``dbias``'s ``width`` columns, ``dlogits`` summed over its rows in
+  ``dtype`` (``dlogits`` may be padded past them: ``padded_width``)."""
+  return jnp.sum(_trim(dlogits, width, 1), axis=0, dtype=dtype)
+
+
+def mosaic_takes_logits(
+  hidden, weight, layout: str, dtype, *, bias=None, here=True
+) -> bool:
   """Whether ``mosaic_logits`` forms these logits (arrays or shapes): a
   ``[D, V]`` weight needs rows of whole 128-byte TMA tiles (64 columns of
   16 bits), a ``[V, D]`` one any number of them. ``here=False``: whether it
   would on a Hopper GPU."""
   width = padded_width(vocab_size(weight, layout))
   dims, out_shape = _LOGITS_DIMS[layout], (hidden.shape[0], width)
+  if bias is not None:  # the GEMM writes float32, the bias is added after
+    dtype = at_least_float32(hidden.dtype)
   return _mosaic_gemm.takes(hidden, weight, dims, dtype, out_shape=out_shape, here=here)
 
 
@@ -217,21 +236,30 @@ def mosaic_logits(
   dtype,
   row_epilogue: _mosaic_gemm.RowEpilogue | None = None,
   row_inputs: tuple = (),
+  *,
+  bias: jax.Array | None = None,
 ):
-  """``hidden @ weight`` in ``dtype`` by the Mosaic GEMM, ``padded_width``
-  columns wide (the columns past the weight's are zeros), or None where that
-  GEMM does not take the product (then form the logits with
-  ``logits_matmul``).
+  """``hidden @ weight (+ bias)`` in ``dtype`` by the Mosaic GEMM,
+  ``padded_width`` columns wide (the columns past the weight's are zeros),
+  or None where that GEMM does not take the product (then form the logits
+  with ``logits_matmul``). With a bias, the GEMM writes float32 logits and
+  the bias is added to them, as ``logits_matmul`` adds it.
 
-  With ``row_epilogue``, returns ``(logits, outputs, part_cols)``: also the
-  epilogue's per-row reductions of each output tile (computed as it is
-  stored), each output ``[parts, rows]`` over parts of ``part_cols``
-  columns.
+  With ``row_epilogue`` (not with a bias), returns ``(logits, outputs,
+  part_cols)``: also the epilogue's per-row reductions of each output tile
+  (computed as it is stored), each output ``[parts, rows]`` over parts of
+  ``part_cols`` columns.
   """
   dims = _LOGITS_DIMS[layout]
   out_shape = (hidden.shape[0], padded_width(vocab_size(weight, layout)))
-  if not mosaic_takes_logits(hidden, weight, layout, dtype):
+  if not mosaic_takes_logits(hidden, weight, layout, dtype, bias=bias):
     return None
+  if bias is not None:
+    if row_epilogue is not None:
+      raise ValueError("a row_epilogue sees the GEMM's output, without the bias")
+    acc = at_least_float32(hidden.dtype)
+    logits = _mosaic_gemm.matmul(hidden, weight, dims, acc, out_shape=out_shape)
+    return _add_bias(logits, bias, dtype)
   if row_epilogue is None:
     return _mosaic_gemm.matmul(hidden, weight, dims, dtype, out_shape=out_shape)
   config = _mosaic_gemm.row_epilogue_config(

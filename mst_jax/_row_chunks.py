@@ -86,7 +86,7 @@ def _accumulate(
     dh = config.columns.sum_partial(dh)
     dhidden = group.put(dhidden, dh, local=local)
   if dbias is not None:
-    dbias = add(dbias, jnp.sum(dlogits, axis=0, dtype=dbias.dtype))
+    dbias = add(dbias, _matmul.bias_gradient(dlogits, dbias.shape[0], dbias.dtype))
   return dhidden, dweight, dbias
 
 

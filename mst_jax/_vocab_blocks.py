@@ -184,7 +184,7 @@ class VocabBlocks:
         )
         dw = add_block(dw, dweight_block, start, axis)
       if db is not None:
-        db = add_block(db, jnp.sum(dlogits, axis=0, dtype=db.dtype), start, 0)
+        db = add_block(db, _matmul.bias_gradient(dlogits, size, db.dtype), start, 0)
       return dh, dw, db
 
     dh = None if dhidden is None else jnp.zeros(x.hidden.shape, acc)

@@ -141,10 +141,14 @@ class MosaicChunkCE(base.MatmulThenCE):
     Hopper GPU alone)."""
     return (
       head.gemm == "mosaic"
-      and x.bias is None
       and x.class_weights is None
       and _matmul.mosaic_takes_logits(
-        x.hidden, x.weight, head.weight_layout, head.logits_dtype, here=False
+        x.hidden,
+        x.weight,
+        head.weight_layout,
+        head.logits_dtype,
+        bias=x.bias,
+        here=False,
       )
     )
 
@@ -181,7 +185,7 @@ class MosaicChunkCE(base.MatmulThenCE):
     logits = None
     if self._padded(x, head):
       logits = _matmul.mosaic_logits(
-        x.hidden, x.weight, head.weight_layout, head.logits_dtype
+        x.hidden, x.weight, head.weight_layout, head.logits_dtype, bias=x.bias
       )
     return super().chunk_logits(x, head) if logits is None else logits
 
@@ -196,7 +200,8 @@ class MosaicChunkCE(base.MatmulThenCE):
     The statistics leave the padding of padded logits out, and the chunk's
     ``dlogits`` over them are padded alike (``_matmul`` reads them against
     the weight's columns only)."""
-    if not self._padded(x, head) or jnp.dtype(head.logits_dtype).itemsize != 2:
+    sixteen_bits = jnp.dtype(head.logits_dtype).itemsize == 2
+    if not (self._padded(x, head) and sixteen_bits and x.bias is None):
       return self.chunk_logits(x, head), None
     n_cols = _matmul.vocab_size(x.weight, head.weight_layout)
     epilogue = mosaic_stats.TileStats(head.options, n_cols)

@@ -1,0 +1,85 @@
+"""A head with a bias: the step's time and compiled temporaries.
+
+``mst_jax.bench``'s cases have no bias; this times value-and-grad (hidden,
+weight and bias) of one of them with a random ``[V]`` bias added, for the
+naive head (bfloat16 logits plus the bias, cast to float32: a Flax
+``Dense(use_bias=True)`` head before a float32 loss) and ``mst_jax`` specs
+as the bench writes them, in the bench's rounds (the median over rounds of
+each round's fastest step):
+
+  python scripts/bias_step.py --case gpt2 --impls naive_cast mst_jax \\
+      mst_jax:impl=pallas --out bias.json
+
+Prints one row per implementation (ms, MiB of compiled temporaries) and
+writes them to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+
+import mst_jax
+from mst_jax.bench.cases import CASES, make_inputs, parse_impl
+from mst_jax.bench.measure import max_rounds, round_statistic, time_rounds
+
+
+def naive_loss(hidden, weight, bias, labels, where, layout):
+  product = hidden @ (weight.T if layout == "vd" else weight)
+  logits = (product + bias).astype(jnp.float32)
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  target = jnp.take_along_axis(logits, labels[:, None], axis=-1)[:, 0]
+  return jnp.sum(jnp.where(where, lse - target, 0.0)) / jnp.maximum(jnp.sum(where), 1)
+
+
+def make_step(spec: str, layout: str):
+  name, kwargs = parse_impl(spec)
+
+  def loss(hidden, weight, bias, labels, where):
+    if name == "naive_cast":
+      return naive_loss(hidden, weight, bias, labels, where, layout)
+    return mst_jax.linear_cross_entropy(
+      hidden, weight, labels, bias, where=where, weight_layout=layout, **kwargs
+    )
+
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--case", default="gpt2", choices=sorted(CASES))
+  parser.add_argument("--impls", nargs="+", default=["naive_cast", "mst_jax"])
+  parser.add_argument("--reps", type=int, default=10)
+  parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--out", default=None)
+  args = parser.parse_args(argv)
+  case = CASES[args.case]
+  hidden, weight, labels, where = make_inputs(case)
+  bias = jax.random.normal(jax.random.key(1), (case.vocab,), hidden.dtype)
+  inputs = (hidden, weight, bias, labels, where)
+  steps, rows = {}, []
+  for spec in args.impls:
+    step = make_step(spec, case.weight_layout)
+    compiled = step.lower(*inputs).compile()
+    memory = compiled.memory_analysis()
+    temp = getattr(memory, "temp_size_in_bytes", 0) / 2**20
+    jax.block_until_ready(compiled(*inputs))
+    steps[spec] = lambda compiled=compiled: compiled(*inputs)
+    rows.append({"case": case.name, "impl": spec, "temp_mib": round(temp, 1)})
+  times = time_rounds(steps, args.reps, args.rounds, max_rounds(args.rounds))
+  for row in rows:
+    row["ms"] = round(1e3 * round_statistic(times[row["impl"]]), 3)
+    print(f"{row['case']:10s} {row['impl']:40s} {row['ms']:9.3f} ms", end=" ")
+    print(f"{row['temp_mib']:9.1f} MiB")
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(
+        {"jax": jax.__version__, "device": str(jax.devices()[0]), "rows": rows}, f
+      )
+
+
+if __name__ == "__main__":
+  main()
