@@ -62,7 +62,7 @@ def chunked_step(hidden, weight, labels, chunk: int):
     dlogits = torch.exp(logits.float() - lse[:, None]).div_(n).to(logits.dtype)
     dlogits[torch.arange(len(y), device=y.device), y] -= 1.0 / n
     dhidden[start : start + chunk] = dlogits @ weight
-    dweight.addmm_(dlogits.T, h)
+    dweight += dlogits.T @ h  # a bfloat16 product added in float32
   return loss, dhidden, dweight.to(weight.dtype)
 
 

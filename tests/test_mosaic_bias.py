@@ -99,7 +99,13 @@ def test_a_bias_at_a_ragged_vocabulary_matches_the_oracle(
   block's 233 to 256), the bias and its gradient against the float64 oracle
   in every loop order."""
   problem = make_problem(
-    rng, (2, 150), dim=64, vocab=1001, dtype="bfloat16", bias=True, weight_layout=layout
+    rng,
+    (2, 150),
+    dim=128,
+    vocab=1001,
+    dtype="bfloat16",
+    bias=True,
+    weight_layout=layout,
   )
   check_against_oracle(
     problem, "bfloat16", impl="mosaic", weight_layout=layout, **kwargs
@@ -143,7 +149,7 @@ def test_a_bias_at_gpt2s_vocabulary_lowers_to_mosaic_kernels_only(
   assert text.count("stablehlo.transpose") == (0 if layout == "vd" else 2)
 
 
-def _distill_heads(rng, vocab, dtype, layout, n=300, d_s=64, d_t=128):
+def _distill_heads(rng, vocab, dtype, layout, n=300, d_s=128, d_t=256):
   """``(student h, w, teacher h, w, student bias, teacher bias)`` and labels."""
   teacher = rng.standard_normal((n, d_t))
   student = teacher @ rng.standard_normal((d_t, d_s)) / np.sqrt(d_t)

@@ -377,11 +377,23 @@ def test_rejects_bad_arguments():
     mosaic_gemm.matmul(ragged, ragged, _dims(0, 0))
   with pytest.raises(ValueError, match="contracted dimensions differ"):
     mosaic_gemm.matmul(x, jnp.zeros((192, 64), jnp.bfloat16), _dims(1, 0))
+  # A head with D = 64: dhidden [N, 64], dweight [V, 64] and [64, V].
+  hidden, weight = jnp.zeros((1000, 64), jnp.bfloat16), jnp.zeros((4160, 64))
+  dlogits, weight = jnp.zeros((1000, 4160), jnp.bfloat16), weight.astype(jnp.bfloat16)
+  for lhs, rhs, dims in [
+    (dlogits, weight, _dims(1, 0)),
+    (dlogits, hidden, _dims(0, 0)),
+    (hidden, dlogits, _dims(0, 0)),
+  ]:
+    with pytest.raises(NotImplementedError, match="hidden sizes under 128"):
+      mosaic_gemm.matmul(lhs, rhs, dims)
+    assert not mosaic_gemm.takes(lhs, rhs, dims, jnp.bfloat16, here=False)
+  assert mosaic_gemm.takes(hidden, weight, _dims(1, 1), jnp.bfloat16, here=False)
 
 
 @pytest.mark.skipif(has_gpu(), reason="checks the CPU's refusal")
 def test_needs_a_hopper_gpu():
-  x = jnp.zeros((64, 128), jnp.bfloat16)
+  x = jnp.zeros((128, 128), jnp.bfloat16)
   with pytest.raises(NotImplementedError, match="Hopper"):
     mosaic_gemm.matmul(x, x, _dims(1, 1))
 

@@ -446,3 +446,16 @@ def test_mosaic_distillation_matches_the_oracle(rng, vocab, options):
   for got, ref in zip(grads, ref_grads, strict=True):
     got, ref = np.asarray(got, np.float64), np.asarray(ref)
     assert np.linalg.norm(got - ref) <= rtol["grads"] * np.linalg.norm(ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["vd", "dv"])
+def test_gpu_a_64_wide_head(rng, layout):
+  """D = 64: ``dhidden`` and ``dweight`` run on XLA's GEMMs (the Mosaic GEMM
+  computed a ``[V, 64]`` ``dweight`` wrong on the H200), against the oracle."""
+  if (reason := _mosaic_gemm.unavailable_reason()) is not None:
+    pytest.skip(reason)
+  problem = make_problem(
+    rng, (1000,), dim=64, vocab=4160, dtype="bfloat16", weight_layout=layout
+  )
+  check_against_oracle(problem, "bfloat16", impl="mosaic", weight_layout=layout)

@@ -130,12 +130,12 @@ def test_the_fused_gemm_lowers_for_hopper(layout, options, out_dtype):
 def test_row_epilogues_take_unsplit_ping_pong_products_only():
   problem = _mosaic_gemm._check(
     jnp.zeros((64, 64), jnp.bfloat16),
-    jnp.zeros((64, 64), jnp.bfloat16),
+    jnp.zeros((64, 128), jnp.bfloat16),
     (((1,), (0,)), ((), ())),
     jnp.bfloat16,
     None,
   )
-  rows = (mosaic_stats.TileStats(PLAIN, 64), [jnp.zeros(64, jnp.int32)])
+  rows = (mosaic_stats.TileStats(PLAIN, 128), [jnp.zeros(64, jnp.int32)])
   cooperative = _mosaic_gemm.GemmConfig()
   with pytest.raises(ValueError, match="unsplit ping-pong"):
     gemm(None, None, None, problem, cooperative, 132, rows=rows)

@@ -559,8 +559,8 @@ def test_an_unaligned_sharded_step_lowers_to_mosaic_kernels_only(
   the one group of each device's rows."""
   mesh = _mesh(shape)
   n_rows = 1001 * shape[0]
-  h = jax.ShapeDtypeStruct((n_rows, 64), jnp.bfloat16)
-  w = jax.ShapeDtypeStruct((4096, 64), jnp.bfloat16)
+  h = jax.ShapeDtypeStruct((n_rows, 128), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((4096, 128), jnp.bfloat16)
   y = jax.ShapeDtypeStruct((n_rows,), jnp.int32)
 
   def loss(hidden, weight, labels):
@@ -578,8 +578,8 @@ def test_a_dv_weight_whose_shards_tma_cannot_copy_is_transposed(as_if_on_hopper)
   transposed once and every product and the cross-entropy run on Mosaic
   kernels; ``dweight`` comes back sharded like the weight."""
   mesh = _mesh((1, 8))
-  h = jax.ShapeDtypeStruct((1000, 64), jnp.bfloat16)
-  w = jax.ShapeDtypeStruct((64, 8 * 1001), jnp.bfloat16)
+  h = jax.ShapeDtypeStruct((1000, 128), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((128, 8 * 1001), jnp.bfloat16)
   y = jax.ShapeDtypeStruct((1000,), jnp.int32)
 
   def loss(hidden, weight, labels):
