@@ -430,6 +430,7 @@ def _loop_order(rows: Rows, perf: PerfOptions, logits_dtype, layout, *, cpu: boo
     memory_budget=_budget(perf, vocab_devices),
     logits_dtype=logits_dtype,
     cpu=cpu,
+    biased=rows.bias is not None,
   )
   return RowChunks(chunk, group), perf.accum_dtype or accum
 

@@ -19,6 +19,10 @@ CHUNKS_PER_GROUP = 8
 # reductions read a float32 copy of a chunk's logits, this many bytes a logit.
 MATMUL_TILE = 4096
 CPU_COPY_BYTES = 4
+# A bias is added to float32 logits, then rounded to 16-bit ones
+# (``_matmul.logits_matmul``): the float32 product, this many bytes a logit,
+# is held beside them.
+BIAS_BYTES = 4
 
 # Tensor cores want row counts in multiples of this.
 _ROW_ALIGN = 128
@@ -190,6 +194,7 @@ def plan_with_accumulator(
   memory_budget: int,
   logits_dtype: np.dtype | None,
   cpu: bool = False,
+  biased: bool = False,
 ) -> tuple[int, int, np.dtype | None]:
   """``(rows_per_chunk, rows_per_group, accum_dtype)`` within the budget.
 
@@ -208,7 +213,12 @@ def plan_with_accumulator(
 
   ``cpu``: plan for what XLA:CPU holds besides (``cpu_fixed_bytes``, and
   ``CPU_COPY_BYTES`` per logit), and count the whole accumulator.
+  ``biased``: 16-bit logits hold a bias's float32 product beside them
+  (``BIAS_BYTES`` per logit).
   """
+  copy_bytes = CPU_COPY_BYTES if cpu else 0
+  if biased and logits_dtype is not None and np.dtype(logits_dtype).itemsize < 4:
+    copy_bytes += BIAS_BYTES
   if cpu:
     fixed = cpu_fixed_bytes(n_rows, dim, dtype)
     memory_budget = max(memory_budget - fixed, memory_budget // 4)
@@ -218,7 +228,7 @@ def plan_with_accumulator(
     vocab_size,
     dtype,
     logits_dtype=logits_dtype,
-    copy_bytes=CPU_COPY_BYTES if cpu else 0,
+    copy_bytes=copy_bytes,
   )
   chunk, group = plan(memory_budget=memory_budget)
   accum = default_accum_dtype(n_rows, group, weight_dtype)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -123,3 +125,30 @@ def test_llama_head_at_32768_tokens_takes_a_float32_accumulator():
   )
   assert plan(cpu=False) == (512, 4096, np.float32)
   assert plan(cpu=True)[2] is None
+
+
+@pytest.mark.parametrize("n_rows", [8192, 32768])
+@pytest.mark.parametrize("vocab", [50257, 128256])
+@pytest.mark.parametrize("budget", [2**28, _planning.DEFAULT_MEMORY_BUDGET])
+def test_a_bias_plans_its_float32_product_into_the_budget(n_rows, vocab, budget):
+  """With a bias, a group's 16-bit logits are rounded from a float32
+  product held beside them: the group's logits and that product fit the
+  budget (without a bias, the logits alone may take all of it)."""
+  plan = functools.partial(
+    _planning.plan_with_accumulator,
+    n_rows,
+    vocab,
+    1600,
+    BF16,
+    BF16,
+    memory_budget=budget,
+    logits_dtype=BF16,
+  )
+  chunk, group, _ = plan(biased=True)
+  _, plain_group, _ = plan()
+  assert group < plain_group or group == n_rows
+  assert (group * (2 + _planning.BIAS_BYTES) + chunk * 2) * vocab <= budget
+  # float32 logits are the product itself: nothing more to hold.
+  assert plan(biased=True, logits_dtype=np.dtype(np.float32)) == plan(
+    logits_dtype=np.dtype(np.float32)
+  )
