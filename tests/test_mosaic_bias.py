@@ -59,6 +59,20 @@ def _xla_gemm(
   )
 
 
+def _biased_problem(rng, batch_shape, dim, vocab, layout, **kwargs):
+  """A bfloat16 ``make_problem`` with a bias."""
+  return make_problem(
+    rng,
+    batch_shape,
+    dim=dim,
+    vocab=vocab,
+    dtype="bfloat16",
+    bias=True,
+    weight_layout=layout,
+    **kwargs,
+  )
+
+
 @pytest.fixture
 def mosaic_on_cpu(as_if_on_hopper, monkeypatch):
   """The Hopper program run on a CPU: the GEMM as ``_xla_gemm`` (it records
@@ -98,15 +112,7 @@ def test_a_bias_at_a_ragged_vocabulary_matches_the_oracle(
   """1001 columns padded to 1024 (with vocabulary blocks of 384, the last
   block's 233 to 256), the bias and its gradient against the float64 oracle
   in every loop order."""
-  problem = make_problem(
-    rng,
-    (2, 150),
-    dim=128,
-    vocab=1001,
-    dtype="bfloat16",
-    bias=True,
-    weight_layout=layout,
-  )
+  problem = _biased_problem(rng, (2, 150), 128, 1001, layout)
   check_against_oracle(
     problem, "bfloat16", impl="mosaic", weight_layout=layout, **kwargs
   )
@@ -253,16 +259,7 @@ def test_gpu_a_bias_at_gpt2s_vocabulary(rng, layout, kwargs):
   """The real kernels at 50257 columns with a bias against the oracle:
   1041 rows, a masked prefix per sequence."""
   _skip_without_hopper()
-  problem = make_problem(
-    rng,
-    (3, 347),
-    dim=320,
-    vocab=50257,
-    dtype="bfloat16",
-    weight_layout=layout,
-    mask="prefix",
-    bias=True,
-  )
+  problem = _biased_problem(rng, (3, 347), 320, 50257, layout, mask="prefix")
   kwargs = dict(kwargs, weight_layout=layout)
   check_against_oracle(problem, "bfloat16", **kwargs)
 
