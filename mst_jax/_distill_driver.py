@@ -328,6 +328,12 @@ def resolve(x: Heads, options: DistillOptions, perf: PerfOptions, layout: str) -
   if pad:  # the chunks' logits are this wide
     vocab = _matmul.padded_width(vocab)
   per_logit = logits_dtype.itemsize + teacher_logits_dtype.itemsize
+  for bias, head_dtype in (
+    (x.bias, logits_dtype),
+    (x.teacher_bias, teacher_logits_dtype),
+  ):
+    if bias is not None and head_dtype.itemsize < 4:  # a float32 product beside
+      per_logit += _planning.BIAS_BYTES
   if kernel is None:
     per_logit += np.dtype(dtype).itemsize + _WORK_BYTES  # dlogits, XLA's passes
   elif not kernel.in_place(

@@ -342,6 +342,23 @@ def test_weights_are_transposed_only_within_half_the_budget(monkeypatch):
   assert _distill_driver.transposed(x, None, given)[1] == given
 
 
+def test_biases_plan_their_float32_products_into_the_budget():
+  """Each head's bias is added to its float32 product, held beside the
+  chunk's 16-bit logits: with biases the planned chunks are smaller."""
+  zeros = lambda *s: jnp.zeros(s, jnp.bfloat16)
+  n, v, d = 8192, 32000, 128
+
+  def chunk_rows(bias):
+    b = zeros(v) if bias else None
+    x = _distill_driver.Heads(
+      zeros(n, d), zeros(v, d), b, zeros(n, d), zeros(v, d), b, None, None
+    )
+    perf = mst_jax.PerfOptions(memory_budget=2**28)
+    return _distill_driver.resolve(x, None, perf, "vd").rows_per_chunk
+
+  assert chunk_rows(True) < chunk_rows(False)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", [None, "pallas", "xla"], ids=str)
 @pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])
