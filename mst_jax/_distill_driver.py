@@ -332,8 +332,7 @@ def resolve(x: Heads, options: DistillOptions, perf: PerfOptions, layout: str) -
     (x.bias, logits_dtype),
     (x.teacher_bias, teacher_logits_dtype),
   ):
-    if bias is not None and head_dtype.itemsize < 4:  # a float32 product beside
-      per_logit += _planning.BIAS_BYTES
+    per_logit += 0 if bias is None else _planning.bias_bytes(head_dtype)
   if kernel is None:
     per_logit += np.dtype(dtype).itemsize + _WORK_BYTES  # dlogits, XLA's passes
   elif not kernel.in_place(

@@ -184,6 +184,14 @@ def default_accum_dtype(
   return np.promote_types(weight_dtype, np.float32)
 
 
+def bias_bytes(logits_dtype) -> int:
+  """Bytes a logit that a bias's float32 product takes beside logits of
+  ``logits_dtype`` (None: float32, which are that product)."""
+  if logits_dtype is None or np.dtype(logits_dtype).itemsize >= 4:
+    return 0
+  return BIAS_BYTES
+
+
 def plan_with_accumulator(
   n_rows: int,
   vocab_size: int,
@@ -216,9 +224,9 @@ def plan_with_accumulator(
   ``biased``: 16-bit logits hold a bias's float32 product beside them
   (``BIAS_BYTES`` per logit).
   """
-  copy_bytes = CPU_COPY_BYTES if cpu else 0
-  if biased and logits_dtype is not None and np.dtype(logits_dtype).itemsize < 4:
-    copy_bytes += BIAS_BYTES
+  copy_bytes = (CPU_COPY_BYTES if cpu else 0) + (
+    bias_bytes(logits_dtype) if biased else 0
+  )
   if cpu:
     fixed = cpu_fixed_bytes(n_rows, dim, dtype)
     memory_budget = max(memory_budget - fixed, memory_budget // 4)
