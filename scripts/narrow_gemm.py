@@ -28,6 +28,16 @@ from mst_jax._mosaic_gemm_config import GemmConfig
 _PRODUCTS = {
   "dweight_vd": lambda n, d, v: ((n, v), (n, d), (0, 0), jnp.float32, True),
   "dweight_dv": lambda n, d, v: ((n, d), (n, v), (0, 0), jnp.float32, True),
+  "first_dweight_vd": lambda n, d, v: ((n, v), (n, d), (0, 0), jnp.float32, False),
+  "first_dweight_dv": lambda n, d, v: ((n, d), (n, v), (0, 0), jnp.float32, False),
+  "bf16_dweight_vd": lambda n, d, v: ((n, v), (n, d), (0, 0), jnp.bfloat16, True),
+  "first_bf16_dweight_vd": lambda n, d, v: (
+    (n, v),
+    (n, d),
+    (0, 0),
+    jnp.bfloat16,
+    False,
+  ),
   "dhidden_vd": lambda n, d, v: ((n, v), (v, d), (1, 0), jnp.bfloat16, False),
   "dhidden_dv": lambda n, d, v: ((n, v), (d, v), (1, 1), jnp.bfloat16, False),
 }
@@ -57,12 +67,14 @@ def main(argv=None) -> None:
   parser.add_argument("--dims", type=int, nargs="+", default=[64, 128])
   parser.add_argument("--rows", type=int, nargs="+", default=[1000, 1024])
   parser.add_argument("--vocab", type=int, default=4160)
+  parser.add_argument("--products", nargs="+", default=sorted(_PRODUCTS))
   parser.add_argument("--out", default=None)
   args = parser.parse_args(argv)
   _mosaic_gemm._MIN_WIDTH = 64  # noqa: SLF001 (the run's point)
   rows = []
   key = jax.random.key(0)
-  for name, shapes in _PRODUCTS.items():
+  for name in args.products:
+    shapes = _PRODUCTS[name]
     for d in args.dims:
       for n in args.rows:
         lhs_shape, rhs_shape, (lc, rc), out_dtype, acc = shapes(n, d, args.vocab)
@@ -71,9 +83,9 @@ def main(argv=None) -> None:
         rhs = jax.random.normal(k2, rhs_shape, jnp.bfloat16)
         dims = (((lc,), (rc,)), ((), ()))
         ref = jax.lax.dot_general(lhs, rhs, dims, preferred_element_type=jnp.float32)
-        addend = jax.random.normal(k3, ref.shape, jnp.float32) if acc else None
+        addend = jax.random.normal(k3, ref.shape, out_dtype) if acc else None
         if acc:
-          ref = ref + addend
+          ref = ref + addend.astype(jnp.float32)
         m_out, n_out = ref.shape
         problem = _mosaic_gemm._check(lhs, rhs, dims, out_dtype, addend)  # noqa: SLF001
         default = _mosaic_gemm._config(problem)  # noqa: SLF001
