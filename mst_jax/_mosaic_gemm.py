@@ -24,15 +24,13 @@ every operand and the output must have a multiple of 64 (16-bit) or 32
 GPT-2's 50257 does not. An array whose number of rows is not a multiple of 8
 (a ``[50257, D]`` weight; ``Problem.ragged``) is copied in tiles of one row
 (``_mosaic_gemm_config.ragged_error``); an operand contracted over its rows
-must have whole tiles of 8 of them. A hidden size under 128 (the output's
-columns, or the rows of an output whose lhs is contracted over its rows:
-``dhidden`` and ``dweight`` of a head with D = 64) is not taken: on the
-H200 a ``[V, 64]`` ``dweight`` came out wrong (docs/benchmarks.md).
-``matmul`` raises ``NotImplementedError`` for other shapes. For logits
-padded past a ragged vocabulary, ``out_shape`` makes the product wider or
-narrower than the operands (zeros past them, the rest dropped), and
-``zero_extend`` contracts operands of different lengths (the shorter read
-as zero-extended).
+must have whole tiles of 8 of them. An output one swizzle span wide (a
+16-bit ``[V, 64]`` ``dweight``) is stored from blocks as narrow
+(``_mosaic_gemm_config.narrow_error``). ``matmul`` raises
+``NotImplementedError`` for other shapes. For logits padded past a ragged
+vocabulary, ``out_shape`` makes the product wider or narrower than the
+operands (zeros past them, the rest dropped), and ``zero_extend`` contracts
+operands of different lengths (the shorter read as zero-extended).
 
 The module imports on any jax (a missing Mosaic GPU is reported when
 ``matmul`` is called); without a Hopper GPU ``matmul`` raises
@@ -50,6 +48,7 @@ from mst_jax._mosaic_gemm_config import (
   GemmConfig,
   Problem,
   default_config,
+  fit_narrow,
   fit_ragged,
   fit_shared_memory,
 )
@@ -60,7 +59,6 @@ _INPUT_DTYPES = ("bfloat16", "float16")
 _OUTPUT_DTYPES = ("bfloat16", "float16", "float32")
 _SWIZZLE_BYTES = 128  # shared-memory tiles are 8 rows of 128 swizzled bytes
 _TILE_ROWS = 8
-_MIN_WIDTH = 128  # the narrowest hidden size taken (module docstring)
 
 
 def _check(
@@ -115,12 +113,6 @@ def _check(
       f"mosaic_gemm.matmul: the lhs {lhs.shape} is contracted over a number of"
       f" rows that is not a multiple of {_TILE_ROWS}; use lax.dot_general."
     )
-  if n < _MIN_WIDTH or (lc == 0 and m < _MIN_WIDTH):
-    raise NotImplementedError(
-      f"mosaic_gemm.matmul: a ({m}, {n}) output of an lhs contracted over"
-      f" dimension {lc}: hidden sizes under {_MIN_WIDTH} are not taken; use"
-      " lax.dot_general."
-    )
   in_dtype, has_accumulate = jnp.dtype(lhs.dtype), accumulate is not None
   return Problem(
     m, n, k, lc == 0, rc == 1, in_dtype, out_dtype, has_accumulate, tuple(ragged)
@@ -137,7 +129,8 @@ def _config(p: Problem, row_epilogue: RowEpilogue | None = None) -> GemmConfig:
   if row_epilogue is not None:
     vectors = len(row_epilogue.input_dtypes) + len(row_epilogue.out_dtypes)
   config = default_config(p.m, p.n, p.k, p.out_dtype, p.accumulate, _num_sms(), vectors)
-  return fit_shared_memory(fit_ragged(config, p), p.out_dtype, p.accumulate, vectors)
+  config = fit_narrow(fit_ragged(config, p), p)
+  return fit_shared_memory(config, p.out_dtype, p.accumulate, vectors)
 
 
 def row_epilogue_config(

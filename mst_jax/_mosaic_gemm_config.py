@@ -182,6 +182,28 @@ def fit_ragged(config: GemmConfig, p: Problem) -> GemmConfig:
   return config
 
 
+def narrow_error(config: GemmConfig, p: Problem) -> str | None:
+  """Why ``config`` cannot store ``p``'s output, or None: an output one
+  swizzle span wide (a 16-bit ``[N, 64]`` ``dhidden`` or ``[V, 64]``
+  ``dweight``) came out as zeros on the H200 when stored from blocks wider
+  than it, so its blocks must be one span wide (docs/benchmarks.md)."""
+  span = _SWIZZLE_SPAN // _stored_bytes(config, p)
+  if p.n <= span and config.block_n > span:
+    return f"an output of {p.n} columns needs blocks of at most {span} columns"
+  return None
+
+
+def fit_narrow(config: GemmConfig, p: Problem) -> GemmConfig:
+  """``config`` with blocks one swizzle span wide where ``narrow_error``
+  asks for them."""
+  if narrow_error(config, p) is None:
+    return config
+  span = _SWIZZLE_SPAN // _stored_bytes(config, p)
+  split = "m" if config.split == "n" else config.split
+  epilogue_n = min(config.epilogue_n, span)
+  return dataclasses.replace(config, tile_n=span, epilogue_n=epilogue_n, split=split)
+
+
 def epilogue_slots(config: GemmConfig) -> int:
   """Epilogue staging slots per warpgroup: ``epilogue_buffers``, at most
   one per piece of the tile."""

@@ -46,6 +46,7 @@ from mst_jax._mosaic_gemm_config import (
   GemmConfig,
   Problem,
   epilogue_slots,
+  narrow_error,
   ragged_error,
 )
 
@@ -349,7 +350,8 @@ def gemm(
     config.split != "tiles" or config.k_splits > 1 or accumulate is not None
   ):
     raise ValueError("a RowEpilogue runs in unsplit ping-pong products only")
-  if (error := ragged_error(config, problem)) is not None:
+  error = ragged_error(config, problem) or narrow_error(config, problem)
+  if error is not None:
     raise ValueError(f"{config} does not fit the problem: {error}")
   kernel_problem = problem
   if config.k_splits > 1:

@@ -21,7 +21,13 @@ from conftest import has_gpu
 
 from mst_jax import _mosaic_gemm as mosaic_gemm
 from mst_jax._mosaic_gemm import GemmConfig
-from mst_jax._mosaic_gemm_config import SMEM_BYTES, _fill, epilogue_slots, ragged_error
+from mst_jax._mosaic_gemm_config import (
+  SMEM_BYTES,
+  _fill,
+  epilogue_slots,
+  narrow_error,
+  ragged_error,
+)
 from mst_jax._mosaic_gemm_kernels import gemm
 
 # ||out - ref|| / ||ref|| by output dtype: one rounding of the output (half an
@@ -377,18 +383,50 @@ def test_rejects_bad_arguments():
     mosaic_gemm.matmul(ragged, ragged, _dims(0, 0))
   with pytest.raises(ValueError, match="contracted dimensions differ"):
     mosaic_gemm.matmul(x, jnp.zeros((192, 64), jnp.bfloat16), _dims(1, 0))
-  # A head with D = 64: dhidden [N, 64], dweight [V, 64] and [64, V].
-  hidden, weight = jnp.zeros((1000, 64), jnp.bfloat16), jnp.zeros((4160, 64))
-  dlogits, weight = jnp.zeros((1000, 4160), jnp.bfloat16), weight.astype(jnp.bfloat16)
-  for lhs, rhs, dims in [
-    (dlogits, weight, _dims(1, 0)),
-    (dlogits, hidden, _dims(0, 0)),
-    (hidden, dlogits, _dims(0, 0)),
-  ]:
-    with pytest.raises(NotImplementedError, match="hidden sizes under 128"):
-      mosaic_gemm.matmul(lhs, rhs, dims)
-    assert not mosaic_gemm.takes(lhs, rhs, dims, jnp.bfloat16, here=False)
-  assert mosaic_gemm.takes(hidden, weight, _dims(1, 1), jnp.bfloat16, here=False)
+
+
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("product,layout", list(PRODUCTS))
+def test_a_64_wide_output_is_stored_from_64_wide_blocks(product, layout, out_dtype):
+  """A head with D = 64: an output one swizzle span wide (``[N, 64]`` or
+  ``[V, 64]`` in 16 bits) is stored from 64-column blocks by default, and a
+  config with wider blocks is refused, not run (they stored zeros on the
+  H200)."""
+  S, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
+  n, d, v = 1000, 64, 4160
+  shapes = {"hidden": (n, d), "dlogits": (n, v)}
+  shapes["weight"] = (v, d) if layout == "vd" else (d, v)
+  lhs_name, rhs_name, dims = PRODUCTS[product, layout]
+  lhs, rhs = S(shapes[lhs_name], bf16), S(shapes[rhs_name], bf16)
+  problem = mosaic_gemm._check(lhs, rhs, dims, out_dtype, None)
+  config = mosaic_gemm._config(problem)
+  assert narrow_error(config, problem) is None
+  one_span = problem.n * jnp.dtype(out_dtype).itemsize <= 128
+  if one_span and config.k_splits == 1:
+    assert config.block_n == 64
+    wide = dataclasses.replace(config, tile_n=192)
+    assert narrow_error(wide, problem) is not None
+    with pytest.raises(ValueError, match="does not fit"):
+      gemm(
+        jnp.zeros(lhs.shape, bf16), jnp.zeros(rhs.shape, bf16), None, problem, wide, 132
+      )
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(mosaic_gemm, "unavailable_reason", lambda: None)
+    product_of = lambda a, b: mosaic_gemm.matmul(a, b, dims, out_dtype)
+    text = jax.jit(product_of).trace(lhs, rhs).lower(lowering_platforms=("cuda",))
+  assert "mosaic_gpu" in text.as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("product,layout", list(PRODUCTS))
+def test_a_64_wide_hidden_size(rng, product, layout, out_dtype, accumulate):
+  """Every product of a head with D = 64 (unaligned N and V), in each
+  output dtype, with and without an addend, with the default config."""
+  if accumulate and product != "dweight":
+    pytest.skip("only dweight accumulates")
+  _run(rng, product, layout, (1000, 64, 4160), "bfloat16", out_dtype, accumulate)
 
 
 @pytest.mark.skipif(has_gpu(), reason="checks the CPU's refusal")

@@ -451,8 +451,8 @@ def test_mosaic_distillation_matches_the_oracle(rng, vocab, options):
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["vd", "dv"])
 def test_gpu_a_64_wide_head(rng, layout):
-  """D = 64: ``dhidden`` and ``dweight`` run on XLA's GEMMs (the Mosaic GEMM
-  computed a ``[V, 64]`` ``dweight`` wrong on the H200), against the oracle."""
+  """D = 64 (outputs one swizzle span wide: ``[N, 64]`` ``dhidden``,
+  ``[V, 64]`` ``dweight``) on the Mosaic GEMM, against the oracle."""
   if (reason := _mosaic_gemm.unavailable_reason()) is not None:
     pytest.skip(reason)
   problem = make_problem(
