@@ -449,13 +449,16 @@ def test_mosaic_distillation_matches_the_oracle(rng, vocab, options):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dim,vocab", [(64, 4160), (128, 64)])
 @pytest.mark.parametrize("layout", ["vd", "dv"])
-def test_gpu_a_64_wide_head(rng, layout):
-  """D = 64 (outputs one swizzle span wide: ``[N, 64]`` ``dhidden``,
-  ``[V, 64]`` ``dweight``) on the Mosaic GEMM, against the oracle."""
+def test_gpu_a_64_wide_head(rng, layout, dim, vocab):
+  """D = 64 or V = 64 (outputs one swizzle span wide: ``[N, 64]``
+  ``dhidden``, ``[V, 64]`` ``dweight``; ``[N, 64]`` logits with their
+  statistics in the GEMM's epilogue) on the Mosaic GEMM, against the
+  oracle."""
   if (reason := _mosaic_gemm.unavailable_reason()) is not None:
     pytest.skip(reason)
   problem = make_problem(
-    rng, (1000,), dim=64, vocab=4160, dtype="bfloat16", weight_layout=layout
+    rng, (1000,), dim=dim, vocab=vocab, dtype="bfloat16", weight_layout=layout
   )
   check_against_oracle(problem, "bfloat16", impl="mosaic", weight_layout=layout)
