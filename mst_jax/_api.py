@@ -254,6 +254,7 @@ def per_row_outputs(
     return _full_logits.row_losses(
       *rows.arrays, options=ce, weight_layout=weight_layout
     )
+  rows = rows.for_chunks(options.label_smoothing)
   plan, fused = resolve(rows, options, perf, weight_layout, layout, entropy=entropy)
   if (transposed := _transposed_perf(rows, plan, perf, layout)) is not None:
     # Outside the custom VJPs: autodiff transposes dweight back.
@@ -274,8 +275,7 @@ def per_row_outputs(
   if not fused:
     outputs = row_losses(plan, *rows.arrays)
   else:
-    arrays, classes = rows.arrays[:5], rows.arrays[5:]  # see Rows.arrays
-    outputs = reduced_loss(plan, *arrays, weights, *classes)
+    outputs = reduced_loss(plan, *rows.arrays[:5], weights, *rows.arrays[5:])
   if not pad:
     return outputs
   drop = lambda x: _inputs.drop_appended(x, pad, groups=devices)
@@ -394,7 +394,7 @@ def _grad_mode(
 
 def _xla_only(class_weights) -> str | None:
   """What only the XLA per-chunk backend computes here, if anything."""
-  return None if class_weights is None else "class weights"
+  return None if class_weights is None else "class weights with label smoothing"
 
 
 def _loop_order(rows: Rows, perf: PerfOptions, logits_dtype, layout, *, cpu: bool):

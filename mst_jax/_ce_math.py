@@ -306,13 +306,13 @@ class BackwardRows(NamedTuple):
       be NaN).
     coef_softmax: ``g_loss * (1 + 2 * zl * lse) + g_lse``; 0 at excluded rows.
       The lse output is differentiable, so its cotangent ``g_lse`` adds here.
-    coef_target: ``g_loss``; 0 at excluded rows and NaN where a valid row's
-      label is outside ``[0, V)``, so that row's gradient is NaN like its loss.
+    coef_target: ``g_loss`` (times ``w_y`` with class weights and no
+      smoothing); 0 at excluded rows and NaN where a valid row's label is
+      outside ``[0, V)``, so that row's gradient is NaN like its loss.
     coef_entropy: the entropy's cotangent ``g_H`` (0 at excluded rows), or
       None without ``CEOptions.entropy``.
     expected_score: ``E = lse - H`` (0 at excluded rows), or None likewise.
-    target_weight: ``w_y`` with class weights (the label's term's factor),
-      else None.
+    target_weight: ``w_y`` with class weights and smoothing, else None.
   """
 
   lse: jax.Array
@@ -359,6 +359,10 @@ def backward_rows(
     mass = (1.0 - eps) * classes.target_weight + eps * classes.mean_weight
   coef_softmax = g_loss * (mass + 2.0 * options.z_loss * lse) + g_lse
   coef_target = jnp.where(label_in_range(labels, vocab_size), g_loss, jnp.nan)
+  target_weight = None if classes is None else classes.target_weight
+  if target_weight is not None and not eps:
+    # w_y scales the label's term alone: kernels reading no target_weight.
+    coef_target, target_weight = coef_target * target_weight, None
   zero = jnp.zeros_like(lse)
   coef_entropy = expected = None
   if options.entropy:
@@ -370,7 +374,7 @@ def backward_rows(
     coef_target=jnp.where(valid, coef_target, zero),
     coef_entropy=coef_entropy,
     expected_score=expected,
-    target_weight=None if classes is None else classes.target_weight,
+    target_weight=target_weight,
   )
 
 

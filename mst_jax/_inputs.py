@@ -55,7 +55,9 @@ class Rows(NamedTuple):
     vocab_size: ``V``.
     token_weights: float ``[N]`` (shifted with the labels), not
       differentiated; or None.
-    class_weights: float32 ``[V]``, not differentiated; or None.
+    class_weights: float32 ``[V]``, not differentiated; or None (also with
+      class weights, on the chunked paths without label smoothing:
+      ``for_chunks``).
     target_weight: float32 ``[N]``, each row's label's class weight (0 where
       the label is outside ``[0, V)``), with ``class_weights``.
     mean_weight: float32 ``[N]``, the mean class weight, with
@@ -80,9 +82,18 @@ class Rows(NamedTuple):
     target_weight, mean_weight)`` when there are class weights: the
     ``_rows.RowInputs`` fields."""
     arrays = (self.hidden, self.weight, self.bias, self.labels, self.valid)
-    if self.class_weights is None:
+    if self.target_weight is None:
       return arrays
     return (*arrays, self.class_weights, self.target_weight, self.mean_weight)
+
+  def for_chunks(self, label_smoothing: float) -> Rows:
+    """These rows for the chunked paths. Without label smoothing a class
+    weight scales its label's term alone, which ``target_weight`` carries
+    (``ce_math.backward_rows``): the ``[V]`` weights stay out, and every
+    backend takes the rows."""
+    if label_smoothing:
+      return self
+    return self._replace(class_weights=None)
 
 
 def _check_float(name: str, x: jax.Array) -> None:

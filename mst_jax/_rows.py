@@ -126,9 +126,10 @@ class RowInputs(NamedTuple):
     bias: ``[V]`` float or None.
     labels: int32 ``[N]``.
     valid: bool ``[N]``; False rows give 0 loss, 0 lse and zero gradients.
-    class_weights: float ``[V]`` class weights, or None (then the next two
-      are None too).
-    target_weight: float32 ``[N]``, the weight of each row's label.
+    class_weights: float ``[V]`` class weights with label smoothing, or None
+      (``Rows.for_chunks``).
+    target_weight: float32 ``[N]``, the weight of each row's label; or None
+      without class weights (then ``mean_weight`` is None too).
     mean_weight: float32 ``[N]``, the mean class weight (in every row).
   """
 
@@ -143,7 +144,7 @@ class RowInputs(NamedTuple):
 
   @property
   def classes(self) -> _ce_math.ClassRows | None:
-    if self.class_weights is None:
+    if self.target_weight is None:
       return None
     return _ce_math.ClassRows(self.target_weight, self.mean_weight)
 

@@ -9,9 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 
 import mst_jax
-from mst_jax import _api, _backends, _mosaic_gemm, _planning
+from mst_jax import _api, _backends, _distill_driver, _mosaic_gemm, _planning
+from mst_jax._backends import mosaic_ce, mosaic_distill
+from mst_jax._backends.xla import XlaChunkCE
 
 
 def has_gpu() -> bool:
@@ -130,6 +133,60 @@ def as_if_on_hopper(monkeypatch):
   monkeypatch.setattr(_api, "_platform", lambda layout: "gpu")
   yield
   jax.clear_caches()
+
+
+@pytest.fixture
+def mosaic_on_cpu(as_if_on_hopper, monkeypatch):
+  """The Hopper program run on a CPU: the GEMM as ``xla_gemm`` (it records
+  each product's output width), the cross-entropy and distillation kernels
+  in interpret mode, XLA's chunk behind them."""
+  widths = []
+
+  def gemm(lhs, rhs, dims, out_dtype=None, **kwargs):
+    out = xla_gemm(lhs, rhs, dims, out_dtype, **kwargs)
+    widths.append(out.shape[1])
+    return out
+
+  monkeypatch.setattr(_mosaic_gemm, "matmul", gemm)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # distillation's
+  backend = mosaic_ce.MosaicChunkCE(fallback=XlaChunkCE, interpret=True)
+  monkeypatch.setattr(_backends, "select", lambda *args, **kwargs: backend)
+  kernel = mosaic_distill.MosaicDistill(interpret=True)
+  monkeypatch.setattr(_distill_driver, "select_distill", lambda *args: kernel)
+  yield widths
+
+
+def xla_gemm(
+  lhs,
+  rhs,
+  dimension_numbers,
+  out_dtype=None,
+  *,
+  accumulate=None,
+  config=None,
+  row_epilogue=None,
+  row_inputs=(),
+  out_shape=None,
+  zero_extend=False,
+):
+  """``_mosaic_gemm.matmul``'s contract as an XLA product: float32
+  accumulation rounded once, operands zero-extended, the output trimmed or
+  zero-padded to ``out_shape``, ``accumulate`` added."""
+  del config, row_inputs
+  assert row_epilogue is None, "the epilogue's statistics never see a bias"
+  (lc,), (rc,) = dimension_numbers[0]
+  assert zero_extend or lhs.shape[lc] == rhs.shape[rc]
+  k = min(lhs.shape[lc], rhs.shape[rc])
+  lhs, rhs = lax.slice_in_dim(lhs, 0, k, axis=lc), lax.slice_in_dim(rhs, 0, k, axis=rc)
+  out = lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=jnp.float32)
+  if out_shape is not None:
+    out = out[: out_shape[0], : out_shape[1]]
+    out = jnp.pad(out, [(0, m - n) for m, n in zip(out_shape, out.shape, strict=True)])
+  if accumulate is not None:
+    out = out + accumulate.astype(jnp.float32)
+  return out.astype(
+    out_dtype or (lhs.dtype if accumulate is None else accumulate.dtype)
+  )
 
 
 @pytest.fixture

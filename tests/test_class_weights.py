@@ -69,17 +69,29 @@ def _rel(out, ref):
   return np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
 
 
+def _class_weights(rng, vocab):
+  """Random weights in ``[0, 2)``, some classes switched off."""
+  w = rng.random(vocab) * 2.0
+  w[rng.integers(0, vocab, vocab // 20)] = 0.0
+  return w
+
+
 @pytest.mark.parametrize(
-  "eps, z_loss, token_weighted, shift, bias, layout, loop_order, reduction, grad_mode",
+  "eps, z_loss, token_weighted, shift, bias, layout, loop_order, reduction, grad_mode,"
+  " impl",
   [
-    (0.0, 0.0, False, False, False, "vd", "row_chunks", "mean", "fused"),
-    (0.0, 0.0, False, False, False, "vd", "vocab_blocks", "none", None),
-    (0.1, 1e-3, False, True, True, "dv", "vocab_blocks", "mean", "recompute"),
-    (0.1, 1e-3, False, True, True, "dv", "row_chunks", "sum", None),
-    (0.2, 0.0, True, False, True, "vd", "vocab_blocks", "mean", "fused"),
-    (0.2, 0.0, True, False, True, "vd", "row_chunks", "none", None),
-    (0.1, 1e-3, True, True, False, "dv", "row_chunks", "mean", "recompute"),
-    (0.1, 1e-3, True, True, False, "dv", "vocab_blocks", "sum", "fused"),
+    (0.0, 0.0, False, False, False, "vd", "row_chunks", "mean", "fused", "xla"),
+    (0.0, 0.0, False, False, False, "vd", "vocab_blocks", "none", None, "xla"),
+    (0.1, 1e-3, False, True, True, "dv", "vocab_blocks", "mean", "recompute", "xla"),
+    (0.1, 1e-3, False, True, True, "dv", "row_chunks", "sum", None, "xla"),
+    (0.2, 0.0, True, False, True, "vd", "vocab_blocks", "mean", "fused", "xla"),
+    (0.2, 0.0, True, False, True, "vd", "row_chunks", "none", None, "xla"),
+    (0.1, 1e-3, True, True, False, "dv", "row_chunks", "mean", "recompute", "xla"),
+    (0.1, 1e-3, True, True, False, "dv", "vocab_blocks", "sum", "fused", "xla"),
+    # Without smoothing the label's weight is per row: the kernels take it.
+    (0.0, 1e-3, True, True, False, "vd", "row_chunks", "mean", "fused", "pallas"),
+    (0.0, 0.0, False, False, True, "dv", "vocab_blocks", "none", None, "pallas"),
+    (0.0, 1e-3, False, False, True, "vd", "row_chunks", "sum", "recompute", "pallas"),
   ],
 )
 def test_class_weights_match_torch_semantics(
@@ -93,13 +105,12 @@ def test_class_weights_match_torch_semantics(
   shift,
   bias,
   layout,
+  impl,
 ):
   problem = make_problem(
     rng, (3, 23), dim=16, vocab=1031, bias=bias, weight_layout=layout, mask="scattered"
   )
-  vocab = 1031
-  w = rng.random(vocab) * 2.0
-  w[rng.integers(0, vocab, 50)] = 0.0  # some classes switched off
+  w = _class_weights(rng, 1031)
   token_weights = rng.random(problem.labels.shape) * 2 if token_weighted else None
   argnums = (0, 1, 3) if bias else (0, 1)
 
@@ -117,7 +128,7 @@ def test_class_weights_match_torch_semantics(
       z_loss=z_loss,
       shift=shift,
       weight_layout=layout,
-      impl="xla",
+      impl=impl,
       chunk_size=16,
       grad_mode=grad_mode,
       **LOOP_ORDERS[loop_order],
@@ -168,8 +179,10 @@ def test_bad_class_weights_raise(rng):
     mst_jax.linear_cross_entropy(*args, class_weights=jnp.ones(vocab, jnp.int32))
   with pytest.raises(ValueError, match="class_weights"):
     mst_jax.linear_cross_entropy(*args, class_weights=jnp.ones(vocab + 1))
-  with pytest.raises(NotImplementedError, match="class weights"):
-    mst_jax.linear_cross_entropy(*args, class_weights=jnp.ones(vocab), impl="pallas")
+  with pytest.raises(NotImplementedError, match="class weights with label smoothing"):
+    mst_jax.linear_cross_entropy(
+      *args, class_weights=jnp.ones(vocab), label_smoothing=0.1, impl="pallas"
+    )
 
 
 @pytest.mark.gpu
@@ -192,6 +205,105 @@ def test_class_weights_on_the_gpu(rng):
   assert _rel(value, ref) < 3e-3
   for g, r in zip(grads, ref_grads, strict=True):
     assert _rel(g, r) < 3e-3
+
+
+# bfloat16 logits round by up to 2^-9 of themselves (test_mosaic_bias's
+# bounds); a class weight applied wrongly moves the loss by tens of percent.
+BF16_RTOL = {"loss": 5e-3, "grads": 3e-2}
+
+
+def _bf16_step(problem, w, **kwargs):
+  """The loss and its gradients wrt hidden, weight (and bias) with class
+  weights, checked against the float64 oracle at bfloat16's bounds."""
+  argnums = (0, 1) if problem.bias is None else (0, 1, 3)
+
+  def loss(hidden, weight, labels, bias):
+    return mst_jax.linear_cross_entropy(
+      hidden,
+      weight,
+      labels,
+      bias,
+      where=problem.where,
+      class_weights=jnp.asarray(w),
+      **kwargs,
+    )
+
+  total = lambda *args: jnp.sum(loss(*args))  # per token: their sum
+  value, grads = jax.jit(jax.value_and_grad(total, argnums=argnums))(*problem.args)
+  keys = ("reduction", "z_loss", "shift")
+  options = {k: kwargs[k] for k in keys if k in kwargs}
+  options = dict(reduction="mean", z_loss=0.0, shift=False) | options
+  layout = kwargs.get("weight_layout", "vd")
+  ref, ref_grads = _oracle(problem, w, None, eps=0.0, layout=layout, **options)
+  ref = np.sum(ref)
+  assert _rel(value, ref) < BF16_RTOL["loss"], _rel(value, ref)
+  for g, r in zip(grads, ref_grads, strict=True):
+    assert _rel(g, r) < BF16_RTOL["grads"], _rel(g, r)
+
+
+@pytest.mark.parametrize(
+  "kwargs",
+  [
+    dict(),
+    dict(chunk_size=64, grad_mode="recompute", z_loss=1e-3),
+    dict(chunk_size=64, vocab_block_size=384, reduction="sum"),
+    dict(reduction="none", shift=True),  # kept logits
+    dict(memory_budget=1 << 19),  # whole groups' buffers
+  ],
+  ids=str,
+)
+def test_class_weights_without_smoothing_on_the_mosaic_kernels(
+  rng, mosaic_on_cpu, kwargs
+):
+  """The Hopper program on a CPU (the GEMM as an XLA product, the kernels in
+  interpret mode): the label's class weight rides in ``coef_target``, which
+  the Mosaic kernels read; a ragged vocabulary of padded logits."""
+  problem = make_problem(
+    rng, (2, 150), dim=128, vocab=1001, dtype="bfloat16", bias=True
+  )
+  _bf16_step(problem, _class_weights(rng, 1001), impl="mosaic", **kwargs)
+  padded = 256 if "vocab_block_size" in kwargs else 1024
+  assert padded in mosaic_on_cpu  # the logits GEMM wrote padded logits
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_class_weights_lower_to_mosaic_kernels_without_smoothing(as_if_on_hopper, eps):
+  """Lowered for CUDA: without smoothing, the default step with class
+  weights runs the same Mosaic kernels as without them (the statistics in
+  the logits GEMM's epilogue, ``dlogits`` on the CE kernel); with smoothing
+  (the columns' weights in every ``dlogits``) the cross-entropy is XLA's,
+  between the Mosaic GEMMs."""
+  n, d, vocab = 1000, 256, 32000
+  h = jax.ShapeDtypeStruct((n, d), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((vocab, d), jnp.bfloat16)
+  y = jax.ShapeDtypeStruct((n,), jnp.int32)
+  c = jax.ShapeDtypeStruct((vocab,), jnp.float32)
+
+  def kernels(class_weights):
+    def loss(h, w, y, c):
+      return mst_jax.linear_cross_entropy(h, w, y, class_weights=c, label_smoothing=eps)
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    text = step.trace(h, w, y, class_weights).lower(lowering_platforms=("cuda",))
+    text = text.as_text()
+    assert "triton" not in text and "stablehlo.dot_general" not in text
+    return text.count("custom_call @mosaic_gpu"), "_rows_mosaic" in text
+
+  plain, weighted = kernels(None), kernels(c)
+  assert plain[1]  # the statistics in the GEMM's epilogue
+  assert (weighted == plain) == (eps == 0.0)
+  assert weighted[0] <= plain[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["vd", "dv"])
+def test_class_weights_without_smoothing_on_the_gpu(rng, layout):
+  """The default backend (the Mosaic kernels on Hopper) at GPT-2's ragged
+  vocabulary and an unaligned row count, bfloat16, with and without bias."""
+  problem = make_problem(
+    rng, (3, 333), dim=256, vocab=50257, dtype="bfloat16", weight_layout=layout
+  )
+  _bf16_step(problem, _class_weights(rng, 50257), weight_layout=layout, z_loss=1e-4)
 
 
 @pytest.mark.parametrize("loop_order", list(LOOP_ORDERS))

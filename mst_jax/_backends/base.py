@@ -101,8 +101,8 @@ class ChunkInputs(NamedTuple):
       the whole vocabulary, a block of it, or a shard.
     bias: ``[columns]`` or None.
     labels: int32 ``[rows]``, indices into the whole vocabulary.
-    class_weights: ``[columns]`` class weights, or None.
-    classes: the rows' class-weight factors (with ``class_weights``).
+    class_weights: ``[columns]`` class weights (with label smoothing), or None.
+    classes: the rows' class-weight factors, or None (no class weights).
   """
 
   hidden: jax.Array
@@ -265,7 +265,7 @@ class MatmulThenCE:
       logits, stats = self.logits_and_stats(x, head, columns.offset())
     else:  # the fused sweep writes dlogits into the group's buffer in place
       logits, stats = self.chunk_logits(x, head), None
-    if stats is None and not columns.split and x.class_weights is None:
+    if stats is None and not columns.split and x.classes is None:
       options = head.options
       return self.forward_backward(
         logits, x.labels, valid, g_loss, options, out_dtype, into=into
