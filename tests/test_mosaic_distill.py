@@ -81,19 +81,22 @@ TRITON = pallas_distill.PallasTritonDistill(
 
 
 @pytest.mark.parametrize(
-  "logits_dtype, out_dtype",
+  "logits_dtype, teacher_dtype, out_dtype",
   [
-    (jnp.float32, jnp.bfloat16),
-    (jnp.float32, jnp.float32),
-    (jnp.bfloat16, jnp.float32),
+    (jnp.float32, jnp.float32, jnp.bfloat16),
+    (jnp.float32, jnp.float32, jnp.float32),
+    (jnp.bfloat16, jnp.bfloat16, jnp.float32),
+    (jnp.bfloat16, jnp.float32, jnp.bfloat16),  # a float32 teacher
+    (jnp.float32, jnp.float16, jnp.float32),
   ],
   ids=str,
 )
-def test_other_logits_and_dlogits_dtypes(rng, logits_dtype, out_dtype):
-  """float32 heads (float16 inputs' default logits), ``dlogits`` of another
-  dtype than the logits' (into a new array): on the kernels, against the
-  float64 oracle."""
+def test_other_logits_and_dlogits_dtypes(rng, logits_dtype, teacher_dtype, out_dtype):
+  """float32 heads (float16 inputs' default logits), heads of two dtypes,
+  ``dlogits`` of another dtype than the logits' (into a new array): on the
+  kernels, against the float64 oracle (of the rounded heads)."""
   heads, labels, valid, g_loss = _heads(rng, logits_dtype)
+  heads[1] = heads[1].astype(teacher_dtype)
   assert takes(*heads, out_dtype)
   opts = kernel_options(KERNEL_OPTIONS[1])
   g = jnp.asarray(g_loss, jnp.float32)
@@ -111,11 +114,11 @@ def test_other_logits_and_dlogits_dtypes(rng, logits_dtype, out_dtype):
 @pytest.mark.parametrize(
   "case, fallback",
   [
-    ("two_dtypes", None),
     ("unaligned_vocab", None),
     ("unaligned_rows", None),
     ("float32_unaligned", None),
-    ("two_dtypes", TRITON),
+    ("two_dtypes_unaligned", None),
+    ("two_dtypes_unaligned", TRITON),
     ("unaligned_vocab", TRITON),
   ],
   ids=lambda x: "triton" if x is TRITON else ("xla" if x is None else x),
@@ -127,7 +130,7 @@ def test_what_the_kernels_do_not_take_goes_to_the_fallback(rng, case, fallback):
   rows = ROWS - 3 if case == "unaligned_rows" else ROWS
   dtype = jnp.float32 if case == "float32_unaligned" else jnp.bfloat16
   heads, labels, valid, g_loss = _heads(rng, dtype, rows, vocab)
-  if case == "two_dtypes":
+  if case == "two_dtypes_unaligned":
     heads[1] = heads[1].astype(jnp.float32)
   out_dtype = dtype
   assert not takes(*heads, out_dtype)
@@ -228,8 +231,8 @@ def test_a_label_in_or_past_the_padding_is_nan_as_in_xla(rng):
 def test_in_place_where_the_kernels_or_the_fallback_are():
   """The Mosaic kernels and the Triton kernel write dlogits over the
   logits; XLA's chunk never does, so the planner must not count on it for
-  heads the Mosaic kernels do not take (an unaligned width, a float32
-  teacher). Heads they take never ask for the fallback (choosing one
+  heads the Mosaic kernels do not take (an unaligned width). Heads they
+  take, of one dtype or two, never ask for the fallback (choosing one
   compiles a Triton kernel)."""
   head = lambda vocab, dtype=jnp.bfloat16: jax.ShapeDtypeStruct((ROWS, vocab), dtype)
   bf16 = jnp.bfloat16
@@ -239,12 +242,14 @@ def test_in_place_where_the_kernels_or_the_fallback_are():
   assert not triton.in_place(head(VOCAB), head(VOCAB), jnp.float32)
   xla = MosaicDistill()
   assert not xla.in_place(head(VOCAB - 3), head(VOCAB - 3), bf16)
-  assert not xla.in_place(head(VOCAB), head(VOCAB, jnp.float32), bf16)
+  assert not xla.in_place(head(VOCAB - 32), head(VOCAB - 32, jnp.float32), bf16)
 
   def never():
     raise AssertionError("the fallback was asked for")
 
-  assert MosaicDistill(fallback=never).in_place(head(VOCAB), head(VOCAB), bf16)
+  mosaic = MosaicDistill(fallback=never)
+  assert mosaic.in_place(head(VOCAB), head(VOCAB), bf16)
+  assert mosaic.in_place(head(VOCAB), head(VOCAB, jnp.float32), bf16)
 
 
 def test_selection_on_hopper(monkeypatch):
@@ -325,6 +330,28 @@ def test_the_default_on_hopper_runs_the_mosaic_kernels(
   assert "mosaic_gpu" not in pallas and "triton" in pallas
 
 
+@pytest.mark.parametrize("vocab", [32000, 50257])
+def test_heads_of_two_dtypes_run_the_mosaic_kernels(
+  as_if_on_hopper, monkeypatch, vocab
+):
+  """A bfloat16 student (bfloat16 logits) and a float16 teacher (float32
+  logits) lower to Mosaic GPU kernels only, padded at GPT-2's vocabulary as
+  well."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  h_s = jax.ShapeDtypeStruct((1000, 256), jnp.bfloat16)
+  w_s = jax.ShapeDtypeStruct((vocab, 256), jnp.bfloat16)
+  h_t = jax.ShapeDtypeStruct((1000, 320), jnp.float16)
+  w_t = jax.ShapeDtypeStruct((vocab, 320), jnp.float16)
+  labels = jax.ShapeDtypeStruct((1000,), jnp.int32)
+  loss = lambda *heads: mst_jax.linear_distillation_loss(*heads, divergence="jsd")
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+  lowered = step.trace(h_s, w_s, h_t, w_t, labels).lower(lowering_platforms=("cuda",))
+  text = lowered.as_text()
+  assert "triton" not in text and "stablehlo.dot_general" not in text
+  # Two logits GEMMs, dhidden, dweight; the statistics, the JSD's sums, dlogits.
+  assert text.count("custom_call @mosaic_gpu") == 7
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
   "options", KERNEL_OPTIONS, ids=lambda o: "-".join(map(str, o.values()))
@@ -346,12 +373,15 @@ def test_gpu_kernels_match_the_oracle(rng, options):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("student", [jnp.float32, jnp.bfloat16], ids=str)
 @pytest.mark.parametrize("options", [KERNEL_OPTIONS[1], KERNEL_OPTIONS[5]], ids=str)
-def test_gpu_float32_heads(rng, options):
+def test_gpu_float32_heads(rng, options, student):
   """float32 heads (float16 inputs' default logits, twice the shared memory
-  per tile) with bfloat16 ``dlogits`` into a new array, compiled at a real
+  per tile) with bfloat16 ``dlogits`` (into a new array), and a bfloat16
+  student beside a float32 teacher (in place), compiled at a real
   vocabulary."""
   heads, labels, valid, g_loss = _heads(rng, jnp.float32, rows=1000, vocab=32000)
+  heads[0] = heads[0].astype(student)
   opts = kernel_options(options)
   g = jnp.asarray(g_loss, jnp.float32)
   loss, dlogits = jax.jit(MosaicDistill().chunk_loss, static_argnums=(5, 6))(

@@ -1,6 +1,6 @@
 """Per-chunk distillation as Pallas kernels lowered through Mosaic GPU (Hopper).
 
-Over a chunk's student and teacher logits ``[R, V]`` (one dtype, 16-bit or
+Over a chunk's student and teacher logits ``[R, V]`` (each 16-bit or
 float32; math in float32 and ``_distill_math``'s, as the other backends), on
 ``mosaic_launch``'s tiles, vocabulary parts and TMA pipelines:
 
@@ -15,8 +15,8 @@ float32; math in float32 and ``_distill_math``'s, as the other backends), on
 
 Each row's loss and the ``DistillRows`` of its gradient (``finish``) are
 formed in XLA between the passes: a few ``[R]`` vectors. What the kernels do
-not take (heads of two dtypes, shapes that are not whole TMA tiles) goes to
-what ``MosaicDistill.fallback`` makes.
+not take (shapes that are not whole TMA tiles) goes to what
+``MosaicDistill.fallback`` makes.
 """
 
 from __future__ import annotations
@@ -160,13 +160,12 @@ def _merge_parts(parts: list, options) -> _distill_math.DistillStats:
 
 def takes(student_logits, teacher_logits, out_dtype) -> bool:
   """Whether the Mosaic kernels take these heads (arrays or their shapes)
-  and their ``dlogits`` in ``out_dtype``: one dtype, 16-bit or float32,
-  whole TMA tiles (``mosaic_launch.takes``) for both."""
+  and their ``dlogits`` in ``out_dtype``: of one shape, each 16-bit or
+  float32 (the two dtypes may differ) in whole TMA tiles
+  (``mosaic_launch.takes``)."""
   out = jax.ShapeDtypeStruct(student_logits.shape, out_dtype)
-  return (
-    student_logits.dtype == teacher_logits.dtype
-    and mosaic_launch.takes(student_logits)
-    and mosaic_launch.takes(out)
+  return student_logits.shape == teacher_logits.shape and all(
+    map(mosaic_launch.takes, (student_logits, teacher_logits, out))
   )
 
 
