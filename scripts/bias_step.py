@@ -10,6 +10,10 @@ each round's fastest step):
   python scripts/bias_step.py --case gpt2 --impls naive_cast mst_jax \\
       mst_jax:impl=pallas --out bias.json
 
+``--class-weights`` adds random ``[V]`` class weights (torch's ``weight``)
+to every implementation, ``--no-bias`` leaves the bias out (``mst_jax``
+specs may add ``label_smoothing=0.1``; the naive head has none).
+
 Prints one row per implementation (ms, MiB of compiled temporaries) and
 writes them to ``--out``.
 """
@@ -27,25 +31,36 @@ from mst_jax.bench.cases import CASES, make_inputs, parse_impl
 from mst_jax.bench.measure import max_rounds, round_statistic, time_rounds
 
 
-def naive_loss(hidden, weight, bias, labels, where, layout):
+def naive_loss(hidden, weight, bias, labels, where, classes, layout):
   product = hidden @ (weight.T if layout == "vd" else weight)
-  logits = (product + bias).astype(jnp.float32)
+  logits = (product if bias is None else product + bias).astype(jnp.float32)
   lse = jax.nn.logsumexp(logits, axis=-1)
   target = jnp.take_along_axis(logits, labels[:, None], axis=-1)[:, 0]
-  return jnp.sum(jnp.where(where, lse - target, 0.0)) / jnp.maximum(jnp.sum(where), 1)
+  weights = where.astype(jnp.float32)
+  if classes is not None:  # torch's weighted mean
+    weights = weights * classes[labels]
+  return jnp.sum(weights * (lse - target)) / jnp.maximum(jnp.sum(weights), 1e-30)
 
 
-def make_step(spec: str, layout: str):
+def make_step(spec: str, layout: str, biased: bool):
   name, kwargs = parse_impl(spec)
 
-  def loss(hidden, weight, bias, labels, where):
+  def loss(hidden, weight, bias, labels, where, classes):
     if name == "naive_cast":
-      return naive_loss(hidden, weight, bias, labels, where, layout)
+      return naive_loss(hidden, weight, bias, labels, where, classes, layout)
     return mst_jax.linear_cross_entropy(
-      hidden, weight, labels, bias, where=where, weight_layout=layout, **kwargs
+      hidden,
+      weight,
+      labels,
+      bias,
+      where=where,
+      class_weights=classes,
+      weight_layout=layout,
+      **kwargs,
     )
 
-  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+  argnums = (0, 1, 2) if biased else (0, 1)
+  return jax.jit(jax.value_and_grad(loss, argnums=argnums))
 
 
 def main(argv=None) -> None:
@@ -55,14 +70,20 @@ def main(argv=None) -> None:
   parser.add_argument("--reps", type=int, default=10)
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--out", default=None)
+  parser.add_argument("--class-weights", action="store_true")
+  parser.add_argument("--no-bias", action="store_true")
   args = parser.parse_args(argv)
   case = CASES[args.case]
   hidden, weight, labels, where = make_inputs(case)
-  bias = jax.random.normal(jax.random.key(1), (case.vocab,), hidden.dtype)
-  inputs = (hidden, weight, bias, labels, where)
+  bias = classes = None
+  if not args.no_bias:
+    bias = jax.random.normal(jax.random.key(1), (case.vocab,), hidden.dtype)
+  if args.class_weights:
+    classes = 2.0 * jax.random.uniform(jax.random.key(2), (case.vocab,))
+  inputs = (hidden, weight, bias, labels, where, classes)
   steps, rows = {}, []
   for spec in args.impls:
-    step = make_step(spec, case.weight_layout)
+    step = make_step(spec, case.weight_layout, bias is not None)
     compiled = step.lower(*inputs).compile()
     memory = compiled.memory_analysis()
     temp = getattr(memory, "temp_size_in_bytes", 0) / 2**20
