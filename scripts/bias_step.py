@@ -21,14 +21,13 @@ writes them to ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 
 import jax
 import jax.numpy as jnp
+from _steps import measure
 
 import mst_jax
 from mst_jax.bench.cases import CASES, make_inputs, parse_impl
-from mst_jax.bench.measure import max_rounds, round_statistic, time_rounds
 
 
 def naive_loss(hidden, weight, bias, labels, where, classes, layout):
@@ -81,25 +80,10 @@ def main(argv=None) -> None:
   if args.class_weights:
     classes = 2.0 * jax.random.uniform(jax.random.key(2), (case.vocab,))
   inputs = (hidden, weight, bias, labels, where, classes)
-  steps, rows = {}, []
+  steps = {}
   for spec in args.impls:
-    step = make_step(spec, case.weight_layout, bias is not None)
-    compiled = step.lower(*inputs).compile()
-    memory = compiled.memory_analysis()
-    temp = getattr(memory, "temp_size_in_bytes", 0) / 2**20
-    jax.block_until_ready(compiled(*inputs))
-    steps[spec] = lambda compiled=compiled: compiled(*inputs)
-    rows.append({"case": case.name, "impl": spec, "temp_mib": round(temp, 1)})
-  times = time_rounds(steps, args.reps, args.rounds, max_rounds(args.rounds))
-  for row in rows:
-    row["ms"] = round(1e3 * round_statistic(times[row["impl"]]), 3)
-    print(f"{row['case']:10s} {row['impl']:40s} {row['ms']:9.3f} ms", end=" ")
-    print(f"{row['temp_mib']:9.1f} MiB")
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump(
-        {"jax": jax.__version__, "device": str(jax.devices()[0]), "rows": rows}, f
-      )
+    steps[spec] = (make_step(spec, case.weight_layout, bias is not None), inputs)
+  measure(case.name, steps, args.reps, args.rounds, args.out)
 
 
 if __name__ == "__main__":

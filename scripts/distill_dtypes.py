@@ -16,13 +16,12 @@ to ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 
 import jax
+from _steps import measure
 
 import mst_jax
 from mst_jax.bench.cases import CASES, make_inputs, parse_impl
-from mst_jax.bench.measure import max_rounds, round_statistic, time_rounds
 
 
 def make_step(spec: str, layout: str):
@@ -57,26 +56,12 @@ def main(argv=None) -> None:
   teacher = [x.astype(args.teacher_dtype) for x in (t_hidden, t_weight)]
   inputs = {case.dtype: (*student, t_hidden, t_weight)}
   inputs[f"teacher {args.teacher_dtype}"] = (*student, *teacher)
-  steps, rows = {}, []
+  steps = {}
   for spec in args.impls:
     step = make_step(spec, case.weight_layout)
-    for heads, args_ in inputs.items():
-      compiled = step.lower(*args_).compile()
-      temp = getattr(compiled.memory_analysis(), "temp_size_in_bytes", 0) / 2**20
-      jax.block_until_ready(compiled(*args_))
-      name = f"{spec} [{heads}]"
-      steps[name] = lambda compiled=compiled, a=args_: compiled(*a)
-      rows.append({"case": case.name, "impl": name, "temp_mib": round(temp, 1)})
-  times = time_rounds(steps, args.reps, args.rounds, max_rounds(args.rounds))
-  for row in rows:
-    row["ms"] = round(1e3 * round_statistic(times[row["impl"]]), 3)
-    print(f"{row['case']:14s} {row['impl']:40s} {row['ms']:9.3f} ms", end=" ")
-    print(f"{row['temp_mib']:9.1f} MiB")
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump(
-        {"jax": jax.__version__, "device": str(jax.devices()[0]), "rows": rows}, f
-      )
+    for heads, arrays in inputs.items():
+      steps[f"{spec} [{heads}]"] = (step, arrays)
+  measure(case.name, steps, args.reps, args.rounds, args.out)
 
 
 if __name__ == "__main__":
