@@ -209,17 +209,19 @@ def test_the_gpu_program_lowers_for_cuda_on_a_mesh(as_if_on_hopper, grad_mode):
   assert "triton" not in text
 
 
+@pytest.mark.parametrize("eps", [0.0, 0.1])
 @pytest.mark.parametrize("vocab_block_size", [None, 50], ids=["rows", "vocab_blocks"])
-def test_token_and_class_weights_on_a_mesh(rng, vocab_block_size):
+def test_token_and_class_weights_on_a_mesh(rng, vocab_block_size, eps):
   """Class weights are sharded with the vocabulary (their weighted mean
-  combined across shards) and the label's weight taken whole."""
+  combined across shards) and the label's weight taken whole; without
+  smoothing only the label's weight reaches the chunks."""
   problem = make_problem(rng, (N,), dim=D, vocab=V, bias=True, mask="scattered")
   weights = jnp.asarray(rng.random(N) * 2.0, jnp.float32)
   kwargs = dict(
     where=problem.where,
     token_weights=weights,
     class_weights=jnp.asarray(rng.random(V) * 2.0, jnp.float32),
-    label_smoothing=0.1,
+    label_smoothing=eps,
     impl="xla",
     chunk_size=4,
     vocab_block_size=vocab_block_size,
