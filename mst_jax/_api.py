@@ -94,7 +94,7 @@ def linear_cross_entropy(
       (eps / V) * sum_c w[c] * (lse - s[c])`` (plus its z-loss term,
       unweighted), and ``reduction="mean"`` divides by the sum of ``w[y]``
       (times the token weights) over valid tokens. Data: not differentiated.
-      Computed by the XLA per-chunk backend (``impl="pallas"`` raises).
+      With smoothing only the XLA per-chunk backend takes them (pallas raises).
     ignore_index: label value that excludes a token.
     reduction: ``"mean"`` over valid tokens (exactly 0.0 when none is valid),
       ``"sum"``, or ``"none"`` (per token, shape of ``labels``, 0 at excluded

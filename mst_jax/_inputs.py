@@ -59,9 +59,8 @@ class Rows(NamedTuple):
       class weights, on the chunked paths without label smoothing:
       ``for_chunks``).
     target_weight: float32 ``[N]``, each row's label's class weight (0 where
-      the label is outside ``[0, V)``), with ``class_weights``.
-    mean_weight: float32 ``[N]``, the mean class weight, with
-      ``class_weights``.
+      the label is outside ``[0, V)``), with class weights; else None.
+    mean_weight: float32 ``[N]``, the mean class weight, likewise.
   """
 
   hidden: jax.Array

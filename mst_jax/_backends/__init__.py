@@ -60,7 +60,8 @@ def _use_pallas(impl: str | None, platform: str, xla_only: str | None = None) ->
   interpret mode off a GPU); ``"xla"``: never. If the Triton lowering is
   unavailable, a Pallas request falls back to XLA with one warning.
   ``xla_only`` names what the call computes that only the XLA backend does
-  (class weights): then XLA, or for ``impl="pallas"`` an error.
+  (class weights with label smoothing): then XLA, or for ``impl="pallas"``
+  an error.
   """
   if xla_only and impl == "pallas":
     raise NotImplementedError(

@@ -136,9 +136,9 @@ class MosaicChunkCE(base.MatmulThenCE):
   def _padded(self, x: base.ChunkInputs, head: base.HeadSpec) -> bool:
     """Whether the chunk's logits come from the Mosaic GEMM, padded to whole
     64-column tiles (``_matmul.mosaic_logits``, a bias added), for these
-    kernels alone: without class weights (whose consumers read the logits'
-    width), where that GEMM takes them (``head.gemm`` is ``"mosaic"`` on a
-    Hopper GPU alone)."""
+    kernels alone: without class weights' columns (label smoothing's, whose
+    consumers read the logits' width), where that GEMM takes them
+    (``head.gemm`` is ``"mosaic"`` on a Hopper GPU alone)."""
     return (
       head.gemm == "mosaic"
       and x.class_weights is None
