@@ -336,7 +336,7 @@ def resolve(
   order, accum = _loop_order(rows, perf, logits_dtype, layout, cpu=platform == "cpu")
   config = SweepConfig(
     backend=_backends.select(
-      perf.impl, platform, xla_only=_xla_only(rows.class_weights)
+      perf.impl, platform, not_on_triton=_not_on_triton(rows.class_weights)
     ),
     head=_backends.HeadSpec(
       weight_layout,
@@ -392,8 +392,8 @@ def _grad_mode(
   return "keep" if options.reduction == "none" else "fused"
 
 
-def _xla_only(class_weights) -> str | None:
-  """What only the XLA per-chunk backend computes here, if anything."""
+def _not_on_triton(class_weights) -> str | None:
+  """What the Triton kernels do not compute here (XLA's and Mosaic's do)."""
   return None if class_weights is None else "class weights with label smoothing"
 
 

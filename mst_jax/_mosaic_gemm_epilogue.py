@@ -28,10 +28,11 @@ except ImportError:  # pragma: no cover -- a jax without Mosaic GPU
   pl = plgpu = None
 
 
-def load_rows(ref):
+def load_rows(ref, axis: int = 1):
   """A ``[rows]`` shared-memory vector, loaded in the layout of a wgmma
-  accumulator's rows (``WGMMA.reduce(1)``)."""
-  layout = plgpu.Layout.WGMMA.reduce(1)
+  accumulator's rows (``WGMMA.reduce(1)``); with ``axis=0``, a ``[columns]``
+  one in that of its columns."""
+  layout = plgpu.Layout.WGMMA.reduce(axis)
   if _load_takes_an_index():
     return plgpu.load(ref, (), layout=layout)
   return plgpu.load(ref, layout=layout)

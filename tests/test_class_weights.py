@@ -234,7 +234,8 @@ def _bf16_step(problem, w, **kwargs):
   options = {k: kwargs[k] for k in keys if k in kwargs}
   options = dict(reduction="mean", z_loss=0.0, shift=False) | options
   layout = kwargs.get("weight_layout", "vd")
-  ref, ref_grads = _oracle(problem, w, None, eps=0.0, layout=layout, **options)
+  eps = kwargs.get("label_smoothing", 0.0)
+  ref, ref_grads = _oracle(problem, w, None, eps=eps, layout=layout, **options)
   ref = np.sum(ref)
   assert _rel(value, ref) < BF16_RTOL["loss"], _rel(value, ref)
   for g, r in zip(grads, ref_grads, strict=True):
@@ -266,13 +267,47 @@ def test_class_weights_without_smoothing_on_the_mosaic_kernels(
   assert padded in mosaic_on_cpu  # the logits GEMM wrote padded logits
 
 
+@pytest.mark.parametrize(
+  "kwargs",
+  [
+    dict(label_smoothing=0.3),
+    dict(label_smoothing=0.4, chunk_size=64, grad_mode="recompute", z_loss=1e-3),
+    dict(label_smoothing=0.3, chunk_size=64, vocab_block_size=384, reduction="sum"),
+    dict(label_smoothing=0.3, reduction="none", shift=True),  # kept logits
+    dict(label_smoothing=0.3, memory_budget=1 << 19),  # whole groups' buffers
+    dict(label_smoothing=0.3, weight_layout="dv", z_loss=1e-3),
+  ],
+  ids=str,
+)
+def test_class_weights_with_smoothing_on_the_mosaic_kernels(rng, mosaic_on_cpu, kwargs):
+  """The Hopper program on a CPU, as above, with label smoothing: the class
+  weights reach both kernels (which walk their columns beside the logits'
+  tiles) in every loop order and mode, over padded logits of 296 rows (whole
+  TMA tiles, so the kernels take them). ``test_mosaic_ce`` checks the
+  kernels' arithmetic at tighter bounds."""
+  layout = kwargs.get("weight_layout", "vd")
+  problem = make_problem(
+    rng,
+    (2, 148),
+    dim=128,
+    vocab=1001,
+    dtype="bfloat16",
+    bias=True,
+    weight_layout=layout,
+  )
+  _bf16_step(problem, _class_weights(rng, 1001), impl="mosaic", **kwargs)
+  padded = 256 if "vocab_block_size" in kwargs else 1024
+  assert padded in mosaic_on_cpu  # the logits GEMM wrote padded logits
+
+
 @pytest.mark.parametrize("eps", [0.0, 0.1])
-def test_class_weights_lower_to_mosaic_kernels_without_smoothing(as_if_on_hopper, eps):
-  """Lowered for CUDA: without smoothing, the default step with class
-  weights runs the same Mosaic kernels as without them (the statistics in
-  the logits GEMM's epilogue, ``dlogits`` on the CE kernel); with smoothing
-  (the columns' weights in every ``dlogits``) the cross-entropy is XLA's,
-  between the Mosaic GEMMs."""
+def test_class_weights_lower_to_mosaic_kernels(as_if_on_hopper, eps):
+  """Lowered for CUDA: the default step with class weights runs Mosaic
+  kernels alone. Without smoothing they are the ones without class weights
+  (the statistics in the logits GEMM's epilogue, ``dlogits`` on the CE
+  kernel); with smoothing the CE kernels walk the class weights too, and
+  the statistics come from the statistics kernel, whose sum of scores the
+  weights weigh."""
   n, d, vocab = 1000, 256, 32000
   h = jax.ShapeDtypeStruct((n, d), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((vocab, d), jnp.bfloat16)
@@ -292,18 +327,29 @@ def test_class_weights_lower_to_mosaic_kernels_without_smoothing(as_if_on_hopper
   plain, weighted = kernels(None), kernels(c)
   assert plain[1]  # the statistics in the GEMM's epilogue
   assert (weighted == plain) == (eps == 0.0)
-  assert weighted[0] <= plain[0]
+  assert weighted[1] == (eps == 0.0)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("eps", [0.0, 0.3])
 @pytest.mark.parametrize("layout", ["vd", "dv"])
-def test_class_weights_without_smoothing_on_the_gpu(rng, layout):
+def test_class_weights_on_the_mosaic_kernels_on_the_gpu(rng, layout, eps):
   """The default backend (the Mosaic kernels on Hopper) at GPT-2's ragged
-  vocabulary and an unaligned row count, bfloat16, with and without bias."""
+  vocabulary and an unaligned row count, bfloat16, with and without label
+  smoothing (then both kernels read the class weights' columns)."""
   problem = make_problem(
     rng, (3, 333), dim=256, vocab=50257, dtype="bfloat16", weight_layout=layout
   )
-  _bf16_step(problem, _class_weights(rng, 50257), weight_layout=layout, z_loss=1e-4)
+  w = _class_weights(rng, 50257)
+  _bf16_step(problem, w, weight_layout=layout, z_loss=1e-4, label_smoothing=eps)
+
+
+@pytest.mark.gpu
+def test_class_weights_with_smoothing_at_llama_3s_vocabulary(rng):
+  """Whole 64-column tiles (no padding), several row chunks and groups."""
+  problem = make_problem(rng, (4, 1000), dim=512, vocab=128256, dtype="bfloat16")
+  w = _class_weights(rng, 128256)
+  _bf16_step(problem, w, label_smoothing=0.3, chunk_size=1024, reduction="sum")
 
 
 @pytest.mark.parametrize("loop_order", list(LOOP_ORDERS))

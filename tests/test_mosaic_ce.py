@@ -244,8 +244,12 @@ def test_selection_on_hopper(monkeypatch):
   backends._warn_fallback.cache_clear()
   with pytest.warns(RuntimeWarning, match="XLA's GEMMs instead of Mosaic"):
     assert isinstance(backends.select("mosaic", "cpu"), backends.XlaChunkCE)
-  # Class weights: XLA's cross-entropy, on the Mosaic GEMMs.
-  assert isinstance(backends.select(None, "gpu", xla_only="w"), backends.XlaChunkCE)
+  # Class weights with smoothing: the Mosaic kernels, with XLA's chunk behind.
+  chosen = backends.select(None, "gpu", not_on_triton="w")
+  assert isinstance(chosen, MosaicChunkCE)
+  assert isinstance(chosen._fallback(jnp.ones(3)), backends.XlaChunkCE)
+  with pytest.raises(NotImplementedError, match="does not compute w"):
+    backends.select("pallas", "gpu", not_on_triton="w")
 
   reason = "no Triton lowering in this jax"
   monkeypatch.setattr(backends, "pallas_unavailable_reason", lambda platform: reason)
@@ -413,6 +417,70 @@ def test_padded_logits_leave_the_padding_out(rng, options):
   assert scoring.weight_columns == 1001
   got = scoring.backward(padded, labels, rows, options, jnp.float32, 1001)
   assert got.shape == padded.shape and not np.asarray(got[:, 1001:]).any()
+
+
+SMOOTHED = ce_math.CEOptions(label_smoothing=0.2)
+
+
+@pytest.mark.parametrize(
+  "options", [SMOOTHED, ALL_OPTIONS, SCALED], ids=["smoothed", "all", "scaled"]
+)
+@pytest.mark.parametrize("padded", [False, True], ids=["whole", "padded"])
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_class_weights_with_smoothing(rng, options, padded, out_dtype):
+  """Class weights with label smoothing: both kernels walk the weights'
+  columns beside the logits' tiles (the statistics' weighted sum of scores,
+  each column's weight in ``dlogits``), against the float64 oracle; padded
+  logits (their padding far above the rest) leave the padding out. The
+  weights follow the logits' columns: an unweighted mean of scores, or a
+  ``dlogits`` of the wrong column's weight, is far off."""
+  if padded:
+    logits, _, labels, valid = _padded_case(rng)
+    vocab, backend = 1001, dataclasses.replace(INTERPRET, weight_columns=1001)
+  else:
+    logits, labels, valid = _bf16_case(rng, "normal", 200, 1216)
+    vocab, backend = 1216, INTERPRET
+  assert takes(logits)
+  column_mean = np.asarray(logits[:, :vocab], np.float32).mean(axis=0)
+  weights = np.where(column_mean > np.median(column_mean), 1.9, 0.2) * rng.random(vocab)
+  weights[rng.integers(0, vocab, vocab // 20)] = 0.0
+  w = jnp.asarray(weights, jnp.float32)
+  safe = jnp.clip(labels, 0, vocab - 1)
+  classes = ce_math.ClassRows(
+    jnp.where(valid, w[safe], 0.0), jnp.full((200,), jnp.sum(w) / vocab)
+  )
+  g_loss = jnp.asarray(rng.standard_normal(200), jnp.float32)
+  with jax.enable_x64(True):
+    x64 = jnp.asarray(np.asarray(logits[:, :vocab], np.float64))
+    w64 = jnp.asarray(weights)
+
+    def losses(x):
+      loss = reference.losses_from_logits(
+        x, labels, valid, options=options, class_weights=w64
+      )[0]
+      return jnp.where(valid, loss, 0.0)
+
+    ref_loss = losses(x64)
+    ref_dlogits = jax.grad(lambda x: jnp.sum(losses(x) * g_loss))(x64)
+  stats = backend.forward(logits, labels, options, class_weights=w)
+  loss = ce_math.row_outputs(stats, labels, valid, options, vocab, classes)[0]
+  assert_close(loss, ref_loss, 1e-5, "loss", atol=1e-6)
+  rows = ce_math.backward_rows(
+    g_loss,
+    jnp.zeros_like(g_loss),
+    stats.lse,
+    labels,
+    valid,
+    options,
+    vocab,
+    classes=classes,
+  )
+  assert rows.target_weight is not None  # the kernel reads the columns' weights
+  dlogits = backend.backward(logits, labels, rows, options, out_dtype, vocab, w)
+  assert dlogits.shape == logits.shape and dlogits.dtype == out_dtype
+  tolerance = 1e-5 if out_dtype == jnp.float32 else 8e-3
+  assert_close(dlogits[:, :vocab], ref_dlogits, tolerance, "dlogits", atol=1e-7)
+  assert not np.asarray(dlogits[:, vocab:], np.float32).any()
 
 
 @pytest.mark.parametrize("n_rows", [128, 56, 37], ids=["whole", "blocks", "ragged"])

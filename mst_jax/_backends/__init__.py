@@ -53,21 +53,23 @@ def pallas_unavailable_reason(platform: str) -> str | None:
   return None
 
 
-def _use_pallas(impl: str | None, platform: str, xla_only: str | None = None) -> bool:
+def _use_pallas(
+  impl: str | None, platform: str, not_on_triton: str | None = None
+) -> bool:
   """Whether ``impl`` on ``platform`` runs the Pallas Triton kernels.
 
   ``impl=None`` and ``"mosaic"``: on a GPU; ``"pallas"``: everywhere (in
   interpret mode off a GPU); ``"xla"``: never. If the Triton lowering is
   unavailable, a Pallas request falls back to XLA with one warning.
-  ``xla_only`` names what the call computes that only the XLA backend does
+  ``not_on_triton`` names what the call computes that the Triton kernels do not
   (class weights with label smoothing): then XLA, or for ``impl="pallas"``
   an error.
   """
-  if xla_only and impl == "pallas":
+  if not_on_triton and impl == "pallas":
     raise NotImplementedError(
-      f"impl='pallas' does not compute {xla_only}; use impl=None or impl='xla'."
+      f"impl='pallas' does not compute {not_on_triton}; use impl=None or impl='xla'."
     )
-  if impl == "xla" or xla_only or (impl in (None, "mosaic") and platform != "gpu"):
+  if impl == "xla" or not_on_triton or (impl in (None, "mosaic") and platform != "gpu"):
     return False
   reason = pallas_unavailable_reason(platform)
   if reason is not None:
@@ -77,25 +79,22 @@ def _use_pallas(impl: str | None, platform: str, xla_only: str | None = None) ->
 
 
 def select(
-  impl: str | None, platform: str, *, xla_only: str | None = None
+  impl: str | None, platform: str, *, not_on_triton: str | None = None
 ) -> ChunkBackend:
   """The per-chunk cross-entropy backend for ``impl`` (None, "xla", "pallas"
   or "mosaic") on ``platform``.
 
   ``impl=None`` and ``"mosaic"`` on a Hopper GPU (where ``select_gemm``
   gives the Mosaic GEMMs): the Mosaic GPU kernels, with the Triton ones (or
-  XLA's, where Triton cannot lower) for what they do not take. Otherwise
-  the Pallas Triton kernels where ``_use_pallas`` says so, else XLA.
+  XLA's, where Triton cannot lower or with ``not_on_triton``) for what they do
+  not take. Otherwise the Pallas Triton kernels where ``_use_pallas`` says
+  so, else XLA.
   """
-  if (
-    impl in (None, "mosaic")
-    and not xla_only
-    and select_gemm(impl, platform) == "mosaic"
-  ):
+  if impl in (None, "mosaic") and select_gemm(impl, platform) == "mosaic":
     from mst_jax._backends import mosaic_ce
 
     return mosaic_ce.MosaicChunkCE(fallback=_triton_else_xla)
-  if not _use_pallas(impl, platform, xla_only):
+  if not _use_pallas(impl, platform, not_on_triton):
     return XlaChunkCE()
   from mst_jax._backends import pallas_triton
 

@@ -14,6 +14,10 @@ float32 and ``ce_math``'s, as in the other backends):
    groups) into rows of a group's buffer, at a row read from device memory
    (``launch``'s ``at_row``).
 
+With class weights and label smoothing, both kernels also walk the tiles'
+columns of the ``[V]`` class weights: the statistics weigh the scores' sum by
+them, and ``dlogits`` read each column's weight (``ce_math.dlogits_block``).
+
 A loss and its gradient in one sweep are the two kernels in turn (the Triton
 backend fuses them into one launch, which measured faster on the H200:
 docs/benchmarks.md). Where the Mosaic GEMM forms the chunk's 16-bit logits (no
@@ -29,8 +33,8 @@ statistics leave the padding out, ``dlogits`` are zero there, and the
 products of ``dlogits`` read only the weight's columns. What
 the kernels do not take (other shapes and dtypes, a group's buffer written
 at rows that are not whole row blocks) goes to what
-``MosaicChunkCE.fallback`` makes. ``mosaic_launch`` launches them, on a
-Hopper GPU or in interpret mode.
+``MosaicChunkCE.fallback`` makes (with class weights, XLA's chunk).
+``mosaic_launch`` launches them, on a Hopper GPU or in interpret mode.
 """
 
 from __future__ import annotations
@@ -53,20 +57,28 @@ from mst_jax._backends.xla import XlaChunkCE
 def _stats_kernel(
   logits_ref,  # [R, V] 16-bit or float32
   labels_ref,  # [R] int32
-  *out_refs,  # [parts, R] each: mosaic_stats.finish's values
+  *refs,  # weighted: the [V] float32 class weights; then [parts, R] each:
+  # mosaic_stats.finish's values
   program: Program,
   options: ce_math.CEOptions,
   n_cols: int,
+  weighted: bool,
 ):
-  def body(labels, first_col, tile_ref, carry):
+  column_refs, out_refs = refs[:weighted], refs[weighted:]
+
+  def body(labels, first_col, tile_ref, *rest):
+    *weights, carry = rest
+    weights = program.columns(weights[0]) if weighted else None
     tile = tile_ref[...].astype(jnp.float32)
-    return mosaic_stats.merge(carry, tile, first_col, labels, options, n_cols)
+    return mosaic_stats.merge(carry, tile, first_col, labels, options, n_cols, weights)
 
   def with_labels(values):
     (labels,) = values
     walk_body = functools.partial(body, labels)
     return program.walk(
-      walk_body, [logits_ref], init=mosaic_stats.start(labels.shape[0])
+      walk_body,
+      [logits_ref, *column_refs],
+      init=mosaic_stats.start(labels.shape[0]),
     )
 
   carry = program.with_rows([labels_ref], with_labels)
@@ -75,21 +87,22 @@ def _stats_kernel(
 
 def _dlogits_kernel(
   labels_ref,  # [R] int32
-  *refs,  # [R] float32 each: BackwardRows' fields; then the [R, V] logits
+  *refs,  # [R] float32 each: BackwardRows' fields (target_weight last);
+  # weighted: the [V] float32 class weights; then the [R, V] logits
   program: Program,
   options: ce_math.CEOptions,
   vocab_total: int,
   n_cols: int,
   in_place: bool,
+  weighted: bool,
 ):
   """Writes ``dlogits`` over the logits (``in_place``) or into the ``[R, V]``
   ref after them, zeros from column ``n_cols`` on (the padding of padded
   logits)."""
-  if in_place:
-    *row_refs, logits_ref = refs
-    out_ref = logits_ref
-  else:
-    *row_refs, logits_ref, out_ref = refs
+  n_rows = 3 + 2 * options.entropy + weighted
+  row_refs, column_refs = refs[:n_rows], refs[n_rows : n_rows + weighted]
+  logits_ref, *out_ref = refs[n_rows + weighted :]
+  out_ref = logits_ref if in_place else out_ref[0]
   shape = (program.blocks.block_rows, program.blocks.block_v)
 
   def with_rows(values):
@@ -97,15 +110,21 @@ def _dlogits_kernel(
     rows = ce_math.BackwardRows(*values[:3])
     if options.entropy:
       rows = rows._replace(coef_entropy=values[3], expected_score=values[4])
+    if weighted:
+      rows = rows._replace(target_weight=values[-1])
 
-    def body(first_col, tile_ref, out_ref):
+    def body(first_col, tile_ref, *refs):
+      *weights, out_ref = refs
+      weights = program.columns(weights[0]) if weighted else None
       cols = first_col + lax.broadcasted_iota(jnp.int32, shape, 1)
       logits = tile_ref[...].astype(jnp.float32)
-      grad = ce_math.dlogits_block(logits, cols, labels, rows, options, vocab_total)
+      grad = ce_math.dlogits_block(
+        logits, cols, labels, rows, options, vocab_total, weights
+      )
       grad = jnp.where(cols < n_cols, grad, 0.0)
       out_ref[...] = grad.astype(out_ref.dtype)
 
-    program.walk(body, [logits_ref], [out_ref])
+    program.walk(body, [logits_ref, *column_refs], [out_ref])
 
   program.with_rows([labels_ref, *row_refs], with_rows)
 
@@ -136,20 +155,15 @@ class MosaicChunkCE(base.MatmulThenCE):
   def _padded(self, x: base.ChunkInputs, head: base.HeadSpec) -> bool:
     """Whether the chunk's logits come from the Mosaic GEMM, padded to whole
     64-column tiles (``_matmul.mosaic_logits``, a bias added), for these
-    kernels alone: without class weights' columns (label smoothing's, whose
-    consumers read the logits' width), where that GEMM takes them
-    (``head.gemm`` is ``"mosaic"`` on a Hopper GPU alone)."""
-    return (
-      head.gemm == "mosaic"
-      and x.class_weights is None
-      and _matmul.mosaic_takes_logits(
-        x.hidden,
-        x.weight,
-        head.weight_layout,
-        head.logits_dtype,
-        bias=x.bias,
-        here=False,
-      )
+    kernels alone, where that GEMM takes them (``head.gemm`` is ``"mosaic"``
+    on a Hopper GPU alone)."""
+    return head.gemm == "mosaic" and _matmul.mosaic_takes_logits(
+      x.hidden,
+      x.weight,
+      head.weight_layout,
+      head.logits_dtype,
+      bias=x.bias,
+      here=False,
     )
 
   def dlogits_width(self, x: base.ChunkInputs, head: base.HeadSpec) -> int:
@@ -194,14 +208,16 @@ class MosaicChunkCE(base.MatmulThenCE):
     ``RowStats`` from one Mosaic GEMM, computed in its epilogue
     (``mosaic_stats.TileStats``), so nothing reads the logits back for them;
     the logits alone (statistics None) where that GEMM does not run (XLA's
-    GEMMs, a bias, class weights, shapes it does not take) and for float32
-    logits (whose tile would take all of the epilogue's registers).
+    GEMMs, a bias, shapes it does not take), with class weights (label
+    smoothing's, which the epilogue does not weigh the scores by) and for
+    float32 logits (whose tile would take all of the epilogue's registers).
 
     The statistics leave the padding of padded logits out, and the chunk's
     ``dlogits`` over them are padded alike (``_matmul`` reads them against
     the weight's columns only)."""
     sixteen_bits = jnp.dtype(head.logits_dtype).itemsize == 2
-    if not (self._padded(x, head) and sixteen_bits and x.bias is None):
+    plain = x.bias is None and x.class_weights is None
+    if not (self._padded(x, head) and sixteen_bits and plain):
       return self.chunk_logits(x, head), None
     n_cols = _matmul.vocab_size(x.weight, head.weight_layout)
     epilogue = mosaic_stats.TileStats(head.options, n_cols)
@@ -231,19 +247,31 @@ class MosaicChunkCE(base.MatmulThenCE):
       x, g_loss, head, out_dtype, valid=valid, columns=columns, into=into
     )
 
-  def forward(self, logits, labels, options):
+  def _fallback(self, class_weights) -> base.LogitsCE:
+    """What runs what the kernels do not take: ``fallback``, or with class
+    weights XLA's chunk (the Triton kernels take none)."""
+    return self.fallback() if class_weights is None else XlaChunkCE()
+
+  def forward(self, logits, labels, options, class_weights=None):
+    """``LogitsCE.forward``; ``class_weights`` (``[V]``, or the weight's
+    columns of padded logits) weigh the scores' sum (label smoothing's)."""
     n_cols = self.weight_columns or logits.shape[1]
+    if not options.label_smoothing:
+      class_weights = None  # what they weigh is not computed
+    weights = [] if class_weights is None else [class_weights.astype(jnp.float32)]
     if not takes(logits):
       logits = logits[:, :n_cols]  # the fallback reads the weight's columns only
-      return self.fallback().forward(logits, labels, options)
+      return self._fallback(class_weights).forward(logits, labels, options, *weights)
     n_rows, width = logits.shape
     grid = Grid.of(n_rows, width, self.tiles)
     out_type = [
       jax.ShapeDtypeStruct((grid.parts, n_rows), dtype)
       for dtype in mosaic_stats.out_dtypes(options)
     ]
-    kernel = functools.partial(_stats_kernel, options=options, n_cols=n_cols)
-    run = lambda logits, labels: launch(
+    kernel = functools.partial(
+      _stats_kernel, options=options, n_cols=n_cols, weighted=bool(weights)
+    )
+    run = lambda logits, labels, *weights: launch(
       kernel,
       "mst_ce_stats_mosaic",
       grid,
@@ -253,22 +281,43 @@ class MosaicChunkCE(base.MatmulThenCE):
       tiles=self.tiles,
       interpret=self.interpret,
       approx=mosaic_stats.approx_math(options),
+      columns=weights,
     )
-    outputs = _mosaic_gemm.unbatched(run)(logits, labels)
-    widths = mosaic_stats.part_widths(n_cols, grid.steps * self.tiles.block_v)
-    return mosaic_stats.combine(outputs, widths, n_cols, options)
+    outputs = _mosaic_gemm.unbatched(run)(logits, labels, *weights)
+    part_cols = grid.steps * self.tiles.block_v
+    widths = mosaic_stats.part_widths(n_cols, part_cols)
+    sums = None
+    if weights:  # each part's sum of class weights
+      (w,) = weights
+      w = jnp.pad(w, (0, grid.parts * part_cols - w.shape[0]))
+      sums = jnp.sum(w.reshape(grid.parts, part_cols), axis=1, keepdims=True)
+    return mosaic_stats.combine(outputs, widths, n_cols, options, sums)
 
   def backward(
-    self, logits, labels, rows, options, out_dtype, vocab_size=None, *, into=None
+    self,
+    logits,
+    labels,
+    rows,
+    options,
+    out_dtype,
+    vocab_size=None,
+    class_weights=None,
+    *,
+    into=None,
   ):
     """``LogitsCE.backward``; with ``into=(buffer, row)`` (``_writes_into``)
     the ``dlogits`` go into the buffer's rows from ``row`` on, in place, and
-    the buffer is returned."""
+    the buffer is returned. ``class_weights`` as in ``forward``, read where
+    ``rows.target_weight`` is given (label smoothing)."""
     n_rows, width = logits.shape
     n_cols = self.weight_columns or width
+    if rows.target_weight is None:
+      class_weights = None  # the label's weight is in coef_target
+    weights = [] if class_weights is None else [class_weights.astype(jnp.float32)]
     if not (takes(logits) and takes(jax.ShapeDtypeStruct(logits.shape, out_dtype))):
-      dlogits = self.fallback().backward(
-        logits, labels, rows, options, out_dtype, vocab_size or n_cols
+      weights = [jnp.pad(w, (0, width - w.shape[0])) for w in weights]
+      dlogits = self._fallback(class_weights).backward(
+        logits, labels, rows, options, out_dtype, vocab_size or n_cols, *weights
       )
       if n_cols == width:
         return dlogits
@@ -278,6 +327,8 @@ class MosaicChunkCE(base.MatmulThenCE):
     row_values = [labels, rows.lse, rows.coef_softmax, rows.coef_target]
     if options.entropy:
       row_values += [rows.coef_entropy, rows.expected_score]
+    if weights:
+      row_values.append(rows.target_weight)
     in_place = into is None and jnp.dtype(out_dtype) == logits.dtype
     kernel = functools.partial(
       _dlogits_kernel,
@@ -285,6 +336,7 @@ class MosaicChunkCE(base.MatmulThenCE):
       vocab_total=vocab_size or n_cols,
       n_cols=n_cols,
       in_place=in_place,
+      weighted=bool(weights),
     )
     run = functools.partial(
       launch,
@@ -296,6 +348,7 @@ class MosaicChunkCE(base.MatmulThenCE):
       tiles=self.tiles,
       interpret=self.interpret,
       approx=mosaic_stats.approx_math(options),
+      columns=weights,
     )
     if into is not None:  # into a group's buffer (XLA aliases it, as below)
       buffer, row = into

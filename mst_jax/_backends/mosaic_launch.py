@@ -140,24 +140,32 @@ class Program:
     rows = self.blocks.block_rows
     pl.run_scoped(scoped, *[plgpu.SMEM((rows,), v.dtype) for v in values])
 
+  def columns(self, ref):
+    """A walk's ``[block_v]`` tile of a ``[V]`` ref, loaded."""
+    return ref[...] if self.interpret else load_rows(ref, axis=0)
+
   def walk(self, body, ins, outs=(), *, init=None):
     """Runs ``body(col, *in_tiles, *out_tiles[, carry])`` over the program's
     tiles of the ``[R, V]`` refs ``ins`` and ``outs`` (``col``: the tile's
     first column; with ``shift``, ``outs`` are written that many row blocks
-    further down); returns the carry."""
+    further down); returns the carry. A ``[V]`` ref in ``ins`` gives the
+    tiles' columns of it (``columns`` loads them)."""
     rows, cols = self.blocks.block_rows, self.blocks.block_v
     row_block, part = self.index()
     out_block = row_block if self.shift is None else row_block + self.shift[0]
     tile_index = lambda step, row=row_block: (row, part * self.grid.steps + step)
     out_index = functools.partial(tile_index, row=out_block)
+    column_index = lambda step: tile_index(step)[1:]
     tile_body = lambda index, *args: body(tile_index(index[0])[1] * cols, *args)
+    index_of = lambda ref: tile_index if ref.ndim == 2 else column_index
     if self.interpret:
 
       def step(index, carry):
         window = lambda at: tuple(
-          pl.ds(i * size, size) for i, size in zip(at, (rows, cols), strict=True)
+          pl.ds(i * size, size)
+          for i, size in zip(at, (rows, cols)[-len(at) :], strict=True)
         )
-        tiles = [ref.at[window(tile_index(index))] for ref in ins]
+        tiles = [ref.at[window(index_of(ref)(index))] for ref in ins]
         tiles += [ref.at[window(out_index(index))] for ref in outs]
         if init is None:
           tile_body((index,), *tiles)
@@ -167,6 +175,8 @@ class Program:
       return lax.fori_loop(0, self.grid.steps, step, init)
 
     def spec(ref, index):
+      if ref.ndim == 1:  # a [V] vector's columns, in one TMA copy
+        return plgpu.BlockSpec((cols,), column_index)
       bits = jnp.dtype(ref.dtype).itemsize * 8
       swizzle = plgpu.find_swizzle(cols * bits)
       transforms = (
@@ -198,6 +208,7 @@ def launch(
   approx,
   new=None,
   at_row=None,
+  columns=(),
 ):
   """``kernel(..., program=)`` over ``grid``'s ``(row blocks, parts)``.
 
@@ -211,8 +222,10 @@ def launch(
   writes its rows ``at_row:at_row + R`` (``Program.shift``; ``R`` whole row
   blocks, nothing written past them). Row vectors and per-part outputs
   are padded to whole row blocks (the kernels move them whole, by TMA,
-  between device and shared memory). Returns the outputs, the new array, or
-  None.
+  between device and shared memory). ``columns``: ``[V]`` vectors (class
+  weights), which the kernel takes after the row vectors and walks beside
+  the arrays' tiles (padded with zeros to whole parts of whole tiles).
+  Returns the outputs, the new array, or None.
   """
   assert new is None or out_type is None, "a new array is written, not outputs"
   n_rows, n_cols = arrays[0].shape
@@ -220,6 +233,8 @@ def launch(
   body = functools.partial(kernel, program=program)
   padded_rows = grid.row_blocks * tiles.block_rows
   rows = [jnp.pad(r, (0, padded_rows - n_rows)) for r in rows]
+  padded_cols = grid.parts * grid.steps * tiles.block_v
+  rows += [jnp.pad(c, (0, padded_cols - c.shape[0])) for c in columns]
   written = out_type is None
   if at_row is not None:  # a [1] int32 argument before the others
     assert written and new is None and n_rows == padded_rows, "whole row blocks"
@@ -248,7 +263,6 @@ def launch(
     return [o[:, :n_rows] for o in outputs]
   # Interpret mode: the arrays padded too (TMA reads zeros past the ends and
   # drops writes there); the written one is an output aliased to its input.
-  padded_cols = grid.parts * grid.steps * tiles.block_v
   pad = lambda a: (
     (0, max(padded_rows, a.shape[0]) - a.shape[0]),
     (0, padded_cols - n_cols),

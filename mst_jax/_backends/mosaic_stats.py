@@ -27,15 +27,22 @@ def start(n_rows: int):
   return online.start(n_rows), zeros, jnp.zeros((n_rows,), jnp.int32)
 
 
-def merge(carry, tile, first_col, labels, options: ce_math.CEOptions, n_cols: int):
+def merge(
+  carry, tile, first_col, labels, options: ce_math.CEOptions, n_cols: int, weights=None
+):
   """Merges a ``[rows, columns]`` tile of logits (float32), whose first column
   is ``first_col``, into ``carry`` (``start``'s); ``labels`` relative to the
-  logits' first column; columns from ``n_cols`` on count for nothing."""
+  logits' first column; columns from ``n_cols`` on count for nothing.
+  ``weights``: the columns' class weights, float32 ``[columns]``, or None
+  (the scores' sum is then weighted by them)."""
   running, target, argmax = carry
   shape = tile.shape
   cols = first_col + lax.broadcasted_iota(jnp.int32, shape, 1)
   capped = ce_math.scores(tile, options)
-  new, live, block_max = online.update(running, capped, cols < n_cols, options)
+  if weights is not None:
+    weights = lax.broadcast_in_dim(weights, shape, (1,))
+  inside = cols < n_cols
+  new, live, block_max = online.update(running, capped, inside, options, weights)
   at_label = cols == ce_math.per_row(labels, shape)
   target = target + jnp.where(at_label, live, 0.0).sum(axis=1)
   # The first column of the tile's max, kept if it beats the earlier tiles.
@@ -63,11 +70,19 @@ def finish(carry, options: ce_math.CEOptions) -> list:
   return values
 
 
-def combine(outputs: list, widths: jax.Array, n_cols: int, options) -> ce_math.RowStats:
+def combine(
+  outputs: list, widths: jax.Array, n_cols: int, options, weight_sums=None
+) -> ce_math.RowStats:
   """Whole-row ``RowStats`` from ``finish``'s values of each part (stacked,
-  ``[parts, rows]``); ``widths``: each part's columns, float32 ``[parts, 1]``."""
+  ``[parts, rows]``); ``widths``: each part's columns, float32 ``[parts, 1]``;
+  ``weight_sums``: with class weights, each part's sum of them, likewise
+  (the parts' sums of scores are weighted by them)."""
   row_max, log_sum_exp, target, argmax, *rest = outputs
   total = rest.pop(0) if options.label_smoothing else jnp.zeros_like(target)
+  mean_weight = None
+  if weight_sums is not None:  # a part of weight 0 adds nothing
+    mean_weight = jnp.broadcast_to(weight_sums, target.shape)
+    widths = jnp.where(weight_sums > 0, weight_sums, 1.0)
   parts = ce_math.RowStats(
     row_max,
     log_sum_exp,
@@ -75,9 +90,10 @@ def combine(outputs: list, widths: jax.Array, n_cols: int, options) -> ce_math.R
     total / widths,
     argmax,
     expected_score=rest.pop(0) if options.entropy else None,
+    mean_weight=mean_weight,
   )
   # Each part's target is 0 unless it holds the label; argmax is global.
-  return ce_math.combine_stats(
+  stats = ce_math.combine_stats(
     parts,
     jnp.ones(target.shape, bool),
     0,
@@ -87,6 +103,11 @@ def combine(outputs: list, widths: jax.Array, n_cols: int, options) -> ce_math.R
     reduce_sum=functools.partial(jnp.sum, axis=0),
     reduce_min=functools.partial(jnp.min, axis=0),
   )
+  if mean_weight is None:
+    return stats
+  # No class of any weight: a mean of 0 (XLA's), which the loss weighs by 0.
+  mean_logit = jnp.where(stats.mean_weight > 0, stats.mean_logit, 0.0)
+  return stats._replace(mean_logit=mean_logit)
 
 
 def part_widths(n_cols: int, part_cols: int) -> jax.Array:

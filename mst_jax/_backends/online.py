@@ -24,7 +24,8 @@ class Running(NamedTuple):
   Attributes:
     row_max: the max score so far (-inf before any).
     sum_exp: ``sum exp(s - max_shift(row_max))`` so far.
-    total: the scores' sum (label smoothing; else stays 0).
+    total: the scores' sum, or their sum weighted by class weights (label
+      smoothing; else stays 0).
     weighted: ``sum exp(s - max_shift(row_max)) s`` (the entropy; else 0).
   """
 
@@ -40,7 +41,7 @@ def start(n_rows: int, dtype=jnp.float32) -> Running:
   return Running(jnp.full((n_rows,), -jnp.inf, dtype), zeros, zeros, zeros)
 
 
-def update(running: Running, capped, inside, options: ce_math.CEOptions):
+def update(running: Running, capped, inside, options: ce_math.CEOptions, weights=None):
   """Merges a block of scores into ``running``.
 
   Args:
@@ -49,6 +50,9 @@ def update(running: Running, capped, inside, options: ce_math.CEOptions):
     inside: bool, broadcastable to ``capped``: the columns inside the
       vocabulary (a ragged last block's others count for nothing).
     options: the loss options (which sums to keep).
+    weights: float32 class weights, broadcast like ``capped``, or None:
+      ``total`` sums the scores times them (a class of weight 0 adds 0, also
+      where its score is -inf).
 
   Returns:
     ``(running, live, block_max)``: the new sums, the block's scores with
@@ -65,6 +69,8 @@ def update(running: Running, capped, inside, options: ce_math.CEOptions):
   sum_exp = running.sum_exp * rescale + jnp.sum(unnormalized, axis=1)
   total, weighted = running.total, running.weighted
   if options.label_smoothing:
+    if weights is not None:
+      inside, capped = inside & (weights > 0), capped * weights
     total = total + jnp.sum(jnp.where(inside, capped, 0.0), axis=1)
   if options.entropy:  # a -inf score adds 0, not 0 * -inf
     spread = jnp.where(unnormalized > 0, unnormalized * live, 0.0)
