@@ -465,15 +465,9 @@ def test_class_weights_with_smoothing(rng, options, padded, out_dtype):
   stats = backend.forward(logits, labels, options, class_weights=w)
   loss = ce_math.row_outputs(stats, labels, valid, options, vocab, classes)[0]
   assert_close(loss, ref_loss, 1e-5, "loss", atol=1e-6)
+  no_lse_cotangent = jnp.zeros_like(g_loss)
   rows = ce_math.backward_rows(
-    g_loss,
-    jnp.zeros_like(g_loss),
-    stats.lse,
-    labels,
-    valid,
-    options,
-    vocab,
-    classes=classes,
+    g_loss, no_lse_cotangent, stats.lse, labels, valid, options, vocab, classes=classes
   )
   assert rows.target_weight is not None  # the kernel reads the columns' weights
   dlogits = backend.backward(logits, labels, rows, options, out_dtype, vocab, w)
