@@ -93,8 +93,8 @@ def linear_cross_entropy(
       ``weight``: a valid token's loss is ``(1 - eps) * w[y] * (lse - s[y]) +
       (eps / V) * sum_c w[c] * (lse - s[c])`` (plus its z-loss term,
       unweighted), and ``reduction="mean"`` divides by the sum of ``w[y]``
-      (times the token weights) over valid tokens. Data: not differentiated.
-      With smoothing only the XLA per-chunk backend takes them (pallas raises).
+      (times the token weights) over valid tokens. Non-negative data, not
+      differentiated; with smoothing not for ``impl="pallas"`` (it raises).
     ignore_index: label value that excludes a token.
     reduction: ``"mean"`` over valid tokens (exactly 0.0 when none is valid),
       ``"sum"``, or ``"none"`` (per token, shape of ``labels``, 0 at excluded

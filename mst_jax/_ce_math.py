@@ -180,7 +180,8 @@ def combine_stats(
   sum_exp = reduce_sum(part_sum_exp)
   first = jnp.where(parts.row_max == row_max, parts.argmax + offset, vocab_size)
   weight = width if parts.mean_weight is None else parts.mean_weight
-  mean_weight = None if parts.mean_weight is None else reduce_sum(parts.mean_weight)
+  total = reduce_sum(weight)  # 0 with no class of any weight: a mean of 0
+  mean_weight = None if parts.mean_weight is None else total
   expected = None
   if parts.expected_score is not None:
     # A part without probability mass (all its scores -inf) adds nothing,
@@ -193,7 +194,7 @@ def combine_stats(
     target=reduce_sum(jnp.where(here, parts.target, 0.0)),
     # A part of weight 0 (its classes all weighted 0) adds nothing.
     mean_logit=reduce_sum(jnp.where(weight > 0, parts.mean_logit * weight, 0.0))
-    / reduce_sum(weight),
+    / jnp.where(total > 0, total, 1.0),
     argmax=reduce_min(first),
     expected_score=expected,
     mean_weight=mean_weight,
@@ -281,8 +282,7 @@ def row_outputs(
       loss = loss + eps * m * (stats.row_max - stats.mean_logit + stats.log_sum_exp)
   if zl:
     loss = loss + zl * lse * lse
-  zero = jnp.zeros_like(lse)
-  entropy = zero
+  entropy = zero = jnp.zeros_like(lse)
   if options.entropy:
     # lse - E with the max taken out of both: scores of a row's own magnitude.
     entropy = stats.log_sum_exp - (stats.expected_score - stats.row_max)

@@ -164,11 +164,37 @@ def test_uniform_class_weights_change_nothing(rng):
   np.testing.assert_allclose(np.asarray(weighted), np.asarray(plain), rtol=1e-6)
 
 
-def test_all_weights_zero_gives_zero_mean(rng):
-  problem = make_problem(rng, (9,), dtype="float32", mask="none")
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize(
+  "kwargs",
+  [dict(), dict(label_smoothing=0.3, vocab_block_size=256, impl="xla")],
+  ids=["plain", "smoothed_blocks"],
+)
+def test_all_weights_zero_give_zero_loss(rng, reduction, kwargs):
+  """No class of any weight: a loss of exactly 0 (the mean's denominator is
+  0, and with smoothing so is the weighted mean's over the vocabulary
+  blocks), with zero gradients."""
+  problem = make_problem(rng, (9,), dim=32, vocab=1001, dtype="float32", mask="none")
   zeros = jnp.zeros(problem.weight.shape[0])
-  loss = mst_jax.linear_cross_entropy(*problem.args[:3], class_weights=zeros)
-  assert float(loss) == 0.0
+
+  def loss(hidden, weight):
+    return jnp.sum(
+      mst_jax.linear_cross_entropy(
+        hidden,
+        weight,
+        problem.labels,
+        class_weights=zeros,
+        reduction=reduction,
+        **kwargs,
+      )
+    )
+
+  value, grads = jax.value_and_grad(loss, argnums=(0, 1))(
+    problem.hidden, problem.weight
+  )
+  assert float(value) == 0.0
+  for g in grads:
+    assert not np.asarray(g).any()
 
 
 def test_bad_class_weights_raise(rng):

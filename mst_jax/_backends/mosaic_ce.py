@@ -21,8 +21,9 @@ them, and ``dlogits`` read each column's weight (``ce_math.dlogits_block``).
 A loss and its gradient in one sweep are the two kernels in turn (the Triton
 backend fuses them into one launch, which measured faster on the H200:
 docs/benchmarks.md). Where the Mosaic GEMM forms the chunk's 16-bit logits (no
-bias, no class weights), the statistics come from that GEMM's epilogue instead
-(``mosaic_stats.TileStats``) and only ``_dlogits_kernel`` reads the logits.
+bias, no class weights with smoothing), the statistics come from that GEMM's
+epilogue instead (``mosaic_stats.TileStats``) and only ``_dlogits_kernel``
+reads the logits.
 
 The kernels take logits of ``8 i`` rows and ``64 j`` columns (``32 j`` in
 float32: whole TMA tiles, ``mosaic_launch.takes``). The Mosaic GEMM forms
@@ -139,7 +140,8 @@ class MosaicChunkCE(base.MatmulThenCE):
   Attributes:
     fallback: makes the ``LogitsCE`` for what the kernels do not take (other
       shapes and dtypes, an ``into`` that ``_writes_into`` refuses), called
-      only when a chunk needs it.
+      only when a chunk needs it; with class weights XLA's chunk runs
+      instead (``_fallback``).
     tiles: the kernels' tiles.
     interpret: run the kernels in Pallas interpret mode (on a CPU too).
     weight_columns: the weight's number of columns, where the logits are

@@ -33,8 +33,8 @@ def merge(
   """Merges a ``[rows, columns]`` tile of logits (float32), whose first column
   is ``first_col``, into ``carry`` (``start``'s); ``labels`` relative to the
   logits' first column; columns from ``n_cols`` on count for nothing.
-  ``weights``: the columns' class weights, float32 ``[columns]``, or None
-  (the scores' sum is then weighted by them)."""
+  ``weights``: the columns' class weights, float32 ``[columns]``, which
+  weigh the scores' sum; or None."""
   running, target, argmax = carry
   shape = tile.shape
   cols = first_col + lax.broadcasted_iota(jnp.int32, shape, 1)
@@ -76,7 +76,7 @@ def combine(
   """Whole-row ``RowStats`` from ``finish``'s values of each part (stacked,
   ``[parts, rows]``); ``widths``: each part's columns, float32 ``[parts, 1]``;
   ``weight_sums``: with class weights, each part's sum of them, likewise
-  (the parts' sums of scores are weighted by them)."""
+  (the parts' sums of scores are then sums weighted by the class weights)."""
   row_max, log_sum_exp, target, argmax, *rest = outputs
   total = rest.pop(0) if options.label_smoothing else jnp.zeros_like(target)
   mean_weight = None
@@ -93,7 +93,7 @@ def combine(
     mean_weight=mean_weight,
   )
   # Each part's target is 0 unless it holds the label; argmax is global.
-  stats = ce_math.combine_stats(
+  return ce_math.combine_stats(
     parts,
     jnp.ones(target.shape, bool),
     0,
@@ -103,11 +103,6 @@ def combine(
     reduce_sum=functools.partial(jnp.sum, axis=0),
     reduce_min=functools.partial(jnp.min, axis=0),
   )
-  if mean_weight is None:
-    return stats
-  # No class of any weight: a mean of 0 (XLA's), which the loss weighs by 0.
-  mean_logit = jnp.where(stats.mean_weight > 0, stats.mean_logit, 0.0)
-  return stats._replace(mean_logit=mean_logit)
 
 
 def part_widths(n_cols: int, part_cols: int) -> jax.Array:
