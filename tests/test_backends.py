@@ -7,6 +7,7 @@ other, not with it.
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 import warnings
@@ -20,6 +21,7 @@ from conftest import assert_close, has_gpu
 from mst_jax import _backends as backends
 from mst_jax import _ce_math as ce_math
 from mst_jax import _mosaic_gemm, reference
+from mst_jax._backends import pallas_triton
 from mst_jax._backends.mosaic_ce import MosaicChunkCE
 from mst_jax._backends.pallas_triton import KernelBlocks, PallasTritonChunkCE
 
@@ -350,3 +352,25 @@ def test_triton_deprecation_warning_shows_once_per_process():
   )
   stderr = _run_fresh_process(code, "always::DeprecationWarning")
   assert stderr.count("Pallas Triton backend is deprecated") <= 1, stderr
+
+
+def test_the_triton_probe_keeps_quiet(monkeypatch):
+  """``smoke_test`` (which the Mosaic kernels' planning may call about a
+  fallback the step never uses) hides Pallas's Triton deprecation warning
+  raised while it lowers, and no other warning; here on a CPU, with a
+  kernel that warns as jax 0.11's lowering does."""
+
+  def forward(self, logits, labels, options, message):
+    warnings.warn(message, DeprecationWarning, stacklevel=2)
+    return logits.sum()
+
+  for message, hidden in (
+    ("The Pallas Triton backend is deprecated and will be removed.", True),
+    ("something else is deprecated", False),
+  ):
+    patched = functools.partialmethod(forward, message=message)
+    monkeypatch.setattr(pallas_triton.PallasTritonChunkCE, "forward", patched)
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      pallas_triton.smoke_test()
+    assert (not caught) == hidden, [str(w.message) for w in caught]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +30,7 @@ from jax.experimental.pallas import triton as plgpu
 from mst_jax import _ce_math as ce_math
 from mst_jax._backends import base, online
 from mst_jax._backends.triton_common import (
+  DEPRECATION,
   KernelBlocks,  # noqa: F401 -- imported from here by tests and the benchmark
   TritonKernels,
   label_logits,
@@ -305,11 +307,16 @@ def smoke_test() -> None:
   """Lowers and compiles the statistics kernel for the default device.
 
   Only lowers and compiles (no execution), so it is safe to call while a
-  caller's function is being traced.
+  caller's function is being traced. Quiet about Pallas's Triton
+  deprecation: this is a probe (the Mosaic kernels' planning asks it about
+  a fallback that a step may not use), and the kernels a step does run
+  warn as they lower.
   """
   logits = jax.ShapeDtypeStruct((3, 130), jnp.float32)
   labels = jax.ShapeDtypeStruct((3,), jnp.int32)
   forward = functools.partial(
     PallasTritonChunkCE().forward, options=ce_math.CEOptions()
   )
-  jax.jit(forward).lower(logits, labels).compile()
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", DEPRECATION, DeprecationWarning)
+    jax.jit(forward).lower(logits, labels).compile()

@@ -19,9 +19,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from mst_jax._ce_math import at_least_float32
 
-warnings.filterwarnings(
-  "once", message=".*Pallas Triton backend is deprecated.*", category=DeprecationWarning
-)
+DEPRECATION = ".*Pallas Triton backend is deprecated"  # jax 0.11's warning
+warnings.filterwarnings("once", message=DEPRECATION, category=DeprecationWarning)
 
 
 def _is_power_of_2(value: int) -> bool:
