@@ -31,7 +31,7 @@ STATIC_ARGNAMES = (
 )
 
 
-@jax.jit(static_argnames=STATIC_ARGNAMES)
+@_options.public_jit(STATIC_ARGNAMES)
 def linear_cross_entropy(
   hidden: jax.Array,
   weight: jax.Array,

@@ -48,7 +48,7 @@ STATIC_ARGNAMES = (
 # ---- The public function. ----
 
 
-@jax.jit(static_argnames=STATIC_ARGNAMES)
+@_options.public_jit(STATIC_ARGNAMES)
 def linear_distillation_loss(
   student_hidden: jax.Array,
   student_weight: jax.Array,

@@ -23,7 +23,7 @@ STATIC_ARGNAMES = (
 )
 
 
-@jax.jit(static_argnames=STATIC_ARGNAMES)
+@_options.public_jit(STATIC_ARGNAMES)
 def linear_log_probs(
   hidden: jax.Array,
   weight: jax.Array,

@@ -10,6 +10,8 @@ field lists from here. Every check runs on Python values, at trace time.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import math
 import operator
 from collections.abc import Mapping
@@ -23,6 +25,53 @@ from mst_jax._ce_math import CEOptions, at_least_float32
 REDUCTIONS = ("mean", "sum", "none")
 IMPLEMENTATIONS = (None, "xla", "pallas", "mosaic", "reference")
 GRAD_MODES = (None, "fused", "recompute")
+
+
+def public_jit(static_argnames):
+  """``jax.jit`` for a public function, its options as ``static_argnames``.
+
+  Python checks the arguments' names first, so a misspelt keyword raises the
+  usual ``TypeError`` naming it (``jax.jit`` alone would try to read its value
+  as an array). A concrete array scalar given for an option is taken as its
+  Python value; a traced one raises ``TypeError``: options are static.
+  """
+
+  def wrap(fn):
+    jitted = jax.jit(fn, static_argnames=static_argnames)
+    static = frozenset(static_argnames)
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+      try:
+        signature.bind(*args, **kwargs)
+      except TypeError as error:
+        raise TypeError(f"{fn.__name__}() {error}") from None
+      for name in static & kwargs.keys():
+        kwargs[name] = _static_value(name, kwargs[name])
+      return jitted(*args, **kwargs)
+
+    call.lower, call.trace, call.eval_shape = (
+      jitted.lower,
+      jitted.trace,
+      jitted.eval_shape,
+    )
+    return call
+
+  return wrap
+
+
+def _static_value(name: str, value):
+  if not isinstance(value, (jax.Array, np.ndarray)):
+    return value
+  try:
+    if np.ndim(value) == 0:
+      return value.item()
+  except jax.errors.ConcretizationTypeError:
+    pass
+  raise TypeError(
+    f"{name} is a static option: pass a Python value, not an array ({value!r})."
+  )
 
 
 def check_choice(name: str, value, choices) -> None:

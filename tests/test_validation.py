@@ -135,3 +135,44 @@ def test_empty_batch_gives_zero_loss_and_gradients():
   assert float(loss) == 0.0 and loss.dtype == jnp.float32
   assert grads[0].shape == (0, D)
   np.testing.assert_array_equal(grads[1], 0.0)
+
+
+_PUBLIC = {
+  "linear_cross_entropy": lambda **kw: mst_jax.linear_cross_entropy(**_args(), **kw),
+  "linear_log_probs": lambda **kw: mst_jax.linear_log_probs(**_args(), **kw),
+  "linear_distillation_loss": lambda **kw: mst_jax.linear_distillation_loss(
+    jnp.ones((N, D)), jnp.ones((V, D)), jnp.ones((N, D)), jnp.ones((V, D)), **kw
+  ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_PUBLIC))
+@pytest.mark.parametrize("typo", ["reducton", "weight_layot", "reduction_"])
+def test_a_misspelt_keyword_is_named(name, typo):
+  """Whatever its value (a string too, which jit alone reads as an array)."""
+  for value in ("sum", 0.5):
+    with pytest.raises(TypeError, match=rf"{name}\(\) .*keyword .*'{typo}'"):
+      _PUBLIC[name](**{typo: value})
+
+
+def test_log_probs_take_no_reduction():
+  with pytest.raises(TypeError, match="unexpected keyword argument 'reduction'"):
+    _PUBLIC["linear_log_probs"](reduction="sum")
+
+
+def test_an_array_scalar_option_is_its_python_value(rng):
+  import jax
+
+  args = _args(
+    hidden=jnp.asarray(rng.standard_normal((N, D)), jnp.float32),
+    weight=jnp.asarray(rng.standard_normal((V, D)), jnp.float32),
+    labels=jnp.asarray(rng.integers(0, V, N), jnp.int32),
+  )
+  loss = mst_jax.linear_cross_entropy
+  want = loss(**args, label_smoothing=0.3, ignore_index=2)
+  got = loss(**args, label_smoothing=jnp.float32(0.3), ignore_index=np.int64(2))
+  np.testing.assert_array_equal(got, want)
+  with pytest.raises(TypeError, match="label_smoothing is a static option"):
+    jax.jit(lambda s: loss(**args, label_smoothing=s))(0.3)
+  with pytest.raises(TypeError, match="z_loss is a static option"):
+    loss(**args, z_loss=jnp.ones(2))
