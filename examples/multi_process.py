@@ -180,7 +180,9 @@ def run(args: argparse.Namespace) -> int:
       f" dhidden {errors[1]:.1e}, dweight {errors[2]:.1e}"
     )
   verdict = "match" if worst <= TOLERANCE else "DO NOT match"
-  print(f"The multi-process results {verdict} one process (worst {worst:.1e}).")
+  print(
+    f"verdict: the multi-process results {verdict} one process (worst {worst:.1e})."
+  )
   return 0 if worst <= TOLERANCE else 1
 
 

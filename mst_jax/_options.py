@@ -34,6 +34,9 @@ def public_jit(static_argnames):
   usual ``TypeError`` naming it (``jax.jit`` alone would try to read its value
   as an array). A concrete array scalar given for an option is taken as its
   Python value; a traced one raises ``TypeError``: options are static.
+  The wrapper carries none of jit's attributes (``lower``, ``trace``):
+  ``jax.grad``'s wrapper copies a function's ``__dict__``, so
+  ``jax.jit(jax.grad(f)).lower`` would lower ``f`` alone.
   """
 
   def wrap(fn):
@@ -51,11 +54,6 @@ def public_jit(static_argnames):
         kwargs[name] = _static_value(name, kwargs[name])
       return jitted(*args, **kwargs)
 
-    call.lower, call.trace, call.eval_shape = (
-      jitted.lower,
-      jitted.trace,
-      jitted.eval_shape,
-    )
     return call
 
   return wrap
@@ -241,6 +239,19 @@ class HeadLossOptions(PerfOptions, LossOptions):
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(LossOptions)) + tuple(
   f.name for f in dataclasses.fields(PerfOptions)
 )
+
+
+def head_options(owner: str, options: Mapping) -> HeadLossOptions:
+  """A Flax head's ``HeadLossOptions`` from its keywords; an unknown one
+  raises ``TypeError`` naming ``owner`` and the options it takes."""
+  names = [f.name for f in dataclasses.fields(HeadLossOptions)]
+  unknown = sorted(set(options) - set(names))
+  if unknown:
+    raise TypeError(
+      f"{owner} got unexpected keyword argument(s) {unknown}; its loss options"
+      f" are {names}."
+    )
+  return HeadLossOptions(**options)
 
 
 def resolve_logits_dtype(requested: np.dtype | None, dtype: np.dtype) -> np.dtype:

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax.linen.linear import default_kernel_init
 
 from mst_jax import _flax_head as head
-from mst_jax._options import HeadLossOptions
+from mst_jax._options import HeadLossOptions, head_options
 
 
 class LMHeadLoss(nn.Module):
@@ -63,9 +63,10 @@ class LMHeadLoss(nn.Module):
   @classmethod
   def create(cls, vocab_size: int, **kwargs) -> LMHeadLoss:
     """``LMHeadLoss`` with loss options given as keywords (``z_loss=...``)."""
-    fields = {f.name for f in dataclasses.fields(HeadLossOptions)}
-    options = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
-    return cls(vocab_size, options=HeadLossOptions(**options), **kwargs)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    options = {k: kwargs.pop(k) for k in list(kwargs) if k not in fields}
+    options = head_options("LMHeadLoss.create()", options)
+    return cls(vocab_size, options=options, **kwargs)
 
   @nn.compact
   def _weight(self, in_features: int, embedding: jax.Array | None):

@@ -8,7 +8,7 @@ from flax import nnx
 from flax.nnx.nn.linear import default_bias_init, default_kernel_init
 
 from mst_jax import _flax_head as head
-from mst_jax._options import HeadLossOptions
+from mst_jax._options import head_options
 
 
 class LMHeadLoss(nnx.Module):
@@ -71,7 +71,7 @@ class LMHeadLoss(nnx.Module):
     rngs: nnx.Rngs,
     **options,
   ):
-    self.options = HeadLossOptions(**options)
+    self.options = head_options("LMHeadLoss", options)
     if embedding is not None:
       table_shape = (embedding.num_embeddings, embedding.features)
       if table_shape != (vocab_size, in_features):

@@ -342,6 +342,12 @@ def test_bad_module_arguments_raise_at_construction():
     mst_jax.linen.LMHeadLoss.create(V, vocab_block_size=0)
   with pytest.raises(TypeError, match="logits_dtype"):
     mst_jax.nnx.LMHeadLoss(D, V, logits_dtype="int32", rngs=nnx.Rngs(0))
+  with pytest.raises(TypeError, match=r"^LMHeadLoss got .*\['z_los'\]"):
+    mst_jax.nnx.LMHeadLoss(D, V, z_los=1e-4, rngs=nnx.Rngs(0))
+  with pytest.raises(TypeError, match=r"^LMHeadLoss.create\(\) got .*\['z_los'\]"):
+    mst_jax.linen.LMHeadLoss.create(V, z_los=1e-4, use_bias=True)
+  with pytest.raises(TypeError, match="weight_layout"):
+    mst_jax.nnx.LMHeadLoss(D, V, weight_layout="vd", rngs=nnx.Rngs(0))
 
 
 @pytest.mark.parametrize("module", ["mst_jax._api", "mst_jax.nnx", "mst_jax.linen"])

@@ -176,3 +176,31 @@ def test_an_array_scalar_option_is_its_python_value(rng):
     jax.jit(lambda s: loss(**args, label_smoothing=s))(0.3)
   with pytest.raises(TypeError, match="z_loss is a static option"):
     loss(**args, z_loss=jnp.ones(2))
+
+
+@pytest.mark.parametrize("name", sorted(_PUBLIC))
+def test_jit_of_grad_lowers_the_gradient(name, rng):
+  """``jax.jit(jax.grad(f)).lower(...)`` compiles the gradient, not ``f``'s
+  forward alone (``jax.grad``'s wrapper copies ``f``'s attributes)."""
+  import jax
+
+  arrays = [rng.standard_normal(s) for s in ((N, D), (V, D), (N, D))]
+  labels = jnp.asarray(rng.integers(0, V, N), jnp.int32)
+
+  def grad(module, hidden, weight, teacher):
+    f = getattr(module, name)  # transformed directly, not through a lambda
+    if "distill" in name:
+      return jax.grad(f), (hidden, weight, teacher, weight, labels)
+    return (jax.jacrev if "log_probs" in name else jax.grad)(f), (
+      hidden,
+      weight,
+      labels,
+    )
+
+  fn, args = grad(mst_jax, *(jnp.asarray(x, jnp.float32) for x in arrays))
+  got = jax.jit(fn).lower(*args).compile()(*args)
+  with jax.enable_x64(True):
+    fn, args = grad(mst_jax.reference, *(jnp.asarray(x) for x in arrays))
+    want = fn(*args)
+  assert got.shape == want.shape
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
