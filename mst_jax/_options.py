@@ -43,13 +43,27 @@ def public_jit(static_argnames):
     jitted = jax.jit(fn, static_argnames=static_argnames)
     static = frozenset(static_argnames)
     signature = inspect.signature(fn)
+    names = frozenset(signature.parameters)
+    positional = [
+      p for p in signature.parameters.values() if p.kind == p.POSITIONAL_OR_KEYWORD
+    ]
+
+    def well_formed(args, kwargs) -> bool:  # what bind checks, quicker
+      given, rest = positional[: len(args)], positional[len(args) :]
+      return (
+        len(args) <= len(positional)
+        and names.issuperset(kwargs)
+        and not any(p.name in kwargs for p in given)
+        and all(p.name in kwargs for p in rest if p.default is p.empty)
+      )
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-      try:
-        signature.bind(*args, **kwargs)
-      except TypeError as error:
-        raise TypeError(f"{fn.__name__}() {error}") from None
+      if not well_formed(args, kwargs):
+        try:
+          signature.bind(*args, **kwargs)
+        except TypeError as error:
+          raise TypeError(f"{fn.__name__}() {error}") from None
       for name in static & kwargs.keys():
         kwargs[name] = _static_value(name, kwargs[name])
       return jitted(*args, **kwargs)
@@ -60,7 +74,7 @@ def public_jit(static_argnames):
 
 
 def _static_value(name: str, value):
-  if not isinstance(value, (jax.Array, np.ndarray)):
+  if not isinstance(value, (jax.Array, np.ndarray, np.generic)):
     return value
   try:
     if np.ndim(value) == 0:
@@ -241,15 +255,17 @@ OPTION_NAMES = tuple(f.name for f in dataclasses.fields(LossOptions)) + tuple(
 )
 
 
-def head_options(owner: str, options: Mapping) -> HeadLossOptions:
+def head_options(owner: str, options: Mapping, also=()) -> HeadLossOptions:
   """A Flax head's ``HeadLossOptions`` from its keywords; an unknown one
-  raises ``TypeError`` naming ``owner`` and the options it takes."""
+  raises ``TypeError`` naming ``owner`` and the options it takes (``also``:
+  its other keywords, to list beside them)."""
   names = [f.name for f in dataclasses.fields(HeadLossOptions)]
   unknown = sorted(set(options) - set(names))
   if unknown:
+    others = f", besides {list(also)}" if also else ""
     raise TypeError(
       f"{owner} got unexpected keyword argument(s) {unknown}; its loss options"
-      f" are {names}."
+      f" are {names}{others}."
     )
   return HeadLossOptions(**options)
 

@@ -65,7 +65,7 @@ class LMHeadLoss(nn.Module):
     """``LMHeadLoss`` with loss options given as keywords (``z_loss=...``)."""
     fields = {f.name for f in dataclasses.fields(cls)}
     options = {k: kwargs.pop(k) for k in list(kwargs) if k not in fields}
-    options = head_options("LMHeadLoss.create()", options)
+    options = head_options("LMHeadLoss.create()", options, also=sorted(fields))
     return cls(vocab_size, options=options, **kwargs)
 
   @nn.compact

@@ -169,8 +169,10 @@ def test_an_array_scalar_option_is_its_python_value(rng):
     labels=jnp.asarray(rng.integers(0, V, N), jnp.int32),
   )
   loss = mst_jax.linear_cross_entropy
-  want = loss(**args, label_smoothing=0.3, ignore_index=2)
-  got = loss(**args, label_smoothing=jnp.float32(0.3), ignore_index=np.int64(2))
+  want = loss(**args, label_smoothing=0.25, ignore_index=2, shift=True)
+  got = loss(
+    **args, label_smoothing=jnp.float32(0.25), ignore_index=jnp.int32(2), shift=np.True_
+  )
   np.testing.assert_array_equal(got, want)
   with pytest.raises(TypeError, match="label_smoothing is a static option"):
     jax.jit(lambda s: loss(**args, label_smoothing=s))(0.3)
