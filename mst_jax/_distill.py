@@ -352,8 +352,8 @@ def _prepare_heads(student, teacher, labels, where, options, layout):
   teacher_hidden, teacher_weight, _ = teacher
   student_hidden = jnp.asarray(student_hidden)
   teacher_hidden, teacher_weight = map(jnp.asarray, (teacher_hidden, teacher_weight))
-  if labels is None:
-    labels = jnp.zeros(student_hidden.shape[:-1], jnp.int32)
+  if labels is None:  # every token counts: fill with a label that is not ignored
+    labels = jnp.full(student_hidden.shape[:-1], options.ignore_index == 0, jnp.int32)
   rows = _prepare_head(
     "student", student_hidden, *student[1:], labels, where, options, layout
   )

@@ -6,10 +6,15 @@ on float64 inputs) for the chunked path's hand-written gradient. It is written
 from the definitions (``P = softmax(s_t / T)``, ``Q = softmax(s_s / T)``,
 ``M = beta P + (1 - beta) Q``, the KL divergences as sums of ``P log(P / Q)``),
 independently of ``_distill_math``, whose options it takes; the hard-label term
-is the cross-entropy reference's (``_full_logits``).
+is the cross-entropy reference's (``_full_logits``). The logarithms come from
+``log_softmax`` (``log M`` from ``logaddexp``), not from the probabilities: a
+probability that underflows to 0 beside a small nonzero one would make
+``log(P / Q)`` infinite where the divergence is finite.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -55,11 +60,13 @@ def row_losses(
   )
 
 
-def _kl(a: jax.Array, b: jax.Array) -> jax.Array:
-  """``sum_j a_j log(a_j / b_j)`` per row, by the definition. A class with
-  ``a_j = 0`` adds 0; the inner ``where`` keeps its gradient finite too."""
+def _kl(log_a: jax.Array, log_b: jax.Array) -> jax.Array:
+  """``sum_j a_j log(a_j / b_j)`` per row, from ``log a`` and ``log b``. A
+  class with ``a_j = 0`` adds 0; the inner ``where`` keeps its gradient finite
+  too."""
+  a = jnp.exp(log_a)
   present = a > 0
-  log_ratio = jnp.log(jnp.where(present, a, 1.0)) - jnp.log(jnp.where(present, b, 1.0))
+  log_ratio = jnp.where(present, log_a, 0.0) - jnp.where(present, log_b, 0.0)
   return jnp.sum(jnp.where(present, a * log_ratio, 0.0), axis=-1)
 
 
@@ -73,21 +80,28 @@ def losses_from_logits(
   """Per-row loss from ``[N, V]`` raw logits of both heads; see ``row_losses``."""
   head, temperature = options.scores, options.temperature
 
-  def probs(logits):
+  def log_probs(logits):
     scores = logits * head.logit_scale
     if head.logit_softcap is not None:
       scores = head.logit_softcap * jnp.tanh(scores / head.logit_softcap)
-    return jax.nn.softmax(scores / temperature, axis=-1)
+    return jax.nn.log_softmax(scores / temperature, axis=-1)
 
-  q, p = probs(student_logits), probs(teacher_logits)
+  log_q, log_p = log_probs(student_logits), log_probs(teacher_logits)
   if options.divergence == "forward_kl":
-    loss = _kl(p, q)
+    loss = _kl(log_p, log_q)
   elif options.divergence == "reverse_kl":
-    loss = _kl(q, p)
+    loss = _kl(log_q, log_p)
   else:
     beta = options.beta
-    m = beta * p + (1.0 - beta) * q
-    loss = beta * _kl(p, m) + (1.0 - beta) * _kl(q, m)
+    # Where both are -inf (a class banned in both heads), so is log M; the
+    # inner where keeps logaddexp's gradient there finite.
+    both = (log_p == -jnp.inf) & (log_q == -jnp.inf)
+    log_m = jnp.logaddexp(
+      math.log(beta) + jnp.where(both, 0.0, log_p),
+      math.log1p(-beta) + jnp.where(both, 0.0, log_q),
+    )
+    log_m = jnp.where(both, -jnp.inf, log_m)
+    loss = beta * _kl(log_p, log_m) + (1.0 - beta) * _kl(log_q, log_m)
   if options.hard_label_weight:
     # The student's cross-entropy at temperature 1, the CE reference's.
     hard, *_ = _full_logits.losses_from_logits(

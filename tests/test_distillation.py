@@ -494,6 +494,77 @@ def test_the_oracle_follows_the_definitions(rng):
       np.testing.assert_allclose(got, value + weight * ce, rtol=1e-6)
 
 
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])
+def test_the_oracle_is_finite_where_probabilities_underflow(rng, divergence):
+  """At T = 0.02 most probabilities underflow, in float32 and in float64;
+  the divergences stay finite (the JSD below log 2): the reference against
+  numpy in log space, and float32 against float64."""
+  pair = make_pair(rng, mask="none")
+  temperature, beta = 0.02, 0.3
+  logits = [
+    np.asarray(h, np.float64) @ np.asarray(w, np.float64).T / temperature
+    for h, w in [
+      (pair.teacher_hidden, pair.teacher_weight),
+      (pair.student_hidden, pair.student_weight),
+    ]
+  ]
+  log_p, log_q = (x - np.logaddexp.reduce(x, axis=1, keepdims=True) for x in logits)
+  kl = lambda la, lb: np.sum(np.exp(la) * (la - lb), axis=1)
+  log_m = np.logaddexp(np.log(beta) + log_p, np.log1p(-beta) + log_q)
+  want = {
+    "forward_kl": kl(log_p, log_q),
+    "reverse_kl": kl(log_q, log_p),
+    "jsd": beta * kl(log_p, log_m) + (1 - beta) * kl(log_q, log_m),
+  }[divergence]
+  assert np.isfinite(want).all() and (np.exp(log_q) == 0).any()
+  options = dict(
+    divergence=divergence,
+    beta=beta if divergence == "jsd" else 0.5,
+    temperature=temperature,
+    reduction="none",
+  )
+  with jax.enable_x64(True):
+    got = mst_jax.reference.linear_distillation_loss(
+      *(
+        jnp.asarray(to64(x))
+        for x in (
+          pair.student_hidden,
+          pair.student_weight,
+          pair.teacher_hidden,
+          pair.teacher_weight,
+        )
+      ),
+      pair.labels,
+      **options,
+    )
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9)
+  cotangent = np.ones(want.shape, np.float32)
+  loss, grads, _ = value_and_grads(
+    mst_jax.reference.linear_distillation_loss, pair, cotangent, **options
+  )
+  ref_loss, ref_grads, _ = oracle(pair, cotangent, **options)
+  assert_close(loss, ref_loss, 1e-4, "float32 reference")
+  for got_grad, ref_grad in zip(grads, ref_grads, strict=True):
+    assert_close(got_grad, ref_grad, 1e-3, "float32 reference gradient")
+
+
+@pytest.mark.parametrize("ignore_index", [0, 5, -100])
+def test_without_labels_every_token_counts(rng, ignore_index):
+  """``ignore_index`` excludes tokens by their label: without labels it
+  excludes none, whatever its value."""
+  pair = make_pair(rng, mask="none", labels=False)
+  ref_loss, ref_grads, _ = oracle(pair)
+  assert ref_loss > 0
+  for fn, options in [
+    (mst_jax.linear_distillation_loss, dict(chunk_size=CHUNK)),
+    (mst_jax.reference.linear_distillation_loss, {}),
+  ]:
+    loss, grads, _ = value_and_grads(fn, pair, ignore_index=ignore_index, **options)
+    assert_close(loss, ref_loss, LOSS_RTOL["float32"], "loss")
+    for got_grad, ref_grad in zip(grads, ref_grads, strict=True):
+      assert_close(got_grad, ref_grad, GRAD_RTOL["float32"], "gradient")
+
+
 def _dot_general_shapes(fn, *args):
   """Output shapes of every dot_general in ``fn``'s jaxpr (sub-jaxprs too)."""
 
