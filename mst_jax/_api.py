@@ -244,7 +244,7 @@ def per_row_outputs(
 ):
   """Per-row ``(loss, lse, correct, entropy)`` (the loss reduced with
   ``weights`` already when the gradient is formed in the forward)."""
-  n_rows = rows.hidden.shape[0]
+  n_rows, perf = rows.hidden.shape[0], _options.for_manual_axes(perf, rows.hidden)
   if perf.impl == "reference" or n_rows == 0:
     if layout is not None and n_rows:
       if not layout.from_inputs:

@@ -20,6 +20,7 @@ from mst_jax import (
   _distill_driver,
   _full_distill,
   _inputs,
+  _manual_axes,
   _matmul,
   _mesh,
   _options,
@@ -208,6 +209,7 @@ def linear_distillation_loss(
     options,
     weight_layout,
   )
+  perf = _options.for_manual_axes(perf, student.hidden)
   x = Heads(
     student.hidden,
     student.weight,
@@ -375,4 +377,4 @@ def _prepare_heads(student, teacher, labels, where, options, layout):
   teacher_rows = _prepare_head(
     "teacher", teacher_hidden, *teacher[1:], labels, where, options, layout
   )
-  return rows, teacher_rows
+  return _manual_axes.common((rows, teacher_rows))  # inside a caller's shard_map

@@ -18,7 +18,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mst_jax import _matmul
+from mst_jax import _manual_axes, _matmul
 from mst_jax._ce_math import at_least_float32
 from mst_jax._options import LossOptions, check_choice
 
@@ -225,7 +225,7 @@ def prepare(
     target = jnp.where(in_range, class_weights[jnp.clip(flat, 0, vocab_size - 1)], 0.0)
     mean = jnp.full(flat.shape, jnp.mean(class_weights))
     classes = dict(class_weights=class_weights, target_weight=target, mean_weight=mean)
-  return Rows(
+  rows = Rows(
     hidden=hidden.reshape(-1, dim),
     weight=weight,
     bias=bias,
@@ -236,6 +236,7 @@ def prepare(
     token_weights=None if token_weights is None else token_weights.reshape(-1),
     **classes,
   )
+  return _manual_axes.common(rows)  # inside a caller's shard_map
 
 
 def explicit_mesh(*arrays):

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mst_jax import _mosaic_gemm
+from mst_jax import _manual_axes, _mosaic_gemm
 from mst_jax._ce_math import at_least_float32
 
 WEIGHT_LAYOUTS = ("vd", "dv")
@@ -90,6 +90,7 @@ def over_columns(
 
   n_full, tail = divmod(width, tile) if width > tile else (1, 0)
   starts = jnp.arange(int(skip_first), n_full, dtype=jnp.int32) * tile
+  carry = _manual_axes.like(carry, tiled)
   carry, _ = lax.scan(body, carry, starts)
   if tail:
     operands, start = barrier((tiled, jnp.int32(width - tail)))

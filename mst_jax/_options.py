@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mst_jax import _manual_axes
 from mst_jax._ce_math import CEOptions, at_least_float32
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -202,6 +203,24 @@ class PerfOptions:
         " chunked implementations, not impl='reference' (which forms the full"
         " logits)."
       )
+
+
+def for_manual_axes(perf: PerfOptions, x: jax.Array) -> PerfOptions:
+  """``perf`` for inputs like ``x``: inside a caller's ``jax.shard_map`` that
+  checks manual axes (``check_vma=True``), where every output must carry
+  the axes it varies over, the XLA backend (the Pallas and Mosaic kernels'
+  outputs carry none); elsewhere ``perf`` itself."""
+  axes = _manual_axes.axes(x)
+  if not axes or perf.impl in ("xla", "reference"):
+    return perf
+  if perf.impl is not None:
+    raise ValueError(
+      f"impl={perf.impl!r} cannot run inside a jax.shard_map with"
+      f" check_vma=True (the inputs vary over the mesh axes {sorted(axes, key=str)}):"
+      " its kernels' outputs carry no manual axes. Pass check_vma=False to"
+      " jax.shard_map, or impl=None (which runs XLA's backend there)."
+    )
+  return dataclasses.replace(perf, impl="xla")
 
 
 def with_rows_appended(perf: PerfOptions, n_rows: int, count: int) -> PerfOptions:

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mst_jax import _ce_math
+from mst_jax import _ce_math, _manual_axes
 from mst_jax._backends import AllColumns, ChunkBackend, ChunkInputs, Columns, HeadSpec
 
 
@@ -389,6 +389,7 @@ def sweep_chunks(
     return lax.cond(visit(chunk), update, skipped, carry, chunk), None
 
   indices = jnp.arange(-(-valid.shape[0] // size))
+  carry = _manual_axes.like(carry, valid)
   if first is not None:
     carry = first(carry, chunk_at(0))
     indices = indices[1:]

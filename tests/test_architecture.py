@@ -29,7 +29,8 @@ LAYERS = [
     "mst_jax._planning",
     "mst_jax._distill_math",
     "mst_jax._mosaic_gemm_config",
-  ],  # math, heuristics
+    "mst_jax._manual_axes",
+  ],  # math, heuristics, manual mesh axes
   ["mst_jax._mosaic_gemm_epilogue"],  # the Mosaic GPU GEMM's epilogues
   ["mst_jax._mosaic_gemm_kernels"],  # the Mosaic GPU GEMM kernels
   ["mst_jax._mosaic_gemm"],  # their arguments and config
