@@ -205,16 +205,13 @@ def prepare(
   dtype = np.promote_types(hidden.dtype, weight.dtype)
   hidden, weight = hidden.astype(dtype), weight.astype(dtype)
   ignore_index = options.ignore_index
-  labels = _int32_labels(labels, vocab_size, ignore_index)
-  valid = labels != ignore_index
+  labels, valid = _int32_labels(labels, vocab_size, ignore_index)
   if where is not None:
     valid = valid & where
   if options.shift:
     # Position t predicts label t + 1; the last position predicts nothing.
     # where and token_weights, like the labels, refer to label positions.
-    labels, valid = (
-      _shift(x, fill) for x, fill in ((labels, ignore_index), (valid, 0))
-    )
+    labels, valid = (_shift(x, fill) for x, fill in ((labels, vocab_size), (valid, 0)))
     if token_weights is not None:
       token_weights = _shift(token_weights, 0)
   batch_shape = labels.shape
@@ -300,25 +297,29 @@ def _as_rows_on(mesh, vocab_axis: int, hidden, weight, labels, *optional):
   )
 
 
-def _int32_labels(labels: jax.Array, vocab_size: int, ignore_index: int) -> jax.Array:
-  """``labels`` as int32, each keeping its meaning whatever its dtype.
+def _int32_labels(
+  labels: jax.Array, vocab_size: int, ignore_index: int
+) -> tuple[jax.Array, jax.Array]:
+  """``(labels as int32, valid)``, each label keeping its meaning whatever
+  its dtype.
 
   A value outside ``[0, V)`` stays outside (it becomes ``V``; its loss is
-  NaN), and only ``ignore_index`` itself is ignored: a uint32 4294967196 does
-  not wrap to -100, nor an int64 2**32 + 3 to class 3.
+  NaN), and only ``ignore_index`` itself is ignored (not valid), where the
+  dtype can hold it: a uint32 4294967196 does not wrap to -100, nor an
+  int64 2**32 + 3 to class 3, and a uint32 ``ignore_index=2**32 - 1`` works.
   """
-  if labels.dtype == jnp.int32:
-    return labels
   info = jnp.iinfo(labels.dtype)
+  if info.min <= ignore_index <= info.max:
+    valid = labels != jnp.asarray(ignore_index, labels.dtype)
+  else:
+    valid = jnp.ones(labels.shape, bool)
+  if labels.dtype == jnp.int32:
+    return labels, valid
   in_range = labels >= jnp.asarray(0, labels.dtype)
   if vocab_size <= info.max:
     in_range = in_range & (labels < jnp.asarray(vocab_size, labels.dtype))
   # Values that int32 cannot hold are out of range, and replaced here.
-  out = jnp.where(in_range, labels.astype(jnp.int32), jnp.int32(vocab_size))
-  if info.min <= ignore_index <= info.max:
-    ignored = labels == jnp.asarray(ignore_index, labels.dtype)
-    out = jnp.where(ignored, ignore_index, out)
-  return out
+  return jnp.where(in_range, labels.astype(jnp.int32), jnp.int32(vocab_size)), valid
 
 
 def _shift(x: jax.Array, fill) -> jax.Array:

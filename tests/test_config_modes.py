@@ -7,11 +7,21 @@ turn them on to catch their own bugs, so the loss must not trip them.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import LOOP_ORDERS, make_problem
+from conftest import (
+  GRAD_RTOL,
+  LOOP_ORDERS,
+  LOSS_RTOL,
+  assert_close,
+  make_problem,
+  oracle,
+  value_and_grads,
+)
 
 import mst_jax
 
@@ -89,6 +99,35 @@ def test_labels_of_any_integer_dtype(rng, dtype):
   assert np.isfinite(loss[in_range]).all()
   assert np.isnan(loss[~in_range & ~ignored]).all(), loss
   assert (loss[ignored] == 0).all()
+
+
+@pytest.mark.parametrize(
+  "dtype, ignore_index",
+  [("uint32", 2**32 - 1), ("uint8", 255), ("int8", -128), ("int32", 2**31)],
+)
+@pytest.mark.parametrize("shift", [False, True])
+def test_ignore_index_at_the_edge_of_the_labels_dtype(rng, dtype, ignore_index, shift):
+  """An ``ignore_index`` the dtype holds at its edge excludes its tokens (as
+  -100 does for int32 labels); one it cannot hold excludes none."""
+  problem = make_problem(rng, (3, 7), dim=8, vocab=100, mask="none")
+  values = np.asarray(problem.labels).astype(np.int64)
+  info = np.iinfo(dtype)
+  ignored = np.zeros(values.shape, bool)
+  if info.min <= ignore_index <= info.max:
+    ignored[0, 1] = ignored[1, 4:] = True
+  given = dataclasses.replace(
+    problem, labels=jnp.asarray(np.where(ignored, ignore_index, values).astype(dtype))
+  )
+  expected = dataclasses.replace(
+    problem, labels=jnp.asarray(np.where(ignored, -100, values), jnp.int32)
+  )
+  loss, grads = value_and_grads(
+    mst_jax.linear_cross_entropy, given, ignore_index=ignore_index, shift=shift
+  )
+  ref_loss, ref_grads = oracle(expected, shift=shift)
+  assert_close(loss, ref_loss, LOSS_RTOL["float32"], "loss")
+  for g, ref in zip(grads, ref_grads, strict=True):
+    assert_close(g, ref, GRAD_RTOL["float32"], "gradient")
 
 
 def test_int64_labels_keep_their_value():
