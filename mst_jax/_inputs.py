@@ -28,7 +28,9 @@ class LossAux(NamedTuple):
 
   Attributes:
     lse: float32, shape of ``labels``: each token's log-sum-exp of the
-      (scaled, softcapped) logits; 0 at excluded tokens. Differentiable.
+      (scaled, softcapped) logits; 0 at excluded tokens. Differentiable
+      with ``grad_mode="recompute"`` (``"fused"``, the default for a scalar
+      loss over at least D rows, raises if it is differentiated).
     n_valid: int32 scalar, the number of tokens that count.
     z_loss: float32, the z-loss term included in the loss, reduced (and
       token-weighted) like it.
@@ -219,7 +221,11 @@ def prepare(
   if class_weights is not None:
     flat = labels.reshape(-1)
     in_range = (flat >= 0) & (flat < vocab_size)
-    target = jnp.where(in_range, class_weights[jnp.clip(flat, 0, vocab_size - 1)], 0.0)
+    index = jnp.clip(flat, 0, vocab_size - 1)
+    # On Explicit axes the gather's output is typed like the (row) labels.
+    sharding = jax.typeof(flat).sharding if explicit_mesh(flat) else None
+    target = class_weights.at[index].get(out_sharding=sharding)
+    target = jnp.where(in_range, target, 0.0)
     mean = jnp.full(flat.shape, jnp.mean(class_weights))
     classes = dict(class_weights=class_weights, target_weight=target, mean_weight=mean)
   rows = Rows(

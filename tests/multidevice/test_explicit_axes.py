@@ -91,6 +91,43 @@ def test_explicit_inputs_under_jit_without_a_mesh_argument(rng, sharding, grad_m
   _check_typed_result(problem, value, grads, (args[0], args[1], args[3]))
 
 
+@pytest.mark.parametrize("sharding", list(SHARDINGS))
+def test_class_weights_on_explicit_inputs(rng, sharding):
+  """Class weights sharded like the bias: each row's label's weight is
+  gathered into the rows' sharding (with label smoothing, so every column's
+  weight counts too)."""
+  problem = make_problem(rng, (B, T), dim=D, vocab=V, bias=True, mask="scattered")
+  class_weights = jnp.asarray(rng.uniform(0.2, 3.0, V), jnp.float32)
+  mesh = _mesh()
+  specs = SHARDINGS[sharding]
+  args = [_put(x, mesh, *s) for x, s in zip(problem.args, specs, strict=True)]
+  where = _put(problem.where, mesh, *specs[2])
+  weights = _put(class_weights, mesh, *specs[3])
+
+  def loss(hidden, weight, bias):
+    return mst_jax.linear_cross_entropy(
+      hidden,
+      weight,
+      args[2],
+      bias,
+      where=where,
+      class_weights=weights,
+      impl="xla",
+      chunk_size=4,
+      **OPTIONS,
+    )
+
+  value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(
+    args[0], args[1], args[3]
+  )
+  ref_value, ref_grads = oracle(problem, class_weights=class_weights, **OPTIONS)
+  assert_close(value, ref_value, LOSS_RTOL["float32"] * 10, "loss")
+  for name, g, ref in zip(
+    ("dhidden", "dweight", "dbias"), grads, ref_grads, strict=True
+  ):
+    assert_close(g, ref, GRAD_RTOL["float32"], name)
+
+
 @pytest.mark.parametrize(
   "mesh_shape, row_axis, per_device",
   [((1, 8), None, 52), ((4, 2), "data", 13)],
