@@ -151,12 +151,13 @@ def linear_cross_entropy(
       (with 2 groups at the Llama-3 head, within 1.1x the error of
       full-logits autodiff; 4 groups measured 1.9x); with more, in float32,
       whose ``V x D`` buffer and traffic cost less than the error of many
-      roundings would. That buffer comes out of ``memory_budget`` (off the
-      CPU, only its bytes beyond the weight-dtype output's, whose buffer
-      holds other temporaries until the sweep ends); when it would take more
-      than half, ``dweight`` stays in place up to 32 groups
-      (``_planning.plan_with_accumulator``), with that error. With
-      ``vocab_block_size``, always in the weight's dtype.
+      roundings would. It comes out of ``memory_budget`` (off the CPU, only
+      its bytes beyond the output's, whose buffer holds other temporaries
+      until the sweep ends); past half of it, ``dweight`` stays in place up
+      to 32 groups, with that error, and past 32 the buffer is kept beyond
+      the budget (``_planning.plan_with_accumulator``). A float32 one given
+      here is counted too: the rows get what it leaves (at least a quarter).
+      With ``vocab_block_size``, in place unless given here.
     logits_dtype: the dtype the logits matmul writes (it accumulates in
       float32 either way; the cross-entropy math is float32). None (default):
       bfloat16 for bfloat16 inputs, as a bfloat16 ``Dense`` head feeding a
@@ -431,18 +432,17 @@ def _loop_order(rows: Rows, perf: PerfOptions, logits_dtype, layout, *, cpu: boo
     logits_dtype=logits_dtype,
     cpu=cpu,
     biased=rows.bias is not None,
+    accum_dtype=perf.accum_dtype,
   )
-  return RowChunks(chunk, group), perf.accum_dtype or accum
+  return RowChunks(chunk, group), accum
 
 
 def _budget(perf: PerfOptions, vocab_devices: int) -> int:
-  """A device's memory budget: ``perf``'s, else the default, the whole head's:
-  vocab shards split it, unless in vocabulary blocks (whose rows cost no V)."""
+  """A device's: ``perf``'s, else the default split over vocab shards (not blocks)."""
   if perf.memory_budget is not None:
     return perf.memory_budget
-  if perf.vocab_block_size is not None:
-    return DEFAULT_MEMORY_BUDGET
-  return DEFAULT_MEMORY_BUDGET // vocab_devices
+  blocks = perf.vocab_block_size is not None
+  return DEFAULT_MEMORY_BUDGET // (1 if blocks else vocab_devices)
 
 
 def _platform(layout: _mesh.Layout | None) -> str:

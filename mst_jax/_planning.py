@@ -203,6 +203,7 @@ def plan_with_accumulator(
   logits_dtype: np.dtype | None,
   cpu: bool = False,
   biased: bool = False,
+  accum_dtype: np.dtype | None = None,
 ) -> tuple[int, int, np.dtype | None]:
   """``(rows_per_chunk, rows_per_group, accum_dtype)`` within the budget.
 
@@ -218,6 +219,10 @@ def plan_with_accumulator(
   no buffer beyond the budget) up to ``MAX_GROUPS_IN_PLACE_TO_FIT`` groups;
   past that, the accumulator is kept beyond the budget: so many roundings
   would cost more accuracy than a budget is worth.
+
+  ``accum_dtype``: the caller's (None: choose). One wider than the weight's
+  comes out of the budget too: the rows get what it leaves, at least a
+  quarter of the budget.
 
   ``cpu``: plan for what XLA:CPU holds besides (``cpu_fixed_bytes``, and
   ``CPU_COPY_BYTES`` per logit), and count the whole accumulator.
@@ -239,11 +244,16 @@ def plan_with_accumulator(
     copy_bytes=copy_bytes,
   )
   chunk, group = plan(memory_budget=memory_budget)
-  accum = default_accum_dtype(n_rows, group, weight_dtype)
+  accum = accum_dtype or default_accum_dtype(n_rows, group, weight_dtype)
   if accum is None:
     return chunk, group, None
   accumulator = vocab_size * dim * np.dtype(accum).itemsize
   output = 0 if cpu else vocab_size * dim * np.dtype(weight_dtype).itemsize
+  if accum_dtype is not None:
+    if np.dtype(accum).itemsize <= np.dtype(weight_dtype).itemsize:
+      return chunk, group, accum  # in place
+    rest = max(memory_budget - (accumulator - output), memory_budget // 4)
+    return *plan(memory_budget=rest), accum
   if accumulator <= memory_budget and accumulator - output <= memory_budget // 2:
     return *plan(memory_budget=memory_budget - (accumulator - output)), accum
   if -(-n_rows // group) <= MAX_GROUPS_IN_PLACE_TO_FIT:

@@ -134,6 +134,18 @@ def test_llama_head_temporaries_within_budget(n_rows, dtype, budget):
   assert temps <= limit, (temps / 2**20, limit / 2**20)
 
 
+def test_a_float32_accumulator_asked_for_counts_in_the_budget():
+  """``accum_dtype=jnp.float32`` at the Llama-3 head: its 2 GiB buffer is
+  counted in the default budget, the rows planned in the rest."""
+  temps = _temps(
+    8192,
+    jnp.bfloat16,
+    lambda h, w, y: mst_jax.linear_cross_entropy(h, w, y, accum_dtype=jnp.float32),
+  )
+  limit = 1.15 * _planning.DEFAULT_MEMORY_BUDGET
+  assert temps <= limit, (temps / 2**20, limit / 2**20)
+
+
 @pytest.mark.parametrize("n_rows, fraction", [(8192, 0.5), (32768, 0.15)])
 def test_llama_head_default_saves_against_full_logits(n_rows, fraction):
   ours = _temps(n_rows, jnp.bfloat16, mst_jax.linear_cross_entropy)
