@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from mst_jax import reference
-from mst_jax.bench import cli, fit, measure, options, report
+from mst_jax.bench import cases, cli, fit, measure, options, report
 from mst_jax.bench.cases import CASES, make_inputs, make_loss
 
 SMALL = dict(tokens=300, dim=24, vocab=1031, dtype="float32", seq_len=100)
@@ -165,6 +165,38 @@ def test_fit_ran_must_be_below_fit_from():
     options.parse_args(["--fit", "--fit-from", "64", "--fit-ran", "64"])
   args = options.parse_args(["--fit", "--fit-from", "64", "--fit-ran", "56"])
   assert args.fit_ran == 56
+
+
+@pytest.mark.parametrize(
+  "argv, message",
+  [
+    (["--impls", "bogus"], "unknown implementation 'bogus' (known: naive,"),
+    (["--impls", "mst_jax:chunk_sise=256"], "takes no option 'chunk_sise'"),
+    (["--tokens", "0"], "--tokens: must be at least 1"),
+    (["--reps", "-2"], "--reps: must be at least 1"),
+    (["--rounds", "0"], "--rounds: must be at least 1"),
+    (["--kernels"], "this jax runs on a CPU"),
+    (["--memory"], "read a GPU's peak memory"),
+  ],
+)
+def test_bad_arguments_are_named_before_anything_runs(capsys, argv, message):
+  with pytest.raises(SystemExit) as exit_info:
+    options.parse_args(argv, on_gpu=False)
+  assert exit_info.value.code == 2
+  assert message in capsys.readouterr().err
+
+
+def test_a_run_that_measured_nothing_fails(tmp_path, monkeypatch):
+  """Every implementation failing is an error exit, not a table of failures."""
+
+  def failing(spec, case):
+    raise ValueError(f"{spec} broke")
+
+  monkeypatch.setattr(cases, "make_loss", failing)
+  with pytest.raises(SystemExit, match="nothing was measured"):
+    cli.main(
+      ["--cases", "cpu", "--tokens", "64", "--impls", "naive", "--out", str(tmp_path)]
+    )
 
 
 def test_fit_from_skips_the_bisection_and_confirms_from_there(tmp_path, monkeypatch):
@@ -436,7 +468,8 @@ def test_kernel_passes_time_every_backend(monkeypatch, dtype):
   monkeypatch.setattr(kernels, "warm_up", lambda: None)
   monkeypatch.setattr(kernels, "copy_bandwidth", lambda: 1e12)
   args = options.parse_args(
-    ["--kernels", "--chunk-shapes", "64x640", "--blocks", "1x128x4", "--reps", "2"]
+    ["--kernels", "--kernel-groups", "ce", "--chunk-shapes", "64x640"]
+    + ["--blocks", "1x128x4", "--reps", "2"]
     + ["--logits-dtype", dtype, "--mosaic-tiles", "128x2x8"],
     on_gpu=False,
   )

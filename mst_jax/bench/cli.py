@@ -226,6 +226,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
   )
   _write_json(args.out, "results.json", rows, not_installed=missing, timing=timing)
+  if not any("time_ms" in row for row in rows):
+    sys.exit("nothing was measured: every implementation failed (see above)")
   title_device = f"{device.device_kind}, jax {jax.__version__}"
   why_not = report.plot(rows, os.path.join(args.out, "bench.png"), title_device)
   print(

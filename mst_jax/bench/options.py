@@ -31,12 +31,14 @@ tokamax where installed.
 from __future__ import annotations
 
 import argparse
+import inspect
 from collections.abc import Sequence
 
 import jax
 
+import mst_jax
 from mst_jax.bench import kernels, report
-from mst_jax.bench.cases import CASES
+from mst_jax.bench.cases import CASES, parse_impl
 
 HEADLINE_CASES = ["llama"]
 GPU_CASES = [
@@ -49,6 +51,7 @@ GPU_CASES = [
 ]
 CPU_TOKENS = [512, 1024, 2048]
 DEFAULT_IMPLS = ["naive", "naive_cast", "mst_jax", "jax_cce", "tokamax"]
+IMPLEMENTATIONS = DEFAULT_IMPLS  # every name a spec may have
 # The CPU case's logits (at most 128 MiB) fit the default memory budget whole,
 # so the default plans one chunk there; small chunks show what chunking saves.
 CPU_IMPLS = ["naive", "naive_cast", "mst_jax", "mst_jax:chunk_size=256"]
@@ -87,7 +90,7 @@ def parse_args(
   parser.add_argument(
     "--tokens",
     nargs="+",
-    type=int,
+    type=_positive_int,
     default=None,
     help="sweep N over these values for every case (default on a CPU: "
     + " ".join(map(str, CPU_TOKENS))
@@ -96,6 +99,7 @@ def parse_args(
   parser.add_argument(
     "--impls",
     nargs="+",
+    type=_impl_spec,
     default=None,
     help="implementation specs (default on a GPU: "
     + " ".join(DEFAULT_IMPLS)
@@ -105,13 +109,13 @@ def parse_args(
   )
   parser.add_argument(
     "--reps",
-    type=int,
+    type=_positive_int,
     default=None,
     help="timed steps per implementation per round (default: 10 on a GPU, 3 on a CPU)",
   )
   parser.add_argument(
     "--rounds",
-    type=int,
+    type=_positive_int,
     default=3,
     help="least number of timing rounds; up to 2 x ROUNDS + 1 are run while"
     " the rounds' fastest steps disagree by over 10%% (default: %(default)s)",
@@ -145,7 +149,7 @@ def parse_args(
   parser.add_argument(
     "--kernels",
     action="store_true",
-    help="time the kernels alone: the CE kernels and the head GEMMs",
+    help="time the kernels alone: the CE kernels and the head GEMMs (GPU)",
   )
   parser.add_argument(
     "--kernel-groups",
@@ -207,11 +211,11 @@ def parse_args(
     help="bisect the largest N that fits per case and impl (GPU)",
   )
   parser.add_argument(
-    "--fit-granularity", type=int, default=8192, help="with --fit: N's step"
+    "--fit-granularity", type=_positive_int, default=8192, help="with --fit: N's step"
   )
   parser.add_argument(
     "--fit-confirm-attempts",
-    type=int,
+    type=_positive_int,
     default=6,
     help="with --fit: real steps tried (halving from the footprint N, then bisecting)",
   )
@@ -237,10 +241,53 @@ def parse_args(
   args = parser.parse_args(argv)
   if args.fit_from and args.fit_ran >= args.fit_from:
     parser.error(f"--fit-ran {args.fit_ran} must be below --fit-from {args.fit_from}")
-  if args.rounds < 1:
-    parser.error("--rounds must be at least 1")
-  _device_defaults(args, jax.default_backend() == "gpu" if on_gpu is None else on_gpu)
+  on_gpu = jax.default_backend() == "gpu" if on_gpu is None else on_gpu
+  small = args.chunk_shapes != parser.get_default("chunk_shapes")
+  if args.kernels and not on_gpu and not (small and args.kernel_groups == ["ce"]):
+    parser.error(
+      "--kernels times the GPU kernels at LM-head sizes; this jax runs on a CPU,"
+      " where they would run in interpret mode for hours (to try the CE kernels"
+      " here: --kernel-groups ce --chunk-shapes 64x640)"
+    )
+  if (args.memory or args.first_call) and not on_gpu:
+    parser.error(
+      "--memory and --first-call read a GPU's peak memory (memory_stats());"
+      " on a CPU the table's memory is the compiled program's temporaries"
+    )
+  _device_defaults(args, on_gpu)
   return args
+
+
+def _positive_int(text: str) -> int:
+  """An argparse type: an int of at least 1."""
+  value = int(text)
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+  return value
+
+
+def _impl_spec(spec: str) -> str:
+  """An argparse type: an implementation spec whose name is known and, for
+  ``mst_jax``, whose options its loss functions take."""
+  name, kwargs = parse_impl(spec)
+  if name not in IMPLEMENTATIONS:
+    raise argparse.ArgumentTypeError(
+      f"unknown implementation {name!r} (known: {', '.join(IMPLEMENTATIONS)})"
+    )
+  taken = set()
+  for fn in (
+    mst_jax.linear_cross_entropy,
+    mst_jax.linear_log_probs,
+    mst_jax.linear_distillation_loss,
+  ):
+    taken |= set(inspect.signature(fn).parameters)
+  unknown = sorted(set(kwargs) - taken) if name == "mst_jax" else []
+  if unknown:
+    raise argparse.ArgumentTypeError(
+      f"{spec!r}: mst_jax takes no option {', '.join(map(repr, unknown))}"
+      " (its options are linear_cross_entropy's keywords)"
+    )
+  return spec
 
 
 def _device_defaults(args: argparse.Namespace, on_gpu: bool) -> None:
