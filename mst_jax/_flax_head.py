@@ -36,6 +36,16 @@ def _promoted(params: HeadParams, hidden: jax.Array, dtype) -> tuple:
   return hidden, weight, bias, weight_layout
 
 
+def _checked(options) -> HeadLossOptions:
+  if not isinstance(options, HeadLossOptions):
+    raise TypeError(
+      "options must be a mst_jax.HeadLossOptions, got"
+      f" {type(options).__name__}: pass HeadLossOptions(z_loss=...), or the"
+      " options as keywords (LMHeadLoss.create(vocab_size, z_loss=...) in Linen)."
+    )
+  return options
+
+
 def head_loss(
   params: HeadParams,
   hidden: jax.Array,
@@ -49,6 +59,7 @@ def head_loss(
   class_weights: jax.Array | None = None,
 ):
   """``linear_cross_entropy`` with the head's options."""
+  options = _checked(options)
   hidden, weight, bias, weight_layout = _promoted(params, hidden, dtype)
   return linear_cross_entropy(
     hidden,
@@ -77,6 +88,7 @@ def head_log_probs(
   """``linear_log_probs`` with the head's options that apply to it (not the
   loss's reduction, smoothing or z-loss; a ``"fused"`` gradient mode, which
   needs a scalar loss, becomes the default)."""
+  options = _checked(options)
   hidden, weight, bias, weight_layout = _promoted(params, hidden, dtype)
   options = {
     name: value
@@ -102,6 +114,7 @@ def head_logits(
 ) -> jax.Array:
   """Full logits ``[..., V]`` in the computation dtype, scaled and softcapped
   like the loss's."""
+  options = _checked(options)
   hidden, weight, bias, weight_layout = _promoted(params, hidden, dtype)
   kernel = weight if weight_layout == "dv" else weight.T
   logits = jnp.dot(hidden, kernel)

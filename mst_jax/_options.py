@@ -185,6 +185,13 @@ class PerfOptions:
 
   def __post_init__(self) -> None:
     check_choice("impl", self.impl, IMPLEMENTATIONS)
+    budget = self.memory_budget
+    if isinstance(budget, (float, np.floating)) and float(budget).is_integer():
+      _replace_field(self, "memory_budget", int(budget))  # 1e9 bytes, say
+    elif budget is not None and not isinstance(budget, (int, np.integer)):
+      raise TypeError(
+        f"memory_budget must be a number of bytes (1 << 30 for 1 GiB), got {budget!r}."
+      )
     for name in ("chunk_size", "memory_budget", "vocab_block_size"):
       if getattr(self, name) is not None:
         _replace_field(self, name, check_int(name, getattr(self, name), minimum=1))

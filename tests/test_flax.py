@@ -348,6 +348,9 @@ def test_bad_module_arguments_raise_at_construction():
     mst_jax.linen.LMHeadLoss.create(V, z_los=1e-4, use_bias=True)
   with pytest.raises(TypeError, match="weight_layout"):
     mst_jax.nnx.LMHeadLoss(D, V, weight_layout="vd", rngs=nnx.Rngs(0))
+  head = mst_jax.linen.LMHeadLoss(V, options={"z_loss": 1e-4})
+  with pytest.raises(TypeError, match="must be a mst_jax.HeadLossOptions"):
+    head.init(jax.random.key(0), jnp.ones((4, D)), jnp.zeros((4,), jnp.int32))
 
 
 @pytest.mark.parametrize("module", ["mst_jax._api", "mst_jax.nnx", "mst_jax.linen"])

@@ -95,7 +95,13 @@ def _call(overrides=(), **kwargs):
     ({}, dict(impl="reference", logits_dtype=jnp.float32), ValueError, "logits_dtype"),
     ({}, dict(impl="reference", chunk_size=4), ValueError, "impl='reference'"),
     ({}, dict(memory_budget=0), ValueError, "memory_budget.*0"),
-    ({}, dict(memory_budget=1e9), TypeError, "memory_budget"),
+    (
+      {},
+      dict(memory_budget="1GB"),
+      TypeError,
+      "memory_budget must be a number of bytes",
+    ),
+    ({}, dict(memory_budget=2.5), TypeError, "memory_budget must be a number of bytes"),
     ({}, dict(chunk_size=4, memory_budget=2**20), ValueError, "not both"),
     ({}, dict(grad_mode="forward"), ValueError, "grad_mode.*'forward'"),
     (
@@ -206,3 +212,8 @@ def test_jit_of_grad_lowers_the_gradient(name, rng):
     want = fn(*args)
   assert got.shape == want.shape
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
+
+
+def test_a_whole_float_memory_budget_is_its_bytes():
+  assert mst_jax.PerfOptions(memory_budget=1e9).memory_budget == 10**9
+  assert mst_jax.PerfOptions(memory_budget=2.25 * 2**30).memory_budget == 9 << 28
