@@ -88,7 +88,7 @@ def _instantiate(cotangent, like: jax.Array) -> jax.Array:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def row_losses(plan: Plan, hidden, weight, bias, labels, valid, *classes):
   """Per-row loss, lse, argmax-correctness and entropy; the backward recomputes
-  logits.
+  logits (or, with ``plan.keep_logits``, uses the forward's).
 
   Args:
     plan: a ``Plan``.
