@@ -51,10 +51,10 @@ SHARDINGS = {
 }
 
 
-def _check_typed_result(problem, value, grads, inputs):
+def _check_typed_result(problem, value, grads, inputs, **options):
   """The loss and gradients against the oracle; each gradient has its
   input's type (sharding included)."""
-  ref_value, ref_grads = oracle(problem, **OPTIONS)
+  ref_value, ref_grads = oracle(problem, **options, **OPTIONS)
   assert_close(value, ref_value, LOSS_RTOL["float32"] * 10, "loss")
   for name, g, ref in zip(
     ("dhidden", "dweight", "dbias"), grads, ref_grads, strict=True
@@ -64,14 +64,22 @@ def _check_typed_result(problem, value, grads, inputs):
     assert jax.typeof(g).sharding.spec == jax.typeof(x).sharding.spec
 
 
+@pytest.mark.parametrize("class_weights", [False, True], ids=["", "class_weights"])
 @pytest.mark.parametrize("grad_mode", ["fused", "recompute"])
 @pytest.mark.parametrize("sharding", list(SHARDINGS))
-def test_explicit_inputs_under_jit_without_a_mesh_argument(rng, sharding, grad_mode):
+def test_explicit_inputs_under_jit_without_a_mesh_argument(
+  rng, sharding, grad_mode, class_weights
+):
+  """With ``class_weights`` (sharded like the bias), each row's label's
+  weight is gathered into the rows' sharding."""
   problem = make_problem(rng, (B, T), dim=D, vocab=V, bias=True, mask="scattered")
   mesh = _mesh()
   specs = SHARDINGS[sharding]
   args = [_put(x, mesh, *s) for x, s in zip(problem.args, specs, strict=True)]
   where = _put(problem.where, mesh, *specs[2])
+  weighted = {}
+  if class_weights:
+    weighted["class_weights"] = jnp.asarray(rng.uniform(0.2, 3.0, V), jnp.float32)
 
   def loss(hidden, weight, bias):
     return mst_jax.linear_cross_entropy(
@@ -83,49 +91,14 @@ def test_explicit_inputs_under_jit_without_a_mesh_argument(rng, sharding, grad_m
       impl="xla",
       chunk_size=4,
       grad_mode=grad_mode,
+      **{k: _put(x, mesh, *specs[3]) for k, x in weighted.items()},
       **OPTIONS,
     )
 
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
   value, grads = step(args[0], args[1], args[3])
-  _check_typed_result(problem, value, grads, (args[0], args[1], args[3]))
-
-
-@pytest.mark.parametrize("sharding", list(SHARDINGS))
-def test_class_weights_on_explicit_inputs(rng, sharding):
-  """Class weights sharded like the bias: each row's label's weight is
-  gathered into the rows' sharding (with label smoothing, so every column's
-  weight counts too)."""
-  problem = make_problem(rng, (B, T), dim=D, vocab=V, bias=True, mask="scattered")
-  class_weights = jnp.asarray(rng.uniform(0.2, 3.0, V), jnp.float32)
-  mesh = _mesh()
-  specs = SHARDINGS[sharding]
-  args = [_put(x, mesh, *s) for x, s in zip(problem.args, specs, strict=True)]
-  where = _put(problem.where, mesh, *specs[2])
-  weights = _put(class_weights, mesh, *specs[3])
-
-  def loss(hidden, weight, bias):
-    return mst_jax.linear_cross_entropy(
-      hidden,
-      weight,
-      args[2],
-      bias,
-      where=where,
-      class_weights=weights,
-      impl="xla",
-      chunk_size=4,
-      **OPTIONS,
-    )
-
-  value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(
-    args[0], args[1], args[3]
-  )
-  ref_value, ref_grads = oracle(problem, class_weights=class_weights, **OPTIONS)
-  assert_close(value, ref_value, LOSS_RTOL["float32"] * 10, "loss")
-  for name, g, ref in zip(
-    ("dhidden", "dweight", "dbias"), grads, ref_grads, strict=True
-  ):
-    assert_close(g, ref, GRAD_RTOL["float32"], name)
+  inputs = (args[0], args[1], args[3])
+  _check_typed_result(problem, value, grads, inputs, **weighted)
 
 
 @pytest.mark.parametrize(

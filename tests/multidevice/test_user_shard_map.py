@@ -143,16 +143,9 @@ def test_distillation_in_a_shard_map(rng, check_vma):
   )
 
   def per_device(hidden, teacher_hidden, labels, where, weight, teacher_weight):
-    return mst_jax.linear_distillation_loss(
-      hidden,
-      weight,
-      teacher_hidden,
-      teacher_weight,
-      labels,
-      where=where,
-      chunk_size=4,
-      **options,
-    )
+    heads = (hidden, weight, teacher_hidden, teacher_weight)
+    loss = mst_jax.linear_distillation_loss
+    return loss(*heads, labels, where=where, chunk_size=4, **options)
 
   loss = _in_shard_map(per_device, check_vma, 4, 2)
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 4)))
