@@ -29,8 +29,8 @@ class LossAux(NamedTuple):
   Attributes:
     lse: float32, shape of ``labels``: each token's log-sum-exp of the
       (scaled, softcapped) logits; 0 at excluded tokens. Differentiable
-      with ``grad_mode="recompute"`` (``"fused"``, the default for a scalar
-      loss over at least D rows, raises if it is differentiated).
+      unless ``grad_mode="fused"`` (the default for a scalar loss over at
+      least D rows a device), which raises if it is differentiated.
     n_valid: int32 scalar, the number of tokens that count.
     z_loss: float32, the z-loss term included in the loss, reduced (and
       token-weighted) like it.

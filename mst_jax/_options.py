@@ -185,13 +185,8 @@ class PerfOptions:
 
   def __post_init__(self) -> None:
     check_choice("impl", self.impl, IMPLEMENTATIONS)
-    budget = self.memory_budget
-    if isinstance(budget, (float, np.floating)) and float(budget).is_integer():
-      _replace_field(self, "memory_budget", int(budget))  # 1e9 bytes, say
-    elif budget is not None and not isinstance(budget, (int, np.integer)):
-      raise TypeError(
-        f"memory_budget must be a number of bytes (1 << 30 for 1 GiB), got {budget!r}."
-      )
+    if self.memory_budget is not None:
+      _replace_field(self, "memory_budget", _bytes(self.memory_budget))
     for name in ("chunk_size", "memory_budget", "vocab_block_size"):
       if getattr(self, name) is not None:
         _replace_field(self, name, check_int(name, getattr(self, name), minimum=1))
@@ -210,6 +205,24 @@ class PerfOptions:
         " chunked implementations, not impl='reference' (which forms the full"
         " logits)."
       )
+
+
+def _bytes(value):
+  """A ``memory_budget``: an int as it is (``check_int`` checks it), a float
+  with a whole value (``1e9``) as that int, else ``TypeError``."""
+  try:
+    return operator.index(value)
+  except TypeError:
+    pass
+  try:
+    number = float(value)
+  except (TypeError, ValueError):
+    number = math.nan
+  if not number.is_integer():
+    raise TypeError(
+      f"memory_budget must be a number of bytes (1 << 30 for 1 GiB), got {value!r}."
+    )
+  return int(number)
 
 
 def for_manual_axes(perf: PerfOptions, x: jax.Array) -> PerfOptions:

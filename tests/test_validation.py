@@ -217,3 +217,5 @@ def test_jit_of_grad_lowers_the_gradient(name, rng):
 def test_a_whole_float_memory_budget_is_its_bytes():
   assert mst_jax.PerfOptions(memory_budget=1e9).memory_budget == 10**9
   assert mst_jax.PerfOptions(memory_budget=2.25 * 2**30).memory_budget == 9 << 28
+  for scalar in (np.array(2**20), jnp.int32(2**20), np.float32(2**20)):
+    assert mst_jax.PerfOptions(memory_budget=scalar).memory_budget == 2**20

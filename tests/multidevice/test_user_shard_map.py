@@ -22,8 +22,8 @@ from jax.sharding import PartitionSpec as P
 
 import mst_jax
 
-D, V = 16, 1001
-ROWS = (8, 7)  # 14 rows on each of 4 devices
+D, V = 8, 1001
+ROWS = (8, 7)  # 14 rows on each of 4 devices: at least D, so every gradient mode
 
 
 def _mesh(axis_types=AxisType.Auto):
@@ -44,9 +44,12 @@ def _in_shard_map(per_device, check_vma, n_sharded, n_replicated):
   )
 
 
+# Chunks of 4 rows unless a case says otherwise.
 CE_CASES = {
-  "fused": dict(),
-  "recompute_none": dict(reduction="none", logit_softcap=5.0),
+  "fused": dict(),  # the default for a scalar loss
+  "recompute": dict(grad_mode="recompute", logit_softcap=5.0),
+  # Per-token losses keep the forward's logits when the rows fit as one group.
+  "kept_none": dict(reduction="none", chunk_size=None, label_smoothing=0.1),
   "vocab_blocks": dict(vocab_block_size=256, label_smoothing=0.1),
   "dv_bias": dict(weight_layout="dv", z_loss=1e-3),
   "pallas": dict(impl="pallas", label_smoothing=0.1),
@@ -58,7 +61,7 @@ CHUNKED = ("impl", "chunk_size", "vocab_block_size")
 @pytest.mark.parametrize("check_vma", [True, False], ids=["check_vma", "no_check"])
 @pytest.mark.parametrize("case", list(CE_CASES))
 def test_cross_entropy_in_a_shard_map(rng, case, check_vma):
-  options = dict(CE_CASES[case], chunk_size=4)
+  options = {k: v for k, v in (dict(chunk_size=4) | CE_CASES[case]).items() if v}
   layout = options.get("weight_layout", "vd")
   problem = make_problem(
     rng, ROWS, dim=D, vocab=V, bias=case == "dv_bias", weight_layout=layout
@@ -110,9 +113,8 @@ def test_log_probs_in_a_shard_map(rng, check_vma):
     return jnp.sum(log_probs * cotangent + 0.1 * entropy)
 
   def per_device(hidden, labels, where, cotangent, weight):
-    return weighted(
-      mst_jax.linear_log_probs, hidden, weight, labels, where, cotangent, chunk_size=4
-    )
+    # The default keeps the forward's logits for the backward here.
+    return weighted(mst_jax.linear_log_probs, hidden, weight, labels, where, cotangent)
 
   loss = _in_shard_map(per_device, check_vma, 4, 1)
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 4)))
@@ -132,8 +134,9 @@ def test_log_probs_in_a_shard_map(rng, check_vma):
     assert_close(g, ref, GRAD_RTOL["float32"], name)
 
 
+@pytest.mark.parametrize("grad_mode", [None, "recompute"], ids=["fused", "recompute"])
 @pytest.mark.parametrize("check_vma", [True, False], ids=["check_vma", "no_check"])
-def test_distillation_in_a_shard_map(rng, check_vma):
+def test_distillation_in_a_shard_map(rng, check_vma, grad_mode):
   """A teacher with another hidden size, its weight the same on each device."""
   problem = make_problem(rng, ROWS, dim=D, vocab=V)
   teacher_hidden = jnp.asarray(rng.standard_normal((*ROWS, 24)), jnp.float32)
@@ -145,7 +148,9 @@ def test_distillation_in_a_shard_map(rng, check_vma):
   def per_device(hidden, teacher_hidden, labels, where, weight, teacher_weight):
     heads = (hidden, weight, teacher_hidden, teacher_weight)
     loss = mst_jax.linear_distillation_loss
-    return loss(*heads, labels, where=where, chunk_size=4, **options)
+    return loss(
+      *heads, labels, where=where, chunk_size=4, grad_mode=grad_mode, **options
+    )
 
   loss = _in_shard_map(per_device, check_vma, 4, 2)
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 4)))
