@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One build-check-measure cycle on the lent H200, from the repo root there:
-#   [BENCH_ARGS=...] [HLO_VARIANTS="k=v k=v;..."] scripts/h200_check.sh [gpu_tests] [suite] [kernels] [bench] [hlo]
+#   [BENCH_ARGS=...] [HLO_VARIANTS="k=v k=v;..."] scripts/h200_check.sh [gpu_tests] [gpu_a] [gpu_b] [gpu_c] [suite] [kernels] [bench] [hlo]
 #     [multi] [fit] [long] [bundle]
+# gpu_a, gpu_b, gpu_c split the GPU tests into three parts of under 10 minutes
+# each (one device call each; three xdist workers, the 131072-row test alone).
 # Logs go under $OUT; each step has its own time limit so the call ends in time.
 # "multi" needs two GPUs; "bundle" packs $OUT into one bundle.tgz (the device
 # tool returns at most 8 files). SKIP_INSTALL=1 skips the editable install (for
@@ -32,6 +34,13 @@ fi
 for what in "$@"; do
   case $what in
     gpu_tests) step gpu_tests ${TESTS_LIMIT:-240} python3 -m pytest -q -m gpu -rs ${TESTS_K:+-k "$TESTS_K"} tests ;;
+    gpu_a) step gpu_peer 150 python3 -m pytest -q -m gpu -rfE tests/test_peer_bugs.py  # 65 GiB: alone
+           step gpu_a 430 python3 -m pytest -q -m gpu -rfE -n 3 tests/test_mosaic_gemm.py tests/test_mosaic_head.py ;;
+    gpu_b) step gpu_b 330 python3 -m pytest -q -m gpu -rfE -n 3 tests/test_mosaic_bias.py tests/test_mosaic_distill.py \
+             tests/test_distillation.py tests/test_backends.py ;;
+    gpu_c) step gpu_c 330 python3 -m pytest -q -m gpu -rfE -n 3 tests/test_mosaic_ce.py tests/test_mosaic_stats.py \
+             tests/test_class_weights.py tests/test_log_probs.py tests/test_reliability.py tests/test_tma_rows.py \
+             tests/test_token_weights.py tests/test_vocab_blocked.py ;;
     suite) step suite 300 python3 -m pytest -q -x -m "not gpu" tests/test_linear_cross_entropy.py tests/test_chunked.py ;;
     kernels) step kernels 300 python3 -m mst_jax.bench --kernels --reps 20 --blocks ${BLOCKS:-1x2048x4} ;;
     bench) step bench ${BENCH_LIMIT:-400} python3 -m mst_jax.bench --out "$OUT/bench" $BENCH_ARGS

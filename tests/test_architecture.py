@@ -188,3 +188,18 @@ def test_options_are_declared_once():
     assert signature.parameters[field.name].default == field.default, field.name
   head_fields = {f.name for f in dataclasses.fields(mst_jax.HeadLossOptions)}
   assert head_fields == {f.name for f in fields}
+
+
+def test_the_gpu_check_script_runs_every_gpu_test_file():
+  """``scripts/h200_check.sh``'s parts ``gpu_a``, ``gpu_b`` and ``gpu_c`` name
+  every test file with a ``gpu`` mark, so the three calls run the whole
+  GPU suite."""
+  script = (ROOT / "scripts" / "h200_check.sh").read_text()
+  parts = script.split("    gpu_a)")[1].split("    suite)")[0]
+  named = set(re.findall(r"tests/(test_\w+\.py)", parts))
+  marked = {
+    p.name
+    for p in (ROOT / "tests").glob("test_*.py")
+    if re.search(r"^\s*@pytest\.mark\.gpu\b", p.read_text(), re.M)
+  }
+  assert marked and marked == named, (marked - named, named - marked)
