@@ -224,6 +224,9 @@ def linear_distillation_loss(
   if perf.impl == "reference" or n_rows == 0:
     loss = _full_distill.row_losses(*x, options=distill, weight_layout=weight_layout)
   else:
+    _planning.require_concrete(
+      student.hidden, student.weight, teacher.hidden, teacher.weight
+    )
     layout = _rows_layout(x, weight_layout)
     per_device = (n_rows // _mesh.row_devices(layout), student.hidden.shape[1])
     fused = _grad_mode(perf, options.reduction, per_device) == "fused"

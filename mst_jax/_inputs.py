@@ -18,7 +18,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mst_jax import _manual_axes, _matmul
+from mst_jax import _manual_axes, _matmul, _planning
 from mst_jax._ce_math import at_least_float32
 from mst_jax._options import LossOptions, check_choice
 
@@ -92,6 +92,7 @@ class Rows(NamedTuple):
     weight scales its label's term alone, which ``target_weight`` carries
     (``ce_math.backward_rows``): the ``[V]`` weights stay out, and every
     backend takes the rows."""
+    _planning.require_concrete(self.hidden, self.weight)
     if label_smoothing:
       return self
     return self._replace(class_weights=None)

@@ -288,3 +288,15 @@ def tma_row_padding(n_rows: int, block_rows, gemm: str, dtype) -> int:
   ):
     return 0
   return -n_rows % TMA_ROWS
+
+
+def require_concrete(*arrays) -> None:
+  """The plans need concrete sizes: symbolic dimensions
+  (``jax.export``'s shape polymorphism) raise."""
+  for x in arrays:
+    if not all(isinstance(d, int) for d in x.shape):
+      raise NotImplementedError(
+        f"shape {x.shape} is symbolic: the chunked loss plans its chunks from"
+        " concrete sizes. Export with concrete shapes, or pass"
+        " impl='reference' (full logits)."
+      )

@@ -219,3 +219,70 @@ def test_a_whole_float_memory_budget_is_its_bytes():
   assert mst_jax.PerfOptions(memory_budget=2.25 * 2**30).memory_budget == 9 << 28
   for scalar in (np.array(2**20), jnp.int32(2**20), np.float32(2**20)):
     assert mst_jax.PerfOptions(memory_budget=scalar).memory_budget == 2**20
+
+
+def _exportable(name, module, **options):
+  """A float scalar of ``(hidden, weight, teacher, labels)`` from ``name``:
+  the loss, the log-probs' sum or the distillation loss, each of ``[n, D]``
+  hidden states and a ``[V, D]`` weight."""
+  f = getattr(module, name)
+
+  def fn(hidden, weight, teacher, labels):
+    if "distill" in name:
+      return f(hidden, weight, teacher, weight, labels, **options)
+    out = f(hidden, weight, labels, **options)
+    return out if out.ndim == 0 else out.sum()
+
+  return fn
+
+
+@pytest.mark.parametrize("name", sorted(_PUBLIC))
+def test_an_exported_gradient_matches_the_oracle(name, rng):
+  """``jax.export`` of the value and gradients, with concrete shapes and
+  several chunks, runs the chunked program and matches the float64 oracle."""
+  import jax
+  from jax import export
+
+  n_rows, dim, vocab = 37, 16, 1031
+  arrays = [rng.standard_normal(s) for s in ((n_rows, dim), (vocab, dim))]
+  arrays.append(rng.standard_normal((n_rows, dim)))
+  labels = jnp.asarray(rng.integers(0, vocab, n_rows), jnp.int32)
+  args = (*(jnp.asarray(x, jnp.float32) for x in arrays), labels)
+  fn = jax.value_and_grad(_exportable(name, mst_jax, chunk_size=8), (0, 1))
+  exported = export.export(jax.jit(fn))(*args)
+  got = exported.call(*args)
+  with jax.enable_x64(True):
+    ref = _exportable(name, mst_jax.reference)
+    want = jax.value_and_grad(ref, (0, 1))(*(jnp.asarray(x) for x in arrays), labels)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(_PUBLIC))
+def test_symbolic_shapes_raise_unless_reference(name, rng):
+  """Exported with a symbolic number of tokens, the chunked loss raises a
+  clear error (its chunks are planned from concrete sizes); the reference
+  exports, and its program takes any number of tokens."""
+  import jax
+  from jax import export
+
+  dim, vocab = 16, 1031
+  (rows,) = export.symbolic_shape("n")
+  spec = jax.ShapeDtypeStruct((rows, dim), jnp.float32)
+  shapes = (spec, jax.ShapeDtypeStruct((vocab, dim), jnp.float32), spec)
+  shapes += (jax.ShapeDtypeStruct((rows,), jnp.int32),)
+  with pytest.raises(NotImplementedError, match=r"symbolic.*impl='reference'"):
+    export.export(jax.jit(_exportable(name, mst_jax)))(*shapes)
+  fn = _exportable(name, mst_jax, impl="reference")
+  exported = export.export(jax.jit(fn))(*shapes)
+  weight = rng.standard_normal((vocab, dim))
+  for n_rows in (5, 37):
+    hidden, teacher = rng.standard_normal((2, n_rows, dim))
+    labels = jnp.asarray(rng.integers(0, vocab, n_rows), jnp.int32)
+    got = exported.call(
+      *(jnp.asarray(x, jnp.float32) for x in (hidden, weight, teacher)), labels
+    )
+    with jax.enable_x64(True):
+      ref = _exportable(name, mst_jax.reference)
+      want = ref(*(jnp.asarray(x) for x in (hidden, weight, teacher)), labels)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-5)
