@@ -131,12 +131,22 @@ class _Sweep:
     )
 
 
-def _whole_rows(group: Chunk) -> jax.Array:
-  return jnp.all(group.valid)
+def _every_chunk(chunk_size: int):
+  """A predicate of a group: each of its chunks (as ``chunk_of`` tiles it)
+  holds a valid row, so the group runs whole (one ``dweight`` rounding)."""
+
+  def every_chunk(group: Chunk) -> jax.Array:
+    n_chunks = -(-group.size // chunk_size)
+    ends = jnp.minimum((jnp.arange(n_chunks) + 1) * chunk_size, group.size)
+    counts = jnp.cumsum(group.valid)[ends - 1]
+    return jnp.all(jnp.diff(counts, prepend=0) > 0)
+
+  return every_chunk
 
 
-def _partial_rows(group: Chunk) -> jax.Array:
-  return jnp.any(group.valid) & ~_whole_rows(group)
+def _some_chunk_empty(chunk_size: int):
+  """A group with a valid row and a chunk without one: chunk by chunk."""
+  return lambda group: jnp.any(group.valid) & ~_every_chunk(chunk_size)(group)
 
 
 def _per_chunk(sweep: _Sweep, outputs, grads):
@@ -162,11 +172,13 @@ def _whole_groups_in_place(sweep: _Sweep, outputs, grads):
 
   A group whose rows all count forms its logits in one matmul, its
   ``dlogits`` overwrite them, and the ``dhidden`` and ``dweight`` matmuls run
-  over the whole group (``dweight`` is read and written once per group). A
-  group with excluded rows (with compaction, the one where the valid rows
-  end) goes chunk by chunk, skipping empty chunks. The two kinds run in two
-  loops: a ``lax.cond`` between them inside one loop made XLA copy the
-  carried ``dweight``. Each group's ``dhidden`` rows come back as
+  over the whole group (``dweight`` is read and written once per group). So
+  does a group whose every chunk holds a valid row (``_every_chunk``; its
+  excluded rows' ``dlogits`` are zero). A group with a chunk of no valid row
+  (compacted, at most the one where the valid rows end) goes chunk by chunk,
+  skipping empty chunks: a ``dweight`` rounding per chunk it runs. The two
+  kinds run in two loops: a ``lax.cond`` between them inside one loop made
+  XLA copy the carried ``dweight``. Each group's ``dhidden`` rows come back as
   ``[group, D]`` and are written outside. Compacted, group 0 starts
   ``dweight`` and ``dbias`` (whole or chunk by chunk, in one ``lax.cond``
   outside the loops, neither branch taking them as operands).
@@ -223,11 +235,11 @@ def _whole_groups_in_place(sweep: _Sweep, outputs, grads):
     return run
 
   dhidden, dweight, dbias = grads
-  later = lambda group: True
+  every_chunk, later = _every_chunk(chunk_size), lambda group: True
   if sweep.order.compact:
     group = chunk_of(group_size, sweep.valid, 0)
     outputs, rows, dweight, dbias = lax.cond(
-      _whole_rows(group), started(whole), started(by_chunk), outputs, group
+      every_chunk(group), started(whole), started(by_chunk), outputs, group
     )
     if want_rows:
       dhidden = group.put(dhidden, rows)
@@ -237,14 +249,14 @@ def _whole_groups_in_place(sweep: _Sweep, outputs, grads):
     sweep.valid,
     group_update(whole),
     (outputs, (dhidden, dweight, dbias)),
-    visit=lambda g: _whole_rows(g) & later(g),
+    visit=lambda g: every_chunk(g) & later(g),
   )
   return sweep_chunks(
     group_size,
     sweep.valid,
     group_update(by_chunk),
     carry,
-    visit=lambda g: _partial_rows(g) & later(g),
+    visit=lambda g: _some_chunk_empty(chunk_size)(g) & later(g),
   )
 
 
@@ -256,7 +268,8 @@ def _group_buffer(sweep: _Sweep, outputs, grads):
   multiples of the chunk size, when chunks tile the group exactly; V is the
   backend's ``dlogits_width``, which may pad the weight's columns); a group
   whose rows all count then does its ``dhidden`` and ``dweight`` matmuls
-  once. Groups with excluded rows go chunk by chunk. The two kinds run in
+  once, as does one whose every chunk holds a valid row. Groups with a chunk
+  of no valid row go chunk by chunk. The two kinds run in
   two loops, as in ``_whole_groups_in_place``.
   """
   order, hidden, weight = sweep.order, sweep.hidden, sweep.weight
@@ -284,15 +297,17 @@ def _group_buffer(sweep: _Sweep, outputs, grads):
   chunk = jax.eval_shape(lambda x: x.chunk(chunk_of(chunk_size, x.valid, 0)), sweep.x)
   width = config.backend.dlogits_width(chunk, config.head)
   buffer = jnp.zeros((group_size, width), hidden.dtype)
+  every_chunk = _every_chunk(chunk_size)
+  carry = (outputs, grads, buffer)
   outputs, grads, _ = sweep_chunks(
-    group_size, sweep.valid, whole_group, (outputs, grads, buffer), visit=_whole_rows
+    group_size, sweep.valid, whole_group, carry, visit=every_chunk
   )
   return sweep_chunks(
     group_size,
     sweep.valid,
     sweep.chunk_by_chunk,
     (outputs, grads),
-    visit=_partial_rows,
+    visit=_some_chunk_empty(chunk_size),
   )
 
 
