@@ -88,13 +88,14 @@ def losses_from_logits(
   ``row_losses``."""
   vocab_size = logits.shape[-1]
   in_range = (labels >= 0) & (labels < vocab_size)
-  # A valid row's label outside [0, V) is an error: its loss and gradients
-  # are NaN (not a loss of NaN with finite gradients).
-  logits = logits + jnp.where(valid & ~in_range, jnp.nan, 0.0)[:, None]
   logits = logits * options.logit_scale
   cap = options.logit_softcap
   if cap is not None:
     logits = cap * jnp.tanh(logits / cap)
+  clean = logits  # the entropy's: it does not read the label
+  # A valid row's label outside [0, V) is an error: its loss and gradients
+  # are NaN (not a loss of NaN with finite gradients).
+  logits = logits + jnp.where(valid & ~in_range, jnp.nan, 0.0)[:, None]
   log_probs = jax.nn.log_softmax(logits, axis=-1)  # [N, V]
   safe_labels = jnp.where(in_range, labels, 0)
   log_p_label = jnp.take_along_axis(log_probs, safe_labels[:, None], axis=-1)[:, 0]
@@ -120,8 +121,9 @@ def losses_from_logits(
   entropy = zero
   if options.entropy:
     # -sum p log p; a class of probability 0 adds 0, not 0 * -inf.
-    probs = jnp.exp(log_probs)
-    entropy = -jnp.sum(jnp.where(probs > 0, probs * log_probs, 0.0), axis=-1)
+    log_p = jax.nn.log_softmax(clean, axis=-1)
+    probs = jnp.exp(log_p)
+    entropy = -jnp.sum(jnp.where(probs > 0, probs * log_p, 0.0), axis=-1)
   return (
     jnp.where(valid, loss, zero),
     jnp.where(valid, lse, zero),

@@ -255,11 +255,21 @@ def test_banned_tokens_give_finite_entropy(rng):
     assert np.isfinite(np.asarray(lp)).all() and np.isfinite(np.asarray(h)).all()
 
 
-def test_out_of_range_label_is_nan(rng):
+@pytest.mark.parametrize("impl", ["xla", "reference"])
+def test_out_of_range_label_is_nan(rng, impl):
+  """Its log-prob is NaN; its entropy, which does not read the label, is the
+  row's, on the chunked path and the oracle alike."""
   problem = make_problem(rng, (7,), dtype="float32", mask="none")
   labels = problem.labels.at[3].set(problem.weight.shape[0])
-  lp = mst_jax.linear_log_probs(problem.hidden, problem.weight, labels)
+  lp, entropy = mst_jax.linear_log_probs(
+    problem.hidden, problem.weight, labels, impl=impl, return_entropy=True
+  )
   assert np.isnan(np.asarray(lp)[3]) and np.isfinite(np.delete(np.asarray(lp), 3)).all()
+  logits = to64(problem.hidden) @ to64(problem.weight).T
+  log_p = logits - logits.max(-1, keepdims=True)
+  log_p -= np.log(np.exp(log_p).sum(-1, keepdims=True))
+  want = -(np.exp(log_p) * log_p).sum(-1)
+  np.testing.assert_allclose(entropy, want, rtol=1e-5)
 
 
 def test_bad_arguments_raise(rng):
