@@ -144,9 +144,9 @@ def _every_chunk(chunk_size: int):
   return every_chunk
 
 
-def _some_chunk_empty(chunk_size: int):
+def _some_chunk_empty(every_chunk):
   """A group with a valid row and a chunk without one: chunk by chunk."""
-  return lambda group: jnp.any(group.valid) & ~_every_chunk(chunk_size)(group)
+  return lambda group: jnp.any(group.valid) & ~every_chunk(group)
 
 
 def _per_chunk(sweep: _Sweep, outputs, grads):
@@ -256,7 +256,7 @@ def _whole_groups_in_place(sweep: _Sweep, outputs, grads):
     sweep.valid,
     group_update(by_chunk),
     carry,
-    visit=lambda g: _some_chunk_empty(chunk_size)(g) & later(g),
+    visit=lambda g: _some_chunk_empty(every_chunk)(g) & later(g),
   )
 
 
@@ -307,7 +307,7 @@ def _group_buffer(sweep: _Sweep, outputs, grads):
     sweep.valid,
     sweep.chunk_by_chunk,
     (outputs, grads),
-    visit=_some_chunk_empty(chunk_size),
+    visit=_some_chunk_empty(every_chunk),
   )
 
 
