@@ -43,6 +43,7 @@ LAYERS = [
   ["mst_jax._inputs"],
   ["mst_jax._backends*"],  # per-chunk backends
   ["mst_jax._rows"],  # shared row helpers
+  ["mst_jax._gradient_sweeps"],  # row-chunked gradient strategies
   ["mst_jax._row_chunks", "mst_jax._vocab_blocks"],  # loop orders, peers
   ["mst_jax._driver", "mst_jax._distill_driver"],  # custom VJPs
   ["mst_jax._mesh"],

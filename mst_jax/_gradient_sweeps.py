@@ -1,0 +1,319 @@
+"""How a row-chunked sweep turns each chunk's ``dlogits`` into gradients.
+
+``gradient_sweep`` picks one of three strategies from the plan's chunk and
+group sizes and the logits' dtype:
+
+* ``_per_chunk``: a group is one chunk; every chunk does its own matmuls.
+* ``_whole_groups_in_place``: logits in the compute dtype; a group's logits
+  are formed in one matmul and its ``dlogits`` overwrite them.
+* ``_group_buffer``: logits wider than the compute dtype; each chunk's
+  ``dlogits`` are gathered into one group buffer.
+
+``Sweep`` holds what they share: the loop order, the configuration, the
+rows and how a chunk's ``dlogits`` are formed (``_row_chunks``' backward
+recomputes them; its fused sweep forms them with the loss).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from mst_jax import _matmul
+from mst_jax._planning import dlogits_in_place
+from mst_jax._rows import (
+  Chunk,
+  Differentiated,
+  Grads,
+  RowInputs,
+  SweepConfig,
+  chunk_of,
+  gradient_finish,
+  gradient_init,
+  sweep_chunks,
+)
+
+
+def accumulate(
+  config: SweepConfig,
+  grads: Grads,
+  group: Chunk,
+  h: jax.Array,
+  dlogits: jax.Array,
+  weight: jax.Array,
+  *,
+  first: bool = False,
+  local: bool = False,
+) -> Grads:
+  """Adds one group's ``dlogits`` to ``(dhidden, dweight, dbias)``.
+
+  ``first``: the first group's contributions replace the (zero) ``dweight``
+  and ``dbias`` instead of being added to them, which spares a pass of
+  zero-filling and re-reading ``dweight``. ``local``: ``dhidden`` is the
+  enclosing group's rows, not all rows.
+  """
+  dhidden, dweight, dbias = grads
+  add = (lambda old, new: new) if first else jnp.add
+  dh, dweight = _matmul.row_gradients(
+    dlogits,
+    h,
+    weight,
+    config.layout,
+    dhidden_dtype=None if dhidden is None else dhidden.dtype,
+    dweight=dweight,
+    first=first,
+    tile=config.head.matmul_tile,
+    gemm=config.head.gemm,
+  )
+  if dhidden is not None:
+    dh = config.columns.sum_partial(dh)
+    dhidden = group.put(dhidden, dh, local=local)
+  if dbias is not None:
+    dbias = add(dbias, _matmul.bias_gradient(dlogits, dbias.shape[0], dbias.dtype))
+  return dhidden, dweight, dbias
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+  """One gradient sweep's inputs, shared by the strategies.
+
+  ``chunk_dlogits(outputs, chunk, into) -> (outputs, dlogits)`` gives each
+  chunk's (or group's) ``dlogits`` (with ``into=(buffer, row)``, written into
+  ``buffer`` from ``row`` on, and the buffer returned).
+  """
+
+  order: Any  # the RowChunks: rows_per_chunk, rows_per_group, compact
+  config: SweepConfig
+  x: RowInputs
+  chunk_dlogits: Callable
+
+  @property
+  def hidden(self):
+    return self.x.hidden
+
+  @property
+  def weight(self) -> jax.Array:
+    return self.x.weight
+
+  @property
+  def valid(self) -> jax.Array:
+    return self.x.valid
+
+  def chunk_update(self, carry, chunk: Chunk, first: bool = False, local: bool = False):
+    outputs, grads = carry
+    outputs, dlogits = self.chunk_dlogits(outputs, chunk, None)
+    h = chunk.hidden(self.hidden)
+    grads = accumulate(
+      self.config, grads, chunk, h, dlogits, self.weight, first=first, local=local
+    )
+    return outputs, grads
+
+  def chunk_by_chunk(self, carry, group: Chunk):
+    return sweep_chunks(
+      self.order.rows_per_chunk, group.valid, self.chunk_update, carry, group=group
+    )
+
+
+def _every_chunk(chunk_size: int):
+  """A predicate of a group: each of its chunks (as ``chunk_of`` tiles it)
+  holds a valid row, so the group runs whole (one ``dweight`` rounding)."""
+
+  def every_chunk(group: Chunk) -> jax.Array:
+    n_chunks = -(-group.size // chunk_size)
+    ends = jnp.minimum((jnp.arange(n_chunks) + 1) * chunk_size, group.size)
+    counts = jnp.cumsum(group.valid)[ends - 1]
+    return jnp.all(jnp.diff(counts, prepend=0) > 0)
+
+  return every_chunk
+
+
+def _some_chunk_empty(every_chunk):
+  """A group with a valid row and a chunk without one: chunk by chunk."""
+  return lambda group: jnp.any(group.valid) & ~every_chunk(group)
+
+
+def _per_chunk(sweep: Sweep, outputs, grads):
+  """Chosen when a group is one chunk: every chunk does its own matmuls.
+
+  Compacted, the first chunk holds a valid row unless none does; it starts
+  ``dweight`` / ``dbias``, so their zeros are never read.
+  """
+  first = None
+  if sweep.order.compact:
+    first = functools.partial(sweep.chunk_update, first=True)
+  return sweep_chunks(
+    sweep.order.rows_per_chunk,
+    sweep.valid,
+    sweep.chunk_update,
+    (outputs, grads),
+    first=first,
+  )
+
+
+def _whole_groups_in_place(sweep: Sweep, outputs, grads):
+  """Chosen for logits in the compute dtype, groups of several chunks.
+
+  A group whose rows all count forms its logits in one matmul, its
+  ``dlogits`` overwrite them, and the ``dhidden`` and ``dweight`` matmuls run
+  over the whole group (``dweight`` is read and written once per group). So
+  does a group whose every chunk holds a valid row (``_every_chunk``; its
+  excluded rows' ``dlogits`` are zero). A group with a chunk of no valid row
+  (compacted, at most the one where the valid rows end) goes chunk by chunk,
+  skipping empty chunks: a ``dweight`` rounding per chunk it runs. The two
+  kinds run in two loops: a ``lax.cond`` between them inside one loop made
+  XLA copy the carried ``dweight``. Each group's ``dhidden`` rows come back as
+  ``[group, D]`` and are written outside. Compacted, group 0 starts
+  ``dweight`` and ``dbias`` (whole or chunk by chunk, in one ``lax.cond``
+  outside the loops, neither branch taking them as operands).
+  """
+  config, hidden, weight = sweep.config, sweep.hidden, sweep.weight
+  group_size, chunk_size = sweep.order.rows_per_group, sweep.order.rows_per_chunk
+  layout, dh_dtype = config.layout, hidden.dtype
+  specs = [None if g is None else (g.shape, g.dtype) for g in grads[1:]]
+  want_rows = grads[0] is not None
+
+  def whole(outputs, dweight, dbias, group, first):
+    outputs, dlogits = sweep.chunk_dlogits(outputs, group, None)
+    h = group.hidden(hidden)
+    _, dweight, dbias = accumulate(
+      config, (None, dweight, dbias), group, h, dlogits, weight, first=first
+    )
+    rows = None
+    if want_rows:
+      tile, gemm = config.head.matmul_tile, config.head.gemm
+      rows = _matmul.dhidden_matmul(
+        dlogits, weight, layout, dh_dtype, tile=tile, gemm=gemm
+      )
+      rows = config.columns.sum_partial(rows)
+    return outputs, rows, dweight, dbias
+
+  def by_chunk(outputs, dweight, dbias, group, first):
+    update = functools.partial(sweep.chunk_update, local=True)
+    rows = jnp.zeros((group.size, hidden.shape[1]), dh_dtype) if want_rows else None
+    outputs, (rows, dweight, dbias) = sweep_chunks(
+      chunk_size,
+      group.valid,
+      update,
+      (outputs, (rows, dweight, dbias)),
+      group=group,
+      first=functools.partial(update, first=True) if first else None,
+    )
+    return outputs, rows, dweight, dbias
+
+  def group_update(part):
+    def run(carry, group):
+      outputs, (dhidden, dweight, dbias) = carry
+      outputs, rows, dweight, dbias = part(outputs, dweight, dbias, group, False)
+      if want_rows:
+        dhidden = group.put(dhidden, rows)
+      return outputs, (dhidden, dweight, dbias)
+
+    return run
+
+  def started(part):  # the zeros made here are never read
+    def run(outputs, group):
+      zeros = (None if s is None else jnp.zeros(*s) for s in specs)
+      return part(outputs, *zeros, group, True)
+
+    return run
+
+  dhidden, dweight, dbias = grads
+  every_chunk, later = _every_chunk(chunk_size), lambda group: True
+  if sweep.order.compact:
+    group = chunk_of(group_size, sweep.valid, 0)
+    outputs, rows, dweight, dbias = lax.cond(
+      every_chunk(group), started(whole), started(by_chunk), outputs, group
+    )
+    if want_rows:
+      dhidden = group.put(dhidden, rows)
+    later = lambda group: group.offset > 0
+  carry = sweep_chunks(
+    group_size,
+    sweep.valid,
+    group_update(whole),
+    (outputs, (dhidden, dweight, dbias)),
+    visit=lambda g: every_chunk(g) & later(g),
+  )
+  return sweep_chunks(
+    group_size,
+    sweep.valid,
+    group_update(by_chunk),
+    carry,
+    visit=lambda g: _some_chunk_empty(every_chunk)(g) & later(g),
+  )
+
+
+def _group_buffer(sweep: Sweep, outputs, grads):
+  """Chosen for logits wider than the compute dtype (float32 logits of bf16).
+
+  Each chunk's float32 logits become ``dlogits`` in the compute dtype,
+  gathered into one ``[group, V]`` buffer (in place, at rows that are
+  multiples of the chunk size, when chunks tile the group exactly; V is the
+  backend's ``dlogits_width``, which may pad the weight's columns); a group
+  whose rows all count then does its ``dhidden`` and ``dweight`` matmuls
+  once, as does one whose every chunk holds a valid row. Groups with a chunk
+  of no valid row go chunk by chunk. The two kinds run in
+  two loops, as in ``_whole_groups_in_place``.
+  """
+  order, hidden, weight = sweep.order, sweep.hidden, sweep.weight
+  group_size, chunk_size = order.rows_per_group, order.rows_per_chunk
+  into_buffer = group_size % chunk_size == 0
+
+  def whole_group(carry, group):
+    outputs, grads, buffer = carry
+
+    def fill(carry, chunk):
+      outputs, buffer = carry
+      if into_buffer:
+        return sweep.chunk_dlogits(outputs, chunk, (buffer, chunk.offset))
+      outputs, dlogits = sweep.chunk_dlogits(outputs, chunk, None)
+      return outputs, chunk.put(buffer, dlogits, local=True)
+
+    outputs, buffer = sweep_chunks(
+      chunk_size, group.valid, fill, (outputs, buffer), group=group
+    )
+    h = group.hidden(hidden)
+    grads = accumulate(sweep.config, grads, group, h, buffer, weight)
+    return outputs, grads, buffer
+
+  config = sweep.config
+  chunk = jax.eval_shape(lambda x: x.chunk(chunk_of(chunk_size, x.valid, 0)), sweep.x)
+  width = config.backend.dlogits_width(chunk, config.head)
+  buffer = jnp.zeros((group_size, width), hidden.dtype)
+  every_chunk = _every_chunk(chunk_size)
+  carry = (outputs, grads, buffer)
+  outputs, grads, _ = sweep_chunks(
+    group_size, sweep.valid, whole_group, carry, visit=every_chunk
+  )
+  return sweep_chunks(
+    group_size,
+    sweep.valid,
+    sweep.chunk_by_chunk,
+    (outputs, grads),
+    visit=_some_chunk_empty(every_chunk),
+  )
+
+
+def gradient_sweep(sweep: Sweep, diff: Differentiated, outputs):
+  """Gradients from ``sweep.chunk_dlogits``, by the strategy that fits the plan.
+
+  Returns:
+    ``(outputs, (dhidden, dweight, dbias))``; a gradient is None where ``diff``
+    says its input is not differentiated.
+  """
+  config, order = sweep.config, sweep.order
+  grads = gradient_init(config, sweep.x, diff)
+  if order.rows_per_chunk == order.rows_per_group:
+    strategy = _per_chunk
+  elif dlogits_in_place(config.head.logits_dtype, sweep.hidden.dtype):
+    strategy = _whole_groups_in_place
+  else:
+    strategy = _group_buffer
+  outputs, grads = strategy(sweep, outputs, grads)
+  return outputs, gradient_finish(grads, sweep.x)
