@@ -120,22 +120,75 @@ class Sweep:
     )
 
 
+def _held(group: Chunk, chunk_size: int) -> jax.Array:
+  """bool ``[chunks]``: which of the group's chunks (as ``chunk_of`` tiles
+  it) hold a valid row."""
+  n_chunks = -(-group.size // chunk_size)
+  ends = jnp.minimum((jnp.arange(n_chunks) + 1) * chunk_size, group.size)
+  counts = jnp.cumsum(group.valid)[ends - 1]
+  return jnp.diff(counts, prepend=0) > 0
+
+
 def _every_chunk(chunk_size: int):
-  """A predicate of a group: each of its chunks (as ``chunk_of`` tiles it)
-  holds a valid row, so the group runs whole (one ``dweight`` rounding)."""
-
-  def every_chunk(group: Chunk) -> jax.Array:
-    n_chunks = -(-group.size // chunk_size)
-    ends = jnp.minimum((jnp.arange(n_chunks) + 1) * chunk_size, group.size)
-    counts = jnp.cumsum(group.valid)[ends - 1]
-    return jnp.all(jnp.diff(counts, prepend=0) > 0)
-
-  return every_chunk
+  """A predicate of a group: each of its chunks holds a valid row, so the
+  group runs whole (one ``dweight`` rounding)."""
+  return lambda group: jnp.all(_held(group, chunk_size))
 
 
 def _some_chunk_empty(every_chunk):
-  """A group with a valid row and a chunk without one: chunk by chunk."""
+  """A group with a valid row and a chunk without one."""
   return lambda group: jnp.any(group.valid) & ~every_chunk(group)
+
+
+def _window(group: Chunk, chunk_size: int, chunks: int, first_chunk) -> Chunk:
+  """The group's rows from chunk ``first_chunk`` on, ``chunks`` chunks of them
+  (static; fewer rows where the group ends first), as one chunk.
+
+  Moved back where it would pass the group's end. It is the group's only
+  child: its rows' ownership and validity are the group's.
+  """
+  size = min(chunks * chunk_size, group.size)
+  offset = jnp.minimum(first_chunk * chunk_size, group.size - size)
+  part = lambda rows: lax.dynamic_slice_in_dim(rows, offset, size)
+  owned = part(group.owned)
+  return Chunk(group.start + offset, offset, owned, owned, part(group.valid))
+
+
+def _by_window(whole, chunk_size: int, row_zeros):
+  """``whole`` on the rows from a group's first chunk holding a valid row to
+  its last: one matmul of each kind, so one ``dweight`` rounding.
+
+  ``whole(outputs, dweight, dbias, chunk) -> (outputs, rows, dweight,
+  dbias)``. The window's row count is one of the group's chunk counts
+  (shapes are static): one ``lax.cond`` per count, each running or passing
+  its operands through (a ``lax.switch`` over the counts made XLA copy the
+  carried ``dweight``). With valid rows compacted, no chunk without one is
+  formed. Its ``dhidden`` rows come back in ``row_zeros(group)`` (a group's
+  rows, or None: no ``dhidden``), zero elsewhere.
+  """
+
+  def run(outputs, dweight, dbias, group):
+    held = _held(group, chunk_size)
+    first = jnp.argmax(held)
+    chunks = held.shape[0] - jnp.argmax(held[::-1]) - first
+    rows = row_zeros(group)
+
+    def on_window(count):
+      def run(outputs, rows, dweight, dbias):
+        window = _window(group, chunk_size, count, first)
+        outputs, new, dweight, dbias = whole(outputs, dweight, dbias, window)
+        if rows is not None:
+          rows = lax.dynamic_update_slice_in_dim(rows, new, window.offset, 0)
+        return outputs, rows, dweight, dbias
+
+      return run
+
+    carry = (outputs, rows, dweight, dbias)
+    for count in range(1, held.shape[0] + 1):
+      carry = lax.cond(chunks == count, on_window(count), lambda *c: c, *carry)
+    return carry
+
+  return run
 
 
 def _per_chunk(sweep: Sweep, outputs, grads):
@@ -164,13 +217,14 @@ def _whole_groups_in_place(sweep: Sweep, outputs, grads):
   over the whole group (``dweight`` is read and written once per group). So
   does a group whose every chunk holds a valid row (``_every_chunk``; its
   excluded rows' ``dlogits`` are zero). A group with a chunk of no valid row
-  (compacted, at most the one where the valid rows end) goes chunk by chunk,
-  skipping empty chunks: a ``dweight`` rounding per chunk it runs. The two
+  (compacted, at most the one where the valid rows end) runs the same way
+  on a window of its chunks, from the first holding a valid row to the last
+  (``_by_window``): one ``dweight`` rounding per group either way. The two
   kinds run in two loops: a ``lax.cond`` between them inside one loop made
   XLA copy the carried ``dweight``. Each group's ``dhidden`` rows come back as
-  ``[group, D]`` and are written outside. Compacted, group 0 starts
-  ``dweight`` and ``dbias`` (whole or chunk by chunk, in one ``lax.cond``
-  outside the loops, neither branch taking them as operands).
+  ``[group, D]`` and are written outside. Compacted, group 0, if whole,
+  starts ``dweight`` and ``dbias`` (in a ``lax.cond`` outside the loops,
+  neither branch taking them as operands; else they start at zero).
   """
   config, hidden, weight = sweep.config, sweep.hidden, sweep.weight
   group_size, chunk_size = sweep.order.rows_per_group, sweep.order.rows_per_chunk
@@ -178,7 +232,7 @@ def _whole_groups_in_place(sweep: Sweep, outputs, grads):
   specs = [None if g is None else (g.shape, g.dtype) for g in grads[1:]]
   want_rows = grads[0] is not None
 
-  def whole(outputs, dweight, dbias, group, first):
+  def whole(outputs, dweight, dbias, group, first=False):
     outputs, dlogits = sweep.chunk_dlogits(outputs, group, None)
     h = group.hidden(hidden)
     _, dweight, dbias = accumulate(
@@ -193,42 +247,35 @@ def _whole_groups_in_place(sweep: Sweep, outputs, grads):
       rows = config.columns.sum_partial(rows)
     return outputs, rows, dweight, dbias
 
-  def by_chunk(outputs, dweight, dbias, group, first):
-    update = functools.partial(sweep.chunk_update, local=True)
-    rows = jnp.zeros((group.size, hidden.shape[1]), dh_dtype) if want_rows else None
-    outputs, (rows, dweight, dbias) = sweep_chunks(
-      chunk_size,
-      group.valid,
-      update,
-      (outputs, (rows, dweight, dbias)),
-      group=group,
-      first=functools.partial(update, first=True) if first else None,
-    )
-    return outputs, rows, dweight, dbias
-
   def group_update(part):
     def run(carry, group):
       outputs, (dhidden, dweight, dbias) = carry
-      outputs, rows, dweight, dbias = part(outputs, dweight, dbias, group, False)
+      outputs, rows, dweight, dbias = part(outputs, dweight, dbias, group)
       if want_rows:
         dhidden = group.put(dhidden, rows)
       return outputs, (dhidden, dweight, dbias)
 
     return run
 
-  def started(part):  # the zeros made here are never read
-    def run(outputs, group):
-      zeros = (None if s is None else jnp.zeros(*s) for s in specs)
-      return part(outputs, *zeros, group, True)
+  def row_zeros(group):
+    return jnp.zeros((group.size, hidden.shape[1]), dh_dtype) if want_rows else None
 
-    return run
+  def zeros(group):
+    return row_zeros(group), *(None if s is None else jnp.zeros(*s) for s in specs)
+
+  def started(outputs, group):  # the zeros made here are never read
+    return whole(outputs, *zeros(group)[1:], group, first=True)
 
   dhidden, dweight, dbias = grads
   every_chunk, later = _every_chunk(chunk_size), lambda group: True
   if sweep.order.compact:
     group = chunk_of(group_size, sweep.valid, 0)
     outputs, rows, dweight, dbias = lax.cond(
-      every_chunk(group), started(whole), started(by_chunk), outputs, group
+      every_chunk(group),
+      started,
+      lambda outputs, group: (outputs, *zeros(group)),
+      outputs,
+      group,
     )
     if want_rows:
       dhidden = group.put(dhidden, rows)
@@ -243,9 +290,9 @@ def _whole_groups_in_place(sweep: Sweep, outputs, grads):
   return sweep_chunks(
     group_size,
     sweep.valid,
-    group_update(by_chunk),
+    group_update(_by_window(whole, chunk_size, row_zeros)),
     carry,
-    visit=lambda g: _some_chunk_empty(every_chunk)(g) & later(g),
+    visit=_some_chunk_empty(every_chunk),
   )
 
 
@@ -258,8 +305,9 @@ def _group_buffer(sweep: Sweep, outputs, grads):
   backend's ``dlogits_width``, which may pad the weight's columns); a group
   whose rows all count then does its ``dhidden`` and ``dweight`` matmuls
   once, as does one whose every chunk holds a valid row. Groups with a chunk
-  of no valid row go chunk by chunk. The two kinds run in
-  two loops, as in ``_whole_groups_in_place``.
+  of no valid row go chunk by chunk (a ``dweight`` rounding per chunk where
+  ``dweight`` is in place; ``_by_window`` is not used here). The two kinds
+  run in two loops, as in ``_whole_groups_in_place``.
   """
   order, hidden, weight = sweep.order, sweep.hidden, sweep.weight
   group_size, chunk_size = order.rows_per_group, order.rows_per_chunk

@@ -123,8 +123,9 @@ def _fewest_rewrites_group(n_rows: int, chunk: int, group_most: int) -> int:
   """The group size (whole chunks, or all rows) with the fewest dweight rewrites.
 
   A whole group rewrites ``dweight`` once; the clamped last group, which owns
-  only the rows the others left, goes chunk by chunk, once per chunk it owns.
-  Ties go to the larger group.
+  only the rows the others left, is counted once per chunk it owns (chunk by
+  chunk, as with float32 logits of bfloat16; with the default logits it runs
+  its owned chunks as one window, once). Ties go to the larger group.
   """
   candidates = [
     k * chunk for k in range(1, group_most // chunk + 1) if k * chunk <= n_rows

@@ -276,17 +276,22 @@ def test_a_large_common_logit_offset_changes_nothing(rng, impl, loop_order):
     assert_close(g, r, 8e-3, name)
 
 
-def test_a_few_masked_tokens_keep_the_naive_dweight_error(rng):
-  """bfloat16, one row group of several chunks, a few tokens masked: every
-  chunk still holds a valid row, so the group runs whole, its ``dweight`` one
-  matmul and one rounding in the weight's dtype: the naive head's error.
-  Chunk by chunk it would take a rounding per chunk (about 1.45x the error
-  here)."""
+@pytest.mark.parametrize("masked", ["three", "forty_percent"])
+def test_masked_tokens_keep_the_naive_dweight_error(rng, masked):
+  """bfloat16, one row group of several chunks, tokens masked: three (every
+  chunk still holds a valid row, so the group runs whole) or 40% at random
+  (compacted, the valid rows end mid-group: the chunks holding them run as
+  one window). Either way ``dweight`` is one matmul and one rounding in the
+  weight's dtype: the naive head's error. Chunk by chunk it would take a
+  rounding per chunk (1.45x and 1.9x the error here)."""
   n_rows, dim, vocab = 1000, 48, 1031
   hidden = jnp.asarray(rng.standard_normal((n_rows, dim)), jnp.bfloat16)
   weight = jnp.asarray(rng.standard_normal((vocab, dim)) * 0.2, jnp.bfloat16)
   labels = rng.integers(0, vocab, n_rows)
-  labels[rng.choice(n_rows, 3, replace=False)] = -100
+  if masked == "three":
+    labels[rng.choice(n_rows, 3, replace=False)] = -100
+  else:
+    labels[rng.random(n_rows) < 0.4] = -100
   labels = jnp.asarray(labels, jnp.int32)
 
   def naive(hidden, weight):
