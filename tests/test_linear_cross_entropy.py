@@ -20,7 +20,8 @@ from conftest import (
 )
 
 import mst_jax
-from mst_jax import _planning
+from mst_jax import _row_chunks
+from mst_jax._gradient_sweeps import gradient_sweep
 
 SINGLE_OPTIONS = {
   "plain": {},
@@ -342,31 +343,46 @@ def test_check_grads_float64(rng, impl, grad_mode, vocab_block_size):
 
 @pytest.mark.parametrize("mask", ["none", "scattered"])
 @pytest.mark.parametrize(
-  "dtype, budget, plan",
+  "dtype, logits_dtype, budget, plan",
   [
-    ("float32", 132_000, (8, 24)),
-    ("float32", 100_000, (8, 16)),
-    ("bfloat16", 100_000, (8, 16)),
+    ("float32", None, 2_000_000, (16, 104)),
+    ("bfloat16", None, 2_000_000, (16, 104)),
+    ("bfloat16", jnp.float32, 1_000_000, (8, 72)),
   ],
+  ids=str,
 )
-def test_memory_budget_groups_chunks(rng, impl, grad_mode, dtype, budget, plan, mask):
-  """Chunks of float32 logits inside groups of dlogits, both clamped at the end.
+def test_memory_budget_groups_chunks(
+  rng, monkeypatch, impl, grad_mode, dtype, logits_dtype, budget, plan, mask
+):
+  """Groups of several chunks, both clamped at the end (300 rows), with
+  ``dweight`` in place (a rounding per group).
 
-  Without a mask the first groups are whole (one dweight matmul a group) and
-  the clamped last one goes chunk by chunk; with one, the group where the
-  compacted valid rows end goes chunk by chunk.
+  Without a mask every group runs whole (one dweight matmul a group; the
+  clamped last one's first chunk owns 4 rows). With one, the group where the
+  compacted valid rows end runs as one window of its chunks holding them
+  (logits in the compute dtype, overwritten in place) or chunk by chunk
+  (float32 logits of bfloat16 inputs, gathered into a group buffer). The
+  plan is read off the sweep that runs.
   """
-  chunk, group = _planning.plan_chunks(37, 1031, jnp.dtype(dtype), memory_budget=budget)
-  assert (chunk, group) == plan
-  problem = make_problem(rng, (37,), dtype=dtype, mask=mask, bias=True)
+  plans = []
+
+  def recorded(sweep, *args):
+    plans.append((sweep.order.rows_per_chunk, sweep.order.rows_per_group))
+    return gradient_sweep(sweep, *args)
+
+  monkeypatch.setattr(_row_chunks, "gradient_sweep", recorded)
+  problem = make_problem(rng, (300,), dtype=dtype, mask=mask, bias=True)
   check_against_oracle(
     problem,
     dtype,
     impl=impl,
     memory_budget=budget,
+    logits_dtype=logits_dtype,
+    accum_dtype=jnp.dtype(dtype),
     grad_mode=grad_mode,
     **ALL_OPTIONS,
   )
+  assert plans and set(plans) == {plan}
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])

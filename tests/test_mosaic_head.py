@@ -136,7 +136,10 @@ def test_kept_logits_take_their_statistics_from_the_epilogue(
 def test_the_default_on_hopper_is_the_mosaic_program(as_if_on_hopper, kwargs):
   """impl=None on a Hopper GPU lowers to the program impl="mosaic" does (the
   statistics in the logits GEMM's epilogue), not to XLA's GEMMs; "pallas"
-  keeps XLA's GEMMs and the Triton kernels."""
+  keeps XLA's GEMMs and the Triton kernels. By default the 1000 rows are one
+  group of 8 chunks of 128: besides the whole group, the group where masked
+  tokens leave chunks empty runs a window of 1 to 8 chunks
+  (``_gradient_sweeps._by_window``), each count its own Mosaic products."""
   h = jax.ShapeDtypeStruct((1000, 320), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((32000, 320), jnp.bfloat16)
   y = jax.ShapeDtypeStruct((1000,), jnp.int32)
@@ -148,6 +151,10 @@ def test_the_default_on_hopper_is_the_mosaic_program(as_if_on_hopper, kwargs):
 
   default = text()
   assert "_rows_mosaic" in default and "triton" not in default
+  assert "stablehlo.dot_general" not in default
+  logits_rows = re.findall(r"mst_jax_mosaic_gemm_(\d+)x32000x320_rows\b", default)
+  windows = [128 * count for count in range(1, 8)] + [1000]
+  assert sorted(set(map(int, logits_rows))) == (windows if not kwargs else [256])
   assert default == text(impl="mosaic")
   pallas = text(impl="pallas")
   assert "mosaic_gpu" not in pallas and "triton" in pallas
