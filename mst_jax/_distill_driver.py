@@ -238,11 +238,14 @@ def _fused_loss_fwd(plan: Plan, *arrays_and_scale):
   diff = differentiated(*arrays[:3])
   x, (row_scale,) = Heads(*unwrap_primals(*arrays)), unwrap_primals(row_scale)
   loss, grads = _sweep(plan, x, row_scale, diff)
-  return jnp.sum(loss * row_scale.astype(loss.dtype)), grads
+  loss = jnp.sum(loss * row_scale.astype(loss.dtype))
+  return loss, (diff.fill(grads), diff.as_residual())
 
 
-def _fused_loss_bwd(plan: Plan, grads, g_loss):
+def _fused_loss_bwd(plan: Plan, residuals, g_loss):
   del plan
+  grads, flags = residuals
+  grads = Differentiated.from_residual(flags).unfill(grads)
   undifferentiated = (*_NO_COTANGENTS, None)  # and row_scale
   if isinstance(g_loss, jax.custom_derivatives.SymbolicZero):
     return (None, None, None, *undifferentiated)
@@ -265,11 +268,12 @@ def _row_losses_fwd(plan: Plan, *arrays):
   diff = differentiated(*arrays[:3])
   x = Heads(*unwrap_primals(*arrays))
   loss, _ = _sweep(plan, x, None, diff)
-  return loss, (x, diff)
+  return loss, (x, diff.as_residual())
 
 
 def _row_losses_bwd(plan: Plan, residuals, g_loss):
-  x, diff = residuals
+  x, flags = residuals
+  diff = Differentiated.from_residual(flags)
   if isinstance(g_loss, jax.custom_derivatives.SymbolicZero):
     return (None, None, None, *_NO_COTANGENTS)
   _, grads = _sweep(plan, x, g_loss, diff, want_loss=False)

@@ -13,7 +13,8 @@ Two custom VJPs run a ``Plan`` (a loop order with its configuration):
 
 ``symbolic_zeros=True`` tells the forward which inputs are differentiated; the
 ``dweight`` (or ``dhidden``, ``dbias``) matmul of a frozen input is not in the
-program at all.
+program at all. The residuals have one structure whatever is differentiated
+(``Differentiated.as_residual``).
 """
 
 from __future__ import annotations
@@ -118,11 +119,13 @@ def _row_losses_fwd(plan: Plan, hidden, weight, bias, labels, valid, *classes):
   else:
     outputs, logits = plan.order.forward(plan.config, x), None
   no_classes = (None,) * len(classes)
-  return outputs, (x, outputs[1], outputs[3], diff, logits, no_classes)
+  flags = diff.as_residual()
+  return outputs, (x, outputs[1], outputs[3], flags, logits, no_classes)
 
 
 def _row_losses_bwd(plan: Plan, residuals: tuple, cotangents: tuple) -> tuple:
-  x, lse, entropy, diff, logits, no_classes = residuals
+  x, lse, entropy, flags, logits, no_classes = residuals
+  diff = Differentiated.from_residual(flags)
   g_loss, g_lse, _, g_entropy = cotangents
   g_loss, g_lse, g_entropy = (_instantiate(g, lse) for g in (g_loss, g_lse, g_entropy))
   cot = RowCotangents(lse, g_loss, g_lse, entropy, g_entropy)
@@ -167,12 +170,13 @@ def _reduced_loss_fwd(
   (row_scale,) = unwrap_primals(row_scale)
   x = RowInputs(*arrays)
   outputs, grads = plan.order.fused(plan.config, x, row_scale, diff)
-  return outputs, (grads, (None,) * len(classes))  # a None per class array
+  no_classes = (None,) * len(classes)
+  return outputs, (diff.fill(grads), diff.as_residual(), no_classes)
 
 
 def _reduced_loss_bwd(plan: Plan, residuals: tuple, cotangents: tuple) -> tuple:
   del plan
-  residuals, no_classes = residuals
+  grads, flags, no_classes = residuals
   undifferentiated = (None, None, None, *no_classes)  # labels, valid, row_scale
   g_loss, g_lse, _, g_entropy = cotangents
   zero = jax.custom_derivatives.SymbolicZero
@@ -186,7 +190,8 @@ def _reduced_loss_bwd(plan: Plan, residuals: tuple, cotangents: tuple) -> tuple:
     return (None, None, None, *undifferentiated)
 
   scale = functools.partial(scale_gradient, g_loss=g_loss)
-  dhidden, dweight, dbias = map(scale, residuals)
+  grads = Differentiated.from_residual(flags).unfill(grads)
+  dhidden, dweight, dbias = map(scale, grads)
   return (dhidden, dweight, dbias, *undifferentiated)
 
 

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from mst_jax import _ce_math, _manual_axes
@@ -206,14 +207,43 @@ class RowCotangents(NamedTuple):
     return RowCotangents(*map(chunk.take, self))
 
 
-@jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class Differentiated:
-  """Which inputs the caller differentiates; a static leaf of the residuals."""
+  """Which inputs the caller differentiates (static).
+
+  A custom VJP's residuals must have one pytree structure whatever is
+  differentiated: JAX caches a forward per pattern of symbolic zeros but keeps
+  the residual structure of the latest one it traced, so a pattern-dependent
+  structure pairs a cached forward with another pattern's layout (a silently
+  zero or mistyped gradient). The flags therefore travel to the backward as
+  the shape of an array (``as_residual``), which belongs to the forward that
+  actually ran.
+  """
 
   hidden: bool
   weight: bool
   bias: bool
+
+  def as_residual(self) -> np.ndarray:
+    """The flags as the shape of a bool array of at most one element."""
+    return np.zeros(tuple(int(flag) for flag in self), np.bool_)
+
+  @classmethod
+  def from_residual(cls, flags) -> Differentiated:
+    """The flags ``as_residual`` wrote."""
+    return cls(*(bool(n) for n in flags.shape))
+
+  def fill(self, grads: tuple) -> tuple:
+    """``grads`` (None where not differentiated) with an empty array for
+    each None, for a residual of one structure; ``unfill`` undoes it."""
+    return tuple(np.zeros((0,), np.float32) if g is None else g for g in grads)
+
+  def unfill(self, grads: tuple) -> tuple:
+    """The gradients ``fill`` stored: None where not differentiated."""
+    return tuple(g if d else None for g, d in zip(grads, self, strict=True))
+
+  def __iter__(self):
+    return iter((self.hidden, self.weight, self.bias))
 
 
 # ---- Compaction: valid rows first. ----
@@ -222,9 +252,9 @@ class Differentiated:
 def differentiated(hidden, weight, bias) -> Differentiated:
   """From the ``CustomVJPPrimal`` inputs of a ``symbolic_zeros`` forward."""
   return Differentiated(
-    hidden=hidden.perturbed,
-    weight=weight.perturbed,
-    bias=bias is not None and bias.perturbed,  # None has no leaves to wrap
+    hidden=bool(hidden.perturbed),
+    weight=bool(weight.perturbed),
+    bias=bias is not None and bool(bias.perturbed),  # None has no leaves to wrap
   )
 
 
