@@ -291,6 +291,8 @@ def finish(
   else:
     kl_p, kl = sums
     loss = options.beta * kl_p + (1.0 - options.beta) * kl
+  # A divergence is >= 0; its sums can round below 0 where P ~ Q.
+  loss = jnp.maximum(loss, 0.0)
   weight, hard = options.hard_label_weight, None
   if weight:
     own = stats.max_s is not None

@@ -102,6 +102,7 @@ def losses_from_logits(
     )
     log_m = jnp.where(both, -jnp.inf, log_m)
     loss = beta * _kl(log_p, log_m) + (1.0 - beta) * _kl(log_q, log_m)
+  loss = jnp.maximum(loss, 0.0)  # rounding can take P ~ Q's sums below 0
   if options.hard_label_weight:
     # The student's cross-entropy at temperature 1, the CE reference's.
     hard, *_ = _full_logits.losses_from_logits(

@@ -57,9 +57,9 @@ class Rows(NamedTuple):
     vocab_size: ``V``.
     token_weights: float ``[N]`` (shifted with the labels), not
       differentiated; or None.
-    class_weights: float32 ``[V]``, not differentiated; or None (also with
-      class weights, on the chunked paths without label smoothing:
-      ``for_chunks``).
+    class_weights: ``[V]`` float32 (float64 for float64 inputs), not
+      differentiated; or None (also with class weights, on the chunked paths
+      without label smoothing: ``for_chunks``).
     target_weight: float32 ``[N]``, each row's label's class weight (0 where
       the label is outside ``[0, V)``), with class weights; else None.
     mean_weight: float32 ``[N]``, the mean class weight, likewise.
@@ -188,7 +188,6 @@ def prepare(
       raise ValueError(
         f"class_weights must have shape ({vocab_size},), got {class_weights.shape}."
       )
-    class_weights = class_weights.astype(jnp.float32)
 
   mesh = explicit_mesh(
     hidden, weight, labels, bias, where, token_weights, class_weights
@@ -207,6 +206,8 @@ def prepare(
     )
   dtype = np.promote_types(hidden.dtype, weight.dtype)
   hidden, weight = hidden.astype(dtype), weight.astype(dtype)
+  if class_weights is not None:  # in the loss's dtype: float64 for float64 inputs
+    class_weights = class_weights.astype(np.promote_types(dtype, np.float32))
   ignore_index = options.ignore_index
   labels, valid = _int32_labels(labels, vocab_size, ignore_index)
   if where is not None:

@@ -311,6 +311,8 @@ def layout_for(
   for name, axis in (("batch_axis", batch_axis), ("vocab_axis", vocab_axis)):
     if axis is not None and axis not in mesh.axis_names:
       raise ValueError(f"{name}={axis!r} is not an axis of the mesh {mesh.axis_names}.")
+  if _inputs.explicit_mesh(rows.hidden, rows.weight) is None:
+    mesh = _auto(mesh)
   layout = Layout(mesh, batch_axis, vocab_axis, weight_layout)
   if n_rows % layout.axis_size(batch_axis):
     raise ValueError(
@@ -326,6 +328,14 @@ def layout_for(
       " eps / V and mean logit count every column)."
     )
   return layout
+
+
+def _auto(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
+  """``mesh`` with Auto axes, for inputs typed on no Explicit mesh: on Explicit
+  axes the outputs' types would carry the mesh, and ``jax.grad`` outside
+  ``jax.set_mesh`` cannot form their cotangents."""
+  auto = (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
+  return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
 
 
 def _from_inputs(rows: Rows, weight_layout: str) -> Layout | None:

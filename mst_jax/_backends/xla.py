@@ -80,7 +80,7 @@ class XlaChunkCE(base.MatmulThenCE):
     cols = jnp.arange(logits.shape[-1], dtype=jnp.int32)
     vocab_size = vocab_size or logits.shape[-1]
     if class_weights is not None:
-      class_weights = class_weights.astype(jnp.float32)
+      class_weights = class_weights.astype(ce_math.at_least_float32(logits.dtype))
     grad = ce_math.dlogits_block(
       _upcast(logits), cols, labels, rows, options, vocab_size, class_weights
     )
