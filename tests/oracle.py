@@ -1,0 +1,331 @@
+"""The tests' float64 oracle, written from the documented definitions.
+
+It imports nothing from ``mst_jax``: a bug in the library's argument handling
+(masks, shift, weights, reductions) cannot hide by being in the oracle too.
+Each function forms the whole logits in float64 with ``jax.numpy``, keeps the
+arrays' batch shape, and is differentiable by ``jax.grad`` / ``jax.jvp`` /
+``jax.vjp`` to any order. Call them inside ``with jax.enable_x64(True):``;
+arguments of any float dtype are converted to float64 here. A gradient comes
+back in the dtype of the array it is taken with respect to, so pass float64
+arrays for float64 gradients.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+__all__ = ["cross_entropy", "distillation", "log_probs"]
+
+_REDUCTIONS = ("mean", "sum", "none")
+_DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
+
+
+def _require_x64() -> None:
+  if not jax.config.jax_enable_x64:
+    raise AssertionError(
+      "tests/oracle.py computes in float64: call it inside"
+      " `with jax.enable_x64(True):`."
+    )
+
+
+def _f64(x):
+  return None if x is None else jnp.asarray(x).astype(jnp.float64)
+
+
+def _check(name, value, choices):
+  if value not in choices:
+    raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
+
+
+def _shift(x, fill):
+  """``x[..., t + 1]`` at position ``t``; ``fill`` at the last position."""
+  return jnp.concatenate([x[..., 1:], jnp.full_like(x[..., :1], fill)], axis=-1)
+
+
+def _tokens(labels, batch_shape, where, ignore_index, shift, token_weights=None):
+  """``(labels as int64, valid, token_weights)`` at the positions they score.
+
+  A token counts when its label is not ``ignore_index`` and ``where`` is True
+  there; with ``shift`` position ``t`` takes label position ``t + 1``'s label,
+  mask and weight, and the last position of each sequence counts for nothing.
+  """
+  valid = jnp.ones(batch_shape, bool)
+  if labels is not None:
+    labels = jnp.asarray(labels)
+    if labels.shape != batch_shape:
+      raise ValueError(f"labels {labels.shape} != hidden's leading {batch_shape}")
+    info = np.iinfo(labels.dtype)
+    if info.min <= ignore_index <= info.max:  # a dtype that can hold it
+      valid = labels != jnp.asarray(ignore_index, labels.dtype)
+    labels = labels.astype(jnp.int64)
+  if where is not None:
+    valid = valid & jnp.asarray(where, bool)
+  if token_weights is not None:
+    token_weights = lax.stop_gradient(_f64(token_weights))
+  if shift:
+    valid = _shift(valid, False)
+    labels = None if labels is None else _shift(labels, 0)
+    token_weights = None if token_weights is None else _shift(token_weights, 0.0)
+  if token_weights is not None:  # selected: a NaN weight at an excluded token stays out
+    token_weights = jnp.where(valid, token_weights, 0.0)
+  return labels, valid, token_weights
+
+
+def _scores(hidden, weight, bias, valid, weight_layout, logit_scale, logit_softcap):
+  """``softcap(logit_scale * (hidden @ weight.T + bias))``, ``[..., V]`` float64.
+
+  Excluded tokens' hidden states are replaced by zeros first: a NaN there
+  must change nothing, gradients included.
+  """
+  hidden, weight, bias = _f64(hidden), _f64(weight), _f64(bias)
+  w_dv = weight if weight_layout == "dv" else weight.T  # [D, V]
+  hidden = jnp.where(valid[..., None], hidden, 0.0)
+  logits = jnp.matmul(hidden, w_dv, precision=lax.Precision.HIGHEST)
+  if bias is not None:
+    logits = logits + bias
+  if logit_scale is not None:
+    logits = logit_scale * logits
+  if logit_softcap is not None:
+    logits = logit_softcap * jnp.tanh(logits / logit_softcap)
+  return logits
+
+
+def _label_scores(scores, labels, valid):
+  """``(scores with NaN rows, s[y], in_range)``: a valid token whose label is
+  outside ``[0, V)`` gets NaN scores, so its loss and gradients are NaN."""
+  vocab = scores.shape[-1]
+  in_range = (labels >= 0) & (labels < vocab)
+  scores = scores + jnp.where(valid & ~in_range, jnp.nan, 0.0)[..., None]
+  safe = jnp.where(in_range, labels, 0)
+  target = jnp.take_along_axis(scores, safe[..., None], axis=-1)[..., 0]
+  return scores, target, in_range
+
+
+def _reduce(per_token, valid, token_weights, denominator_weights, reduction):
+  """Per-token values (excluded ones selected away) reduced as documented.
+
+  ``"mean"`` divides by the sum of ``denominator_weights`` over valid tokens
+  (0.0 when that is 0), ``"sum"`` sums, ``"none"`` keeps the shape.
+  """
+  if token_weights is not None:
+    per_token = per_token * token_weights
+  per_token = jnp.where(valid, per_token, 0.0)
+  if reduction == "none":
+    return per_token
+  total = jnp.sum(per_token)
+  if reduction == "sum":
+    return total
+  count = jnp.sum(jnp.where(valid, denominator_weights, 0.0))
+  return jnp.where(count == 0, 0.0, total / jnp.where(count == 0, 1.0, count))
+
+
+def cross_entropy(
+  hidden,
+  weight,
+  labels,
+  bias=None,
+  *,
+  where=None,
+  token_weights=None,
+  class_weights=None,
+  ignore_index=-100,
+  reduction="mean",
+  label_smoothing=0.0,
+  z_loss=0.0,
+  logit_softcap=None,
+  logit_scale=None,
+  shift=False,
+  weight_layout="vd",
+):
+  """``mst_jax.linear_cross_entropy``'s value from its definition, in float64.
+
+  Per token, with ``s = softcap(logit_scale * (hidden @ W + bias))`` (``W``
+  the ``[D, V]`` view of ``weight``), ``lse = logsumexp(s)``, ``eps`` the
+  label smoothing and ``w`` the class weights (all ones without)::
+
+    loss = (1 - eps) w[y] (lse - s[y]) + (eps / V) sum_c w[c] (lse - s[c])
+           + z_loss lse**2
+
+  (a class of weight 0 adds nothing, even at ``s[c] = -inf``; the smoothing
+  term only with ``eps > 0``). A token counts when its label is not
+  ``ignore_index`` and ``where`` holds (with ``shift``, position ``t`` takes
+  label position ``t + 1``'s label, ``where`` and token weight; the last
+  position counts for nothing). Counted tokens' losses are multiplied by
+  ``token_weights``; ``"sum"`` adds them, ``"mean"`` divides that sum by
+  ``sum(token_weight * w[y])`` over counted tokens (0.0 when it is 0),
+  ``"none"`` returns them (0 at excluded tokens). A counted token's label
+  outside ``[0, V)`` makes its loss and gradients NaN. ``token_weights`` and
+  ``class_weights`` are data (not differentiated).
+
+  Returns:
+    float64: a scalar, or the shape of ``labels`` for ``"none"``.
+  """
+  _require_x64()
+  _check("reduction", reduction, _REDUCTIONS)
+  _check("weight_layout", weight_layout, ("vd", "dv"))
+  batch_shape = jnp.shape(hidden)[:-1]
+  labels, valid, token_weights = _tokens(
+    labels, batch_shape, where, ignore_index, shift, token_weights
+  )
+  head = dict(logit_scale=logit_scale, logit_softcap=logit_softcap)
+  scores = _scores(hidden, weight, bias, valid, weight_layout, **head)
+  vocab = scores.shape[-1]
+  scores, target, in_range = _label_scores(scores, labels, valid)
+  lse = jax.nn.logsumexp(scores, axis=-1)
+  eps = label_smoothing
+  if class_weights is None:
+    w_label = jnp.ones(batch_shape, jnp.float64)
+    loss = (1.0 - eps) * (lse - target)
+    if eps:
+      loss = loss + eps * (lse - jnp.mean(scores, axis=-1))
+  else:
+    w = lax.stop_gradient(_f64(class_weights))
+    w_label = jnp.where(in_range, w[jnp.where(in_range, labels, 0)], 0.0)
+    loss = (1.0 - eps) * w_label * (lse - target)
+    if eps:
+      terms = jnp.where(w > 0, w * (lse[..., None] - scores), 0.0)
+      loss = loss + eps / vocab * jnp.sum(terms, axis=-1)
+  loss = loss + z_loss * jnp.square(lse)
+  denominator = w_label if token_weights is None else w_label * token_weights
+  return _reduce(loss, valid, token_weights, denominator, reduction)
+
+
+def log_probs(
+  hidden,
+  weight,
+  labels,
+  bias=None,
+  *,
+  ignore_index=-100,
+  where=None,
+  logit_scale=None,
+  logit_softcap=None,
+  shift=False,
+  weight_layout="vd",
+  return_entropy=False,
+):
+  """``mst_jax.linear_log_probs`` from its definition, in float64.
+
+  Per token, with ``s`` the scores of ``cross_entropy``::
+
+    log_prob = s[y] - logsumexp(s)
+    entropy  = -sum_c p_c log p_c,   p = softmax(s)   (p_c = 0 adds 0)
+
+  Both are 0.0 at excluded tokens (masks and ``shift`` as in
+  ``cross_entropy``); a counted token's label outside ``[0, V)`` makes its
+  log-probability NaN (its entropy does not read the label).
+
+  Returns:
+    float64 ``log_probs`` with the shape of ``labels``, or
+    ``(log_probs, entropy)`` with ``return_entropy``.
+  """
+  _require_x64()
+  _check("weight_layout", weight_layout, ("vd", "dv"))
+  batch_shape = jnp.shape(hidden)[:-1]
+  labels, valid, _ = _tokens(labels, batch_shape, where, ignore_index, shift)
+  head = dict(logit_scale=logit_scale, logit_softcap=logit_softcap)
+  clean = _scores(hidden, weight, bias, valid, weight_layout, **head)
+  scores, target, _ = _label_scores(clean, labels, valid)
+  out = jnp.where(valid, target - jax.nn.logsumexp(scores, axis=-1), 0.0)
+  if not return_entropy:
+    return out
+  log_p = jax.nn.log_softmax(clean, axis=-1)
+  p = jnp.exp(log_p)
+  entropy = -jnp.sum(jnp.where(p > 0, p * jnp.where(p > 0, log_p, 0.0), 0.0), -1)
+  return out, jnp.where(valid, entropy, 0.0)
+
+
+def _kl(log_a, log_b):
+  """``sum_j a_j (log a_j - log b_j)``; a class with ``a_j = 0`` adds 0 (the
+  inner ``where`` keeps its gradients finite)."""
+  present = jnp.exp(log_a) > 0
+  ratio = jnp.where(present, log_a, 0.0) - jnp.where(present, log_b, 0.0)
+  return jnp.sum(jnp.where(present, jnp.exp(log_a) * ratio, 0.0), axis=-1)
+
+
+def distillation(
+  student_hidden,
+  student_weight,
+  teacher_hidden,
+  teacher_weight,
+  labels=None,
+  *,
+  student_bias=None,
+  teacher_bias=None,
+  divergence="forward_kl",
+  beta=0.5,
+  temperature=1.0,
+  hard_label_weight=0.0,
+  ignore_index=-100,
+  where=None,
+  reduction="mean",
+  shift=False,
+  weight_layout="vd",
+  logit_softcap=None,
+  logit_scale=None,
+):
+  """``mst_jax.linear_distillation_loss`` from its definition, in float64.
+
+  Per token, with each head's scores ``s`` as in ``cross_entropy``,
+  ``P = softmax(s_teacher / T)`` and ``Q = softmax(s_student / T)``::
+
+    "forward_kl":  KL(P || Q) = sum_j P_j (log P_j - log Q_j)
+    "reverse_kl":  KL(Q || P)
+    "jsd":         beta KL(P || M) + (1 - beta) KL(Q || M),  M = beta P + (1 - beta) Q
+
+    loss = divergence + hard_label_weight * (logsumexp(s_student) - s_student[y])
+
+  (no ``T**2`` factor; the hard-label term at temperature 1; a class of
+  probability 0 adds 0). Tokens count as in ``cross_entropy`` (without
+  ``labels`` every token does, but for ``where`` and ``shift``); ``"mean"``
+  divides by the number of counted tokens (0.0 when none). The teacher is
+  data: it gets no gradient.
+
+  Returns:
+    float64: a scalar, or the shape of ``labels`` for ``"none"``.
+  """
+  _require_x64()
+  _check("reduction", reduction, _REDUCTIONS)
+  _check("divergence", divergence, _DIVERGENCES)
+  _check("weight_layout", weight_layout, ("vd", "dv"))
+  if hard_label_weight and labels is None:
+    raise ValueError("hard_label_weight > 0 needs labels.")
+  batch_shape = jnp.shape(student_hidden)[:-1]
+  labels, valid, _ = _tokens(labels, batch_shape, where, ignore_index, shift)
+  head = dict(logit_scale=logit_scale, logit_softcap=logit_softcap)
+  student = _scores(
+    student_hidden, student_weight, student_bias, valid, weight_layout, **head
+  )
+  teacher_head = (_f64(teacher_hidden), _f64(teacher_weight), _f64(teacher_bias))
+  teacher = _scores(
+    *lax.stop_gradient(teacher_head),
+    valid,
+    weight_layout,
+    **head,
+  )
+  log_q = jax.nn.log_softmax(student / temperature, axis=-1)
+  log_p = jax.nn.log_softmax(teacher / temperature, axis=-1)
+  if divergence == "forward_kl":
+    loss = _kl(log_p, log_q)
+  elif divergence == "reverse_kl":
+    loss = _kl(log_q, log_p)
+  else:
+    # A class banned in both heads has log M = -inf; the inner where keeps
+    # logaddexp's gradient there finite.
+    both = (log_p == -jnp.inf) & (log_q == -jnp.inf)
+    log_m = jnp.logaddexp(
+      math.log(beta) + jnp.where(both, 0.0, log_p),
+      math.log1p(-beta) + jnp.where(both, 0.0, log_q),
+    )
+    log_m = jnp.where(both, -jnp.inf, log_m)
+    loss = beta * _kl(log_p, log_m) + (1.0 - beta) * _kl(log_q, log_m)
+  if hard_label_weight:
+    scores, target, _ = _label_scores(student, labels, valid)
+    loss = loss + hard_label_weight * (jax.nn.logsumexp(scores, axis=-1) - target)
+  ones = jnp.ones(batch_shape, jnp.float64)
+  return _reduce(loss, valid, None, ones, reduction)
