@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["cross_entropy", "distillation", "log_probs"]
+__all__ = ["cross_entropy", "cross_entropy_of_logits", "distillation", "log_probs"]
 
 _REDUCTIONS = ("mean", "sum", "none")
 _DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
@@ -76,23 +76,33 @@ def _tokens(labels, batch_shape, where, ignore_index, shift, token_weights=None)
   return labels, valid, token_weights
 
 
-def _scores(hidden, weight, bias, valid, weight_layout, logit_scale, logit_softcap):
-  """``softcap(logit_scale * (hidden @ weight.T + bias))``, ``[..., V]`` float64.
+def _logits(hidden, weight, bias, valid, weight_layout):
+  """``hidden @ W + bias``, ``[..., V]`` float64 (``W`` the ``[D, V]`` view).
 
   Excluded tokens' hidden states are replaced by zeros first: a NaN there
   must change nothing, gradients included.
   """
   hidden, weight, bias = _f64(hidden), _f64(weight), _f64(bias)
-  w_dv = weight if weight_layout == "dv" else weight.T  # [D, V]
+  w_dv = weight if weight_layout == "dv" else weight.T
   hidden = jnp.where(valid[..., None], hidden, 0.0)
   logits = jnp.matmul(hidden, w_dv, precision=lax.Precision.HIGHEST)
-  if bias is not None:
-    logits = logits + bias
+  return logits if bias is None else logits + bias
+
+
+def _head(logits, logit_scale, logit_softcap):
+  """The scores ``softcap(logit_scale * logits)``, float64."""
+  scores = _f64(logits)
   if logit_scale is not None:
-    logits = logit_scale * logits
+    scores = logit_scale * scores
   if logit_softcap is not None:
-    logits = logit_softcap * jnp.tanh(logits / logit_softcap)
-  return logits
+    scores = logit_softcap * jnp.tanh(scores / logit_softcap)
+  return scores
+
+
+def _scores(hidden, weight, bias, valid, weight_layout, logit_scale, logit_softcap):
+  """``softcap(logit_scale * (hidden @ W + bias))``, ``[..., V]`` float64."""
+  logits = _logits(hidden, weight, bias, valid, weight_layout)
+  return _head(logits, logit_scale, logit_softcap)
 
 
 def _label_scores(scores, labels, valid):
@@ -166,14 +176,55 @@ def cross_entropy(
     float64: a scalar, or the shape of ``labels`` for ``"none"``.
   """
   _require_x64()
-  _check("reduction", reduction, _REDUCTIONS)
   _check("weight_layout", weight_layout, ("vd", "dv"))
   batch_shape = jnp.shape(hidden)[:-1]
+  _, valid, _ = _tokens(labels, batch_shape, where, ignore_index, shift)
+  return cross_entropy_of_logits(
+    _logits(hidden, weight, bias, valid, weight_layout),
+    labels,
+    where=where,
+    token_weights=token_weights,
+    class_weights=class_weights,
+    ignore_index=ignore_index,
+    reduction=reduction,
+    label_smoothing=label_smoothing,
+    z_loss=z_loss,
+    logit_softcap=logit_softcap,
+    logit_scale=logit_scale,
+    shift=shift,
+  )
+
+
+def cross_entropy_of_logits(
+  logits,
+  labels,
+  *,
+  where=None,
+  token_weights=None,
+  class_weights=None,
+  ignore_index=-100,
+  reduction="mean",
+  label_smoothing=0.0,
+  z_loss=0.0,
+  logit_softcap=None,
+  logit_scale=None,
+  shift=False,
+):
+  """``cross_entropy`` of given raw logits ``[..., V]`` (``hidden @ W + bias``).
+
+  The logits may be of any float dtype (they are converted to float64), so a
+  head that rounds its logits can be differentiated through this loss, the
+  cotangent rounded back to their dtype as autodiff does.
+  """
+  _require_x64()
+  _check("reduction", reduction, _REDUCTIONS)
+  batch_shape = jnp.shape(logits)[:-1]
   labels, valid, token_weights = _tokens(
     labels, batch_shape, where, ignore_index, shift, token_weights
   )
-  head = dict(logit_scale=logit_scale, logit_softcap=logit_softcap)
-  scores = _scores(hidden, weight, bias, valid, weight_layout, **head)
+  scores = _head(
+    jnp.where(valid[..., None], _f64(logits), 0.0), logit_scale, logit_softcap
+  )
   vocab = scores.shape[-1]
   scores, target, in_range = _label_scores(scores, labels, valid)
   lse = jax.nn.logsumexp(scores, axis=-1)
