@@ -9,6 +9,9 @@ from __future__ import annotations
 import functools
 import warnings
 
+import jax
+import jaxlib
+
 from mst_jax import _mosaic_gemm
 from mst_jax._backends.base import (
   AllColumns,
@@ -26,7 +29,9 @@ __all__ = [
   "Columns",
   "HeadSpec",
   "XlaChunkCE",
+  "mosaic_is_slow",
   "pallas_unavailable_reason",
+  "refuse_second_order",
   "select",
   "select_distill",
   "select_gemm",
@@ -157,11 +162,27 @@ def select_gemm(impl: str | None, platform: str) -> str:
   reason = _mosaic_gemm.unavailable_reason()
   if platform != "gpu":
     reason = f"it needs a Hopper GPU, the platform is a {platform}"
+  if reason is None and impl is None and mosaic_is_slow(jaxlib.__version__):
+    return "xla"
   if reason is None:
     return "mosaic"
   if impl == "mosaic":
     _warn_fallback(reason, what="GEMMs")
   return "xla"
+
+
+def mosaic_is_slow(jaxlib_version: str) -> bool:
+  """Whether this jaxlib runs the Mosaic GPU GEMMs several times slower than
+  XLA's, so that ``impl=None`` takes XLA's GEMMs and the Triton kernels.
+
+  From jaxlib 0.12, Mosaic GPU compiles its PTX with libnvJitLink, as
+  relocatable code, where ptxas ignores ``setmaxnreg``: the GEMMs' float32
+  accumulators no longer fit the compute warpgroups' registers (the default
+  step took 198 ms against the naive head's 41 ms at the Llama-3 head on an
+  H200, jax 0.12.0.1; ``impl="pallas"`` 40 ms).
+  """
+  major, minor = (int(part) for part in jaxlib_version.split(".")[:2])
+  return (major, minor) >= (0, 12)
 
 
 _INSTEAD = {
@@ -175,3 +196,24 @@ def _warn_fallback(reason: str, what: str = "backend") -> None:
   warnings.warn(
     f"mst_jax: using {_INSTEAD[what]}: {reason}.", RuntimeWarning, stacklevel=4
   )
+
+
+def refuse_second_order(kernels: bool, arrays) -> None:
+  """Raises if ``kernels`` run a custom VJP's rule over autodiff tracers.
+
+  A first derivative calls the rules with plain values; only a second one (a
+  Hessian-vector product, ``jax.hessian``, a gradient of a gradient)
+  differentiates the rules themselves. XLA's operations have derivatives,
+  so the XLA backend gives the second derivative; the Pallas and Mosaic GPU
+  kernels have none, and JAX would fail inside them with an internal error.
+  """
+  if not kernels:
+    return
+  tracers = ("JVPTracer", "LinearizeTracer")
+  leaves = jax.tree.leaves(arrays)
+  if any(type(x).__name__ in tracers for x in leaves):
+    raise NotImplementedError(
+      "Second derivatives (a Hessian-vector product, jax.hessian, a gradient of"
+      " a gradient) of this loss need impl='xla' or impl='reference': the"
+      " Pallas and Mosaic GPU kernels have no derivatives of their own."
+    )
