@@ -19,7 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["cross_entropy", "cross_entropy_of_logits", "distillation", "log_probs"]
+__all__ = [
+  "cross_entropy",
+  "cross_entropy_of_logits",
+  "distillation",
+  "distillation_of_logits",
+  "log_probs",
+  "log_probs_of_logits",
+]
 
 _REDUCTIONS = ("mean", "sum", "none")
 _DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
@@ -97,12 +104,6 @@ def _head(logits, logit_scale, logit_softcap):
   if logit_softcap is not None:
     scores = logit_softcap * jnp.tanh(scores / logit_softcap)
   return scores
-
-
-def _scores(hidden, weight, bias, valid, weight_layout, logit_scale, logit_softcap):
-  """``softcap(logit_scale * (hidden @ W + bias))``, ``[..., V]`` float64."""
-  logits = _logits(hidden, weight, bias, valid, weight_layout)
-  return _head(logits, logit_scale, logit_softcap)
 
 
 def _label_scores(scores, labels, valid):
@@ -278,9 +279,37 @@ def log_probs(
   _require_x64()
   _check("weight_layout", weight_layout, ("vd", "dv"))
   batch_shape = jnp.shape(hidden)[:-1]
+  _, valid, _ = _tokens(labels, batch_shape, where, ignore_index, shift)
+  return log_probs_of_logits(
+    _logits(hidden, weight, bias, valid, weight_layout),
+    labels,
+    ignore_index=ignore_index,
+    where=where,
+    logit_scale=logit_scale,
+    logit_softcap=logit_softcap,
+    shift=shift,
+    return_entropy=return_entropy,
+  )
+
+
+def log_probs_of_logits(
+  logits,
+  labels,
+  *,
+  ignore_index=-100,
+  where=None,
+  logit_scale=None,
+  logit_softcap=None,
+  shift=False,
+  return_entropy=False,
+):
+  """``log_probs`` of given raw logits ``[..., V]``, of any float dtype (see
+  ``cross_entropy_of_logits``)."""
+  _require_x64()
+  batch_shape = jnp.shape(logits)[:-1]
   labels, valid, _ = _tokens(labels, batch_shape, where, ignore_index, shift)
-  head = dict(logit_scale=logit_scale, logit_softcap=logit_softcap)
-  clean = _scores(hidden, weight, bias, valid, weight_layout, **head)
+  logits = jnp.where(valid[..., None], _f64(logits), 0.0)
+  clean = _head(logits, logit_scale, logit_softcap)
   scores, target, _ = _label_scores(clean, labels, valid)
   out = jnp.where(valid, target - jax.nn.logsumexp(scores, axis=-1), 0.0)
   if not return_entropy:
@@ -341,24 +370,59 @@ def distillation(
     float64: a scalar, or the shape of ``labels`` for ``"none"``.
   """
   _require_x64()
+  _check("weight_layout", weight_layout, ("vd", "dv"))
+  batch_shape = jnp.shape(student_hidden)[:-1]
+  _, valid, _ = _tokens(labels, batch_shape, where, ignore_index, shift)
+  student = _logits(student_hidden, student_weight, student_bias, valid, weight_layout)
+  teacher_head = (_f64(teacher_hidden), _f64(teacher_weight), _f64(teacher_bias))
+  teacher = _logits(*lax.stop_gradient(teacher_head), valid, weight_layout)
+  return distillation_of_logits(
+    student,
+    teacher,
+    labels,
+    divergence=divergence,
+    beta=beta,
+    temperature=temperature,
+    hard_label_weight=hard_label_weight,
+    ignore_index=ignore_index,
+    where=where,
+    reduction=reduction,
+    shift=shift,
+    logit_softcap=logit_softcap,
+    logit_scale=logit_scale,
+  )
+
+
+def distillation_of_logits(
+  student_logits,
+  teacher_logits,
+  labels=None,
+  *,
+  divergence="forward_kl",
+  beta=0.5,
+  temperature=1.0,
+  hard_label_weight=0.0,
+  ignore_index=-100,
+  where=None,
+  reduction="mean",
+  shift=False,
+  logit_softcap=None,
+  logit_scale=None,
+):
+  """``distillation`` of given raw logits ``[..., V]`` of both heads, of any
+  float dtype (see ``cross_entropy_of_logits``); the teacher's are data."""
+  _require_x64()
   _check("reduction", reduction, _REDUCTIONS)
   _check("divergence", divergence, _DIVERGENCES)
-  _check("weight_layout", weight_layout, ("vd", "dv"))
   if hard_label_weight and labels is None:
     raise ValueError("hard_label_weight > 0 needs labels.")
-  batch_shape = jnp.shape(student_hidden)[:-1]
+  batch_shape = jnp.shape(student_logits)[:-1]
   labels, valid, _ = _tokens(labels, batch_shape, where, ignore_index, shift)
   head = dict(logit_scale=logit_scale, logit_softcap=logit_softcap)
-  student = _scores(
-    student_hidden, student_weight, student_bias, valid, weight_layout, **head
-  )
-  teacher_head = (_f64(teacher_hidden), _f64(teacher_weight), _f64(teacher_bias))
-  teacher = _scores(
-    *lax.stop_gradient(teacher_head),
-    valid,
-    weight_layout,
-    **head,
-  )
+  rows = valid[..., None]
+  student = _head(jnp.where(rows, _f64(student_logits), 0.0), **head)
+  teacher = lax.stop_gradient(_f64(teacher_logits))
+  teacher = _head(jnp.where(rows, teacher, 0.0), **head)
   log_q = jax.nn.log_softmax(student / temperature, axis=-1)
   log_p = jax.nn.log_softmax(teacher / temperature, axis=-1)
   if divergence == "forward_kl":

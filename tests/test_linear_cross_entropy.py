@@ -11,6 +11,7 @@ from conftest import (
   ALL_OPTIONS,
   GRAD_RTOL,
   LOSS_RTOL,
+  NAIVE_FACTOR,
   assert_close,
   check_against_oracle,
   make_problem,
@@ -380,6 +381,9 @@ def test_memory_budget_groups_chunks(
     logits_dtype=logits_dtype,
     accum_dtype=jnp.dtype(dtype),
     grad_mode=grad_mode,
+    # dweight and dbias rounded in bfloat16 once per group (3): up to 1.4x
+    # and 4x the naive head's error.
+    naive_factor={**NAIVE_FACTOR, "dbias": 6.0},
     **ALL_OPTIONS,
   )
   assert plans and set(plans) == {plan}
