@@ -25,6 +25,7 @@ from typing import NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 
+from mst_jax._backends import XlaChunkCE, refuse_second_order
 from mst_jax._rows import (
   Differentiated,
   Grads,
@@ -77,6 +78,12 @@ class Plan(NamedTuple):
   keep_logits: bool = False
 
 
+def _runs_kernels(config: SweepConfig) -> bool:
+  """Whether the sweep runs Pallas or Mosaic kernels (which have no
+  derivatives, so no second derivative goes through them)."""
+  return not (isinstance(config.backend, XlaChunkCE) and config.head.gemm == "xla")
+
+
 def _instantiate(cotangent, like: jax.Array) -> jax.Array:
   if isinstance(cotangent, jax.custom_derivatives.SymbolicZero):
     return jnp.zeros_like(like)
@@ -114,6 +121,7 @@ def row_losses(plan: Plan, hidden, weight, bias, labels, valid, *classes):
 def _row_losses_fwd(plan: Plan, hidden, weight, bias, labels, valid, *classes):
   diff = differentiated(hidden, weight, bias)
   x = RowInputs(*unwrap_primals(hidden, weight, bias, labels, valid, *classes))
+  x = refuse_second_order(x, _runs_kernels(plan.config))
   if plan.keep_logits:
     outputs, logits = plan.order.forward_keeping(plan.config, x)
   else:
@@ -169,6 +177,7 @@ def _reduced_loss_fwd(
   arrays = unwrap_primals(hidden, weight, bias, labels, valid, *classes)
   (row_scale,) = unwrap_primals(row_scale)
   x = RowInputs(*arrays)
+  x = refuse_second_order(x, _runs_kernels(plan.config))
   outputs, grads = plan.order.fused(plan.config, x, row_scale, diff)
   no_classes = (None,) * len(classes)
   return outputs, (diff.fill(grads), diff.as_residual(), no_classes)

@@ -198,22 +198,28 @@ def _warn_fallback(reason: str, what: str = "backend") -> None:
   )
 
 
-def refuse_second_order(kernels: bool, arrays) -> None:
-  """Raises if ``kernels`` run a custom VJP's rule over autodiff tracers.
+def refuse_second_order(arrays, kernels: bool):
+  """``arrays`` (a custom VJP rule's inputs) unchanged, through an identity
+  whose derivative raises a clear error if ``kernels`` run on them.
 
-  A first derivative calls the rules with plain values; only a second one (a
-  Hessian-vector product, ``jax.hessian``, a gradient of a gradient)
-  differentiates the rules themselves. XLA's operations have derivatives,
-  so the XLA backend gives the second derivative; the Pallas and Mosaic GPU
-  kernels have none, and JAX would fail inside them with an internal error.
+  A first derivative only calls the rules; a second one (a Hessian-vector
+  product, ``jax.hessian``, a gradient of a gradient) differentiates them,
+  as staged by ``jax.jit`` too. XLA's operations have derivatives, so the XLA
+  backend gives the second derivative; the Pallas and Mosaic GPU kernels
+  have none, and JAX would fail inside them with an internal error.
   """
-  if not kernels:
-    return
-  tracers = ("JVPTracer", "LinearizeTracer")
-  leaves = jax.tree.leaves(arrays)
-  if any(type(x).__name__ in tracers for x in leaves):
-    raise NotImplementedError(
-      "Second derivatives (a Hessian-vector product, jax.hessian, a gradient of"
-      " a gradient) of this loss need impl='xla' or impl='reference': the"
-      " Pallas and Mosaic GPU kernels have no derivatives of their own."
-    )
+  return _no_derivative(arrays) if kernels else arrays
+
+
+@jax.custom_jvp
+def _no_derivative(arrays):
+  return arrays
+
+
+@_no_derivative.defjvp
+def _no_derivative_jvp(primals, tangents):
+  raise NotImplementedError(
+    "Second derivatives (a Hessian-vector product, jax.hessian, a gradient of"
+    " a gradient) of this loss need impl='xla' or impl='reference': the"
+    " Pallas and Mosaic GPU kernels have no derivatives of their own."
+  )
