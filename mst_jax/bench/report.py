@@ -20,6 +20,10 @@ STATISTIC_NOTE = (
   " every implementation of the case in turn ({reps} each); there are at least"
   " {rounds}, and more (up to {max_rounds} rounds) while the rounds disagree by"
   " over 10%. spread: the slowest round's fastest step over the fastest round's."
+  " compile s: jit(...).lower(...).compile() of the step in the timing process"
+  " (XLA's autotuning included; the first implementation there also pays for"
+  " JAX's own warm-up). time x and mem x: ratios against the naive head, lower"
+  " is better."
 )
 MEMORY_NOTES = {
   "compiled temp": "extra MiB: the compiled step's temporaries (XLA's"
@@ -87,6 +91,7 @@ def _columns(rows: Sequence[dict]) -> list[tuple[str, str, str, float]]:
   columns = [
     ("time ms", "time_ms", ".2f", 1.0),
     ("spread", "spread", ".2f", 1.0),
+    ("compile s", "compile_s", ".1f", 1.0),
     ("extra MiB", "extra_bytes", ".0f", 2**20),
     ("1st MiB", "first_call_extra_bytes", ".0f", 2**20),
     ("TFLOP/s", "tflops", ".2f", 1.0),
