@@ -152,9 +152,21 @@ def prepare(
   if dim == 0:
     raise ValueError(f"the hidden size D is 0: hidden {hidden.shape}.")
   if labels.shape != hidden.shape[:-1]:
+    shifted = (
+      labels.ndim >= 1
+      and labels.shape[:-1] == hidden.shape[:-2]
+      and labels.shape[-1] == hidden.shape[-2] - 1
+    )
+    hint = (
+      " These labels are one position short, as already-shifted labels are:"
+      " pass the unshifted labels with shift=True (position t then predicts"
+      " labels[..., t + 1])."
+      if shifted
+      else ""
+    )
     raise ValueError(
       f"labels shape {labels.shape} must equal hidden's leading shape"
-      f" {hidden.shape[:-1]} (hidden {hidden.shape})."
+      f" {hidden.shape[:-1]} (hidden {hidden.shape}).{hint}"
     )
   if bias is not None:
     bias = jnp.asarray(bias)

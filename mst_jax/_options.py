@@ -10,6 +10,7 @@ field lists from here. Every check runs on Python values, at trace time.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import inspect
 import math
@@ -26,6 +27,18 @@ from mst_jax._ce_math import CEOptions, at_least_float32
 REDUCTIONS = ("mean", "sum", "none")
 IMPLEMENTATIONS = (None, "xla", "pallas", "mosaic", "reference")
 GRAD_MODES = (None, "fused", "recompute")
+
+
+def _nearest_names(unknown, names) -> str:
+  """``"; did you mean ...?"`` for each unknown keyword close to a valid one."""
+  guesses = {
+    name: difflib.get_close_matches(name, sorted(names), n=1, cutoff=0.6)
+    for name in sorted(unknown)
+  }
+  found = [
+    f"{name!r}: did you mean {close[0]!r}?" for name, close in guesses.items() if close
+  ]
+  return f" ({'; '.join(found)})" if found else ""
 
 
 def public_jit(static_argnames):
@@ -64,7 +77,8 @@ def public_jit(static_argnames):
         try:
           signature.bind(*args, **kwargs)
         except TypeError as error:
-          raise TypeError(f"{fn.__name__}() {error}") from None
+          hint = _nearest_names(kwargs.keys() - names, names)
+          raise TypeError(f"{fn.__name__}() {error}{hint}") from None
       for name in static & kwargs.keys():
         kwargs[name] = _static_value(name, kwargs[name])
       return jitted(*args, **kwargs)
@@ -87,9 +101,18 @@ def _static_value(name: str, value):
   )
 
 
+# Names users bring from other libraries, and the choice that means them.
+_CHOICE_HINTS = {
+  ("impl", "triton"): " (the Pallas Triton kernels are impl='pallas')",
+  ("impl", "cuda"): " (impl=None picks the GPU kernels)",
+  ("impl", "gpu"): " (impl=None picks the GPU kernels)",
+}
+
+
 def check_choice(name: str, value, choices) -> None:
   if value not in choices:
-    raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
+    hint = _CHOICE_HINTS.get((name, value), "") if isinstance(value, str) else ""
+    raise ValueError(f"{name} must be one of {choices}, got {value!r}{hint}.")
 
 
 def check_int(name: str, value, *, minimum: int | None = None) -> int:
@@ -302,9 +325,10 @@ def head_options(owner: str, options: Mapping, also=()) -> HeadLossOptions:
   unknown = sorted(set(options) - set(names))
   if unknown:
     others = f", besides {list(also)}" if also else ""
+    hint = _nearest_names(unknown, [*names, *also])
     raise TypeError(
-      f"{owner} got unexpected keyword argument(s) {unknown}; its loss options"
-      f" are {names}{others}."
+      f"{owner} got unexpected keyword argument(s) {unknown}{hint}; its loss"
+      f" options are {names}{others}."
     )
   return HeadLossOptions(**options)
 
