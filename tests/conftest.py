@@ -367,6 +367,21 @@ def oracle(problem, **kwargs):
     return np.asarray(loss), [np.asarray(g) for g in grads]
 
 
+def lse64(problem, *, logit_softcap=None, logit_scale=None, **unused_options):
+  """float64 per-token lse of the scaled, softcapped logits (0 at tokens that
+  ``where`` or the label -100 exclude), from numpy."""
+  logits = to64(problem.hidden) @ to64(problem.weight).T
+  if problem.bias is not None:
+    logits = logits + to64(problem.bias)
+  logits = logits * (logit_scale or 1.0)
+  if logit_softcap is not None:
+    logits = logit_softcap * np.tanh(logits / logit_softcap)
+  top = logits.max(axis=-1, keepdims=True)
+  lse = (top + np.log(np.exp(logits - top).sum(axis=-1, keepdims=True)))[..., 0]
+  where = True if problem.where is None else np.asarray(problem.where)
+  return np.where(where & (np.asarray(problem.labels) != -100), lse, 0.0)
+
+
 def bf16_logits(problem, kwargs) -> bool:
   """Whether ``linear_cross_entropy(**kwargs)`` rounds its logits to bfloat16."""
   if kwargs.get("impl") == "reference":

@@ -15,6 +15,7 @@ from conftest import (
   NAIVE_FACTOR,
   assert_close,
   check_against_oracle,
+  lse64,
   make_problem,
   oracle,
   to64,
@@ -206,19 +207,6 @@ def test_ignore_index_and_where_combine(rng, impl):
   check_against_oracle(problem, "float32", impl=impl, chunk_size=8, ignore_index=7)
 
 
-def _lse64(problem, logit_softcap=None, **unused_options):
-  """float64 per-token lse of the scaled, softcapped logits (0 where excluded)."""
-  logits = to64(problem.hidden) @ to64(problem.weight).T
-  if problem.bias is not None:
-    logits = logits + to64(problem.bias)
-  if logit_softcap is not None:
-    logits = logit_softcap * np.tanh(logits / logit_softcap)
-  top = logits.max(axis=-1, keepdims=True)
-  lse = (top + np.log(np.exp(logits - top).sum(axis=-1, keepdims=True)))[..., 0]
-  where = True if problem.where is None else np.asarray(problem.where)
-  return np.where(where & (np.asarray(problem.labels) != -100), lse, 0.0)
-
-
 def test_return_aux(rng, impl, loop_order):
   problem = make_problem(rng, (3, 13), bias=True)
   logits = to64(problem.hidden) @ to64(problem.weight).T + to64(problem.bias)
@@ -230,7 +218,7 @@ def test_return_aux(rng, impl, loop_order):
     *problem.args, impl=impl, chunk_size=8, return_aux=True, **kwargs, **loop_order
   )
   ref_loss, _ = oracle(problem, **ALL_OPTIONS)
-  lse = _lse64(problem, **ALL_OPTIONS)
+  lse = lse64(problem, **ALL_OPTIONS)
   valid = np.asarray(problem.where)
   assert isinstance(aux, mst_jax.LossAux)
   assert_close(loss, ref_loss, LOSS_RTOL["float32"], "loss")
