@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax.linen.linear import default_kernel_init
+
+try:
+  import flax.linen as nn
+  from flax.linen.linear import default_kernel_init
+except ModuleNotFoundError as error:
+  raise ImportError("mst_jax.linen needs Flax: pip install 'mst_jax[flax]'") from error
 
 from mst_jax import _flax_head as head
 from mst_jax._options import HeadLossOptions, head_options

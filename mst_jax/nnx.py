@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
-from flax.nnx.nn.linear import default_bias_init, default_kernel_init
+
+try:
+  from flax import nnx
+  from flax.nnx.nn.linear import default_bias_init, default_kernel_init
+except ModuleNotFoundError as error:
+  raise ImportError("mst_jax.nnx needs Flax: pip install 'mst_jax[flax]'") from error
 
 from mst_jax import _flax_head as head
 from mst_jax._options import head_options

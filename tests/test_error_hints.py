@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import jax.numpy as jnp
 import pytest
 
@@ -57,3 +60,22 @@ def test_labels_one_position_short_suggest_shift(name):
   with pytest.raises(ValueError) as error:  # another mismatch: no such hint
     getattr(mst_jax, name)(H, W, Y[:1])
   assert "shift=True" not in str(error.value)
+
+
+@pytest.mark.parametrize("module", ["nnx", "linen", "LMHeadLoss"])
+def test_the_flax_modules_without_flax_name_the_extra(module):
+  """Flax is an extra: without it, ``import mst_jax`` works and the Flax
+  modules' ImportError says how to install it (a fresh process, in which
+  importing Flax fails)."""
+  code = (
+    "import sys; sys.modules['flax'] = None\n"
+    "import mst_jax\n"
+    "try:\n"
+    f"  getattr(mst_jax, {module!r})\n"
+    "except ImportError as e:\n"
+    "  print('ImportError:', e)\n"
+  )
+  out = subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, text=True, check=True
+  ).stdout
+  assert "pip install 'mst_jax[flax]'" in out, out
