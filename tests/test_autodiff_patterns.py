@@ -32,7 +32,7 @@ def _dim(impl):
 
 
 def _dtype(impl):
-  # The Mosaic kernels run 16-bit inputs (float32 ones take other kernels).
+  # The Mosaic kernels take 16-bit inputs (float32 ones take other kernels).
   return jnp.bfloat16 if impl in ("mosaic", None) else jnp.float32
 
 

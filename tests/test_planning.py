@@ -109,7 +109,7 @@ def test_accumulator_plans_fit_the_budget(n_rows, vocab, dim, budget, cpu):
 
 
 def test_llama_head_at_32768_tokens_takes_a_float32_accumulator():
-  """The H200 measurement behind the rule (docs/benchmarks.md, run 106): at
+  """The H200 measurement behind the rule (docs/benchmarks.md): at
   the default budget, eight groups of 4096 rows beside a float32 dweight took
   2110 MiB extra and matched the naive head's dweight error (four groups
   rounding a bfloat16 dweight in place: 1.38x it); on the CPU, in place."""
