@@ -145,24 +145,35 @@ def test_private_modules_are_prefixed():
     assert module in public or private, module
 
 
+# Each word's first letter in brackets, so that this file does not match itself.
 _HISTORY = re.compile(
-  r"\b(session [0-9]+|runs? [0-9]+(-[0-9]+)?|the issue'?s?)\b", re.I
+  r"\b([s]essions?|issues? #?[0-9]+|runs? [0-9]+(-[0-9]+)?|[r]everted|[n]ot adopted"
+  r"|[t]he issue'?s?)\b",
+  re.I,
 )
 
 
-# The reference docs describe the software as it is; docs/benchmarks.md keeps
-# the measurement log.
-_CURRENT_DOCS = [
-  ROOT / "README.md",
-  *(p for p in sorted((ROOT / "docs").glob("*.md")) if p.name != "benchmarks.md"),
-]
+def _current_texts() -> list[pathlib.Path]:
+  """Docs, scripts, tools, examples and tests: each describes the software as
+  it is (figures in docs/benchmarks.md with their GPU, date and commit)."""
+  paths = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+  for folder in ("scripts", "tools", "examples", "tests"):
+    paths += sorted(
+      p
+      for p in (ROOT / folder).rglob("*")
+      if p.suffix in (".py", ".sh", ".md") and "__pycache__" not in p.parts
+    )
+  return paths
 
 
 @pytest.mark.parametrize(
-  "path", [*_CURRENT_DOCS, *MODULES.values()], ids=lambda p: p.name
+  "path",
+  [*_current_texts(), *MODULES.values()],
+  ids=lambda p: str(p.relative_to(ROOT)),
 )
 def test_no_development_history(path):
-  """Run numbers and development notes belong in docs/benchmarks.md."""
+  """No narration of how the work went (work periods, issue or run numbers,
+  what was tried and dropped) anywhere: that history lives in git."""
   if not path.exists():
     pytest.skip(f"{path.name} is not beside an installed package")
   hits = [m.group(0) for m in _HISTORY.finditer(path.read_text())]
@@ -192,10 +203,10 @@ def test_options_are_declared_once():
 
 
 def test_the_gpu_check_script_runs_every_gpu_test_file():
-  """``scripts/h200_check.sh``'s parts ``gpu_a``, ``gpu_b`` and ``gpu_c`` name
-  every test file with a ``gpu`` mark, so the three calls run the whole
+  """``tools/gpu_check.sh``'s parts ``gpu_a``, ``gpu_b`` and ``gpu_c`` name
+  every test file with a ``gpu`` mark, so the three parts run the whole
   GPU suite."""
-  script = (ROOT / "scripts" / "h200_check.sh").read_text()
+  script = (ROOT / "tools" / "gpu_check.sh").read_text()
   parts = script.split("    gpu_a)")[1].split("    suite)")[0]
   named = set(re.findall(r"tests/(test_\w+\.py)", parts))
   marked = {

@@ -383,13 +383,20 @@ def test_gpu_default_is_one_case_in_four_processes(tmp_path, monkeypatch, capsys
   assert sum(c[0] == "first_call" for c in calls) == 3 * len(options.GPU_CASES)
 
 
-def test_frontier_plot_takes_each_settings_last_run(tmp_path):
-  """scripts/frontier_plot.py: ratios against naive_cast of the same run, the
-  last run given wins, impl=pallas is the GPU default; it writes a PNG."""
-  path = os.path.join(os.path.dirname(__file__), "..", "scripts", "frontier_plot.py")
-  spec = importlib.util.spec_from_file_location("frontier_plot", path)
-  frontier = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(frontier)
+def _script(folder: str, name: str):
+  """A module of scripts/ or tools/ (not a package), loaded from its file."""
+  path = os.path.join(os.path.dirname(__file__), "..", folder, f"{name}.py")
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_plots_takes_each_settings_last_invocation(tmp_path):
+  """scripts/plots.py: ratios against naive_cast of the same invocation, the
+  last invocation given wins, options in any order are one setting; the
+  first call is drawn only where it peaks higher; it writes PNGs."""
+  plots = _script("scripts", "plots")
   mib = 2**20
 
   def row(impl, ms, extra, first=None):
@@ -401,39 +408,49 @@ def test_frontier_plot_takes_each_settings_last_run(tmp_path):
       first_call_extra_bytes=None if first is None else first * mib,
     )
 
-  runs = {
-    "a": {"rows": [row("naive_cast", 40.0, 6000), row("mst_jax", 44.0, 2000, 4000)]},
-    "b": {
-      "rows": [row("naive_cast", 50.0, 6000), row("mst_jax:impl=pallas", 45.0, 1000)]
-    },
-  }
-  found = frontier.points(runs, "llama")
-  assert found["mst_jax"] == ("b", 0.9, 1000.0, None)
-  assert found["naive_cast"] == ("b", 1.0, 6000.0, None)
-  found = frontier.points({"a": runs["a"]}, "llama")
-  assert found["mst_jax"] == ("a", 1.1, 2000.0, 4000.0)
-  frontier.plot(found, "test", tmp_path / "f.png")
-  assert (tmp_path / "f.png").stat().st_size > 0
-  # One setting whatever the order of its options, across result files.
-  one = {"rows": [row("naive_cast", 40.0, 6000), row("mst_jax:a=1,b=2", 60.0, 90)]}
-  two = {"rows": [row("naive_cast", 50.0, 6000), row("mst_jax:b=2,a=1", 55.0, 80)]}
-  paths = [tmp_path / "one.json", tmp_path / "two.json"]
-  for path, data in zip(paths, [one, {"c": two}], strict=True):
-    path.write_text(json.dumps(data))
-  found = frontier.points(frontier._runs(paths, None), "llama")
+  one = {"rows": [row("naive_cast", 40.0, 6000), row("mst_jax:a=1,b=2", 44.0, 90)]}
+  two = {"rows": [row("naive_cast", 50.0, 6000), row("mst_jax:b=2,a=1", 45.0, 80)]}
+  found = plots.frontier_points([one, two])
   assert found == {
-    "naive_cast": ("c", 1.0, 6000.0, None),
-    "mst_jax:a=1,b=2": ("c", 1.1, 80.0, None),
+    "naive_cast": (1.0, 6000.0, None),
+    "mst_jax:a=1,b=2": (0.9, 80.0, None),
   }
+  found = plots.frontier_points(
+    [{"rows": [*one["rows"], row("mst_jax", 38, 2000, 4000)]}]
+  )
+  assert found["mst_jax"] == (0.95, 2000.0, 4000.0)
+  fig = plots.frontier_figure(found, "test")
+  labels = fig.axes[0].get_legend_handles_labels()[1]
+  assert labels[-1] == "first call" and "a=1, b=2" in labels
+  fig.savefig(tmp_path / "f.png")
+  assert (tmp_path / "f.png").stat().st_size > 0
+  plots.main(["--data", str(plots.DATA), "--out", str(tmp_path)])
+  for name in ("bench_h200_llama.png", "frontier_h200_llama.png"):
+    assert (tmp_path / name).stat().st_size > 0
+
+
+def test_plots_tables_are_the_documents_tables():
+  """The README's and docs/benchmarks.md's H200 tables are the rows
+  scripts/plots.py prints from docs/data/h200_heads.json."""
+  plots = _script("scripts", "plots")
+  heads = plots.load("h200_heads.json")
+  root = plots.ROOT
+  for name, readme in [("README.md", True), ("docs/benchmarks.md", False)]:
+    text = (root / name).read_text()
+    rows = plots.table_rows(heads, readme=readme)
+    assert rows and not [r for r in rows if r not in text], name
+  assert plots.cells(heads["measurements"][0]) == (
+    "40.95 ms, 5.87 GiB",
+    "38.81 ms, 2.02 GiB",
+    "0.95x",
+    "0.34x",
+  )
 
 
 def test_profile_step_sums_device_kernels_per_step(tmp_path):
-  """scripts/profile_step.py: device kernels summed by name and divided by
+  """tools/profile_step.py: device kernels summed by name and divided by
   the steps (host events left out); a traced CPU step runs end to end."""
-  path = os.path.join(os.path.dirname(__file__), "..", "scripts", "profile_step.py")
-  spec = importlib.util.spec_from_file_location("profile_step", path)
-  profile_step = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(profile_step)
+  profile_step = _script("tools", "profile_step")
   meta = lambda pid, name: dict(
     ph="M", name="process_name", pid=pid, args={"name": name}
   )
@@ -485,10 +502,7 @@ def test_gemm_clock_reads_samples_under_load(tmp_path):
   """scripts/gemm_clock.py: nvidia-smi rows parsed (unreadable ones left
   out), means over the rows above half the power limit; a small GEMM runs
   end to end (on a CPU without samples)."""
-  path = os.path.join(os.path.dirname(__file__), "..", "scripts", "gemm_clock.py")
-  spec = importlib.util.spec_from_file_location("gemm_clock", path)
-  gemm_clock = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(gemm_clock)
+  gemm_clock = _script("scripts", "gemm_clock")
   log = tmp_path / "smi.csv"
   log.write_text(
     "1980, 120.50, 700.00, 0x0000000000000000\n"
