@@ -1,15 +1,20 @@
-"""The reference itself, against a token-by-token numpy float64 definition.
+"""The oracle and the library's reference, against independent definitions.
 
-The chunked suite trusts ``mst_jax.reference`` as its oracle; this file checks
-the reference's semantics (options, masks, shift, reductions, aux) against an
-independent numpy loop, so the oracle is not taken on faith.
+The tests trust tests/oracle.py as their float64 oracle; this file checks it
+against a token-by-token numpy loop (options, masks, shift, token and class
+weights, reductions), so the oracle is not taken on faith. Then
+``mst_jax.reference`` (``impl="reference"``, a public feature) is checked
+against the oracle at float64, values and gradients.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import oracle as oracle64
 import pytest
 from conftest import make_problem, to64
 
@@ -23,19 +28,25 @@ def _numpy_per_token(
   bias,
   where,
   *,
+  token_weights=None,
+  class_weights=None,
   ignore_index=-100,
   label_smoothing=0.0,
   z_loss=0.0,
   logit_softcap=None,
+  logit_scale=None,
   shift=False,
 ):
-  """Per-token loss, lse and correctness, one token at a time, float64."""
+  """Per-token loss, lse, correctness and the mean's denominator term, one
+  token at a time, float64 (torch's class-weighted form)."""
   hidden, weight = to64(hidden), to64(weight)
   bias = np.zeros(weight.shape[0]) if bias is None else to64(bias)
   labels = np.asarray(labels)
   where = np.ones(labels.shape, bool) if where is None else np.asarray(where)
+  vocab = weight.shape[0]
+  w = np.ones(vocab) if class_weights is None else np.asarray(class_weights)
   seq = labels.shape[-1]
-  loss, lse, correct = (np.zeros(labels.shape) for _ in range(3))
+  loss, lse, correct, denominator = (np.zeros(labels.shape) for _ in range(4))
   for index in np.ndindex(labels.shape):
     if shift:
       if index[-1] == seq - 1:
@@ -46,22 +57,25 @@ def _numpy_per_token(
     label = labels[target_index]
     if label == ignore_index or not where[target_index]:
       continue
-    z = weight @ hidden[index] + bias
+    z = (weight @ hidden[index] + bias) * (logit_scale or 1.0)
     if logit_softcap is not None:
       z = logit_softcap * np.tanh(z / logit_softcap)
     m = z.max()
     lse[index] = m + np.log(np.exp(z - m).sum())
-    log_p = z - lse[index]
-    if not 0 <= label < z.size:
+    if not 0 <= label < vocab:
       loss[index] = np.nan
       continue
+    eps = label_smoothing
     loss[index] = (
-      -(1 - label_smoothing) * log_p[label]
-      - label_smoothing * log_p.mean()
+      (1 - eps) * w[label] * (lse[index] - z[label])
+      + eps / vocab * np.sum(w * (lse[index] - z))
       + z_loss * lse[index] ** 2
     )
+    token_weight = 1.0 if token_weights is None else token_weights[target_index]
+    loss[index] *= token_weight
+    denominator[index] = token_weight * w[label]
     correct[index] = np.argmax(z) == label
-  return loss, lse, correct.astype(bool)
+  return loss, lse, correct.astype(bool), denominator
 
 
 CASES = {
@@ -69,51 +83,227 @@ CASES = {
   "smoothing": dict(label_smoothing=0.3),
   "z_loss": dict(z_loss=0.01),
   "softcap": dict(logit_softcap=3.0),
+  "scale": dict(logit_scale=0.7),
   "shift": dict(shift=True),
   "ignore_index": dict(ignore_index=5),
+  "token_weights": dict(token_weights=True, shift=True),
+  "class_weights": dict(class_weights=True, label_smoothing=0.2, z_loss=1e-3),
   "all": dict(label_smoothing=0.1, z_loss=1e-3, logit_softcap=5.0, shift=True),
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_reference_matches_numpy_definition(rng, case):
-  options = CASES[case]
+def _case(rng, case, shape=(3, 7), vocab=53):
+  """A problem and the options of ``CASES[case]``, weights drawn."""
+  options = dict(CASES[case])
   problem = make_problem(
     rng,
-    (3, 7),
+    shape,
     dim=6,
-    vocab=53,
+    vocab=vocab,
     bias=True,
     mask="prefix",
     ignore_index=options.get("ignore_index", -100),
   )
-  problem.where = np.asarray(rng.random((3, 7)) > 0.25)
-  loss, lse, correct = _numpy_per_token(*problem.args, problem.where, **options)
-  valid_count = int(np.sum(lse != 0))
+  problem.where = np.asarray(rng.random(shape) > 0.25)
+  if options.get("token_weights"):
+    options["token_weights"] = rng.random(shape) * 2.0
+  if options.get("class_weights"):
+    weights = rng.random(vocab) * 2.0
+    weights[rng.integers(0, vocab, 4)] = 0.0
+    options["class_weights"] = weights
+  return problem, options
+
+
+def _args64(problem):
+  as64 = lambda x: None if x is None else jnp.asarray(to64(x))
+  return as64(problem.hidden), as64(problem.weight), problem.labels, as64(problem.bias)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_oracle_matches_the_numpy_definition(rng, case):
+  problem, options = _case(rng, case)
+  loss, _, _, denominator = _numpy_per_token(*problem.args, problem.where, **options)
   with jax.enable_x64(True):
-    args = (
-      to64(problem.hidden),
-      to64(problem.weight),
-      problem.labels,
-      to64(problem.bias),
+    args = _args64(problem)
+    reductions = jax.jit(
+      lambda *args: [
+        oracle64.cross_entropy(*args, where=problem.where, reduction=r, **options)
+        for r in ("none", "sum", "mean")
+      ]
     )
-    per_token, aux = mst_jax.reference.linear_cross_entropy(
+    per_token, total, mean = reductions(*args)
+  np.testing.assert_allclose(per_token, loss, rtol=1e-12, atol=1e-12)
+  np.testing.assert_allclose(total, loss.sum(), rtol=1e-12)
+  np.testing.assert_allclose(mean, loss.sum() / denominator.sum(), rtol=1e-12)
+
+
+@pytest.mark.parametrize("layout", ["vd", "dv"])
+def test_the_oracle_log_probs_match_the_numpy_definition(rng, layout):
+  problem, _ = _case(rng, "plain")
+  options = dict(logit_scale=0.7, logit_softcap=4.0, shift=True)
+  loss, lse, _, _ = _numpy_per_token(*problem.args, problem.where, **options)
+  logits = to64(problem.hidden) @ to64(problem.weight).T + to64(problem.bias)
+  scores = 4.0 * np.tanh(0.7 * logits / 4.0)
+  log_p = scores - lse[..., None]
+  entropy = np.where(lse != 0, -np.sum(np.exp(log_p) * log_p, axis=-1), 0.0)
+  with jax.enable_x64(True):
+    weight = to64(problem.weight) if layout == "vd" else to64(problem.weight).T
+    log_probs = jax.jit(
+      functools.partial(
+        oracle64.log_probs,
+        where=problem.where,
+        weight_layout=layout,
+        return_entropy=True,
+        **options,
+      )
+    )
+    got, got_entropy = log_probs(
+      to64(problem.hidden), weight, problem.labels, to64(problem.bias)
+    )
+  np.testing.assert_allclose(got, -loss, rtol=1e-12, atol=1e-12)
+  np.testing.assert_allclose(got_entropy, entropy, rtol=1e-12, atol=1e-12)
+
+
+def test_the_oracle_takes_both_layouts_and_any_float_dtype(rng):
+  problem, options = _case(rng, "all")
+  with jax.enable_x64(True):
+    hidden, weight, labels, bias = _args64(problem)
+    kwargs = dict(where=problem.where, reduction="none", **options)
+    cross_entropy, transposed = (
+      jax.jit(functools.partial(oracle64.cross_entropy, weight_layout=layout, **kwargs))
+      for layout in ("vd", "dv")
+    )
+    want = cross_entropy(hidden, weight, labels, bias)
+    got = transposed(hidden, weight.T, labels, bias)
+    np.testing.assert_array_equal(got, want)
+    as_float32 = cross_entropy(*problem.args)
+    assert as_float32.dtype == want.dtype == jnp.float64
+    np.testing.assert_array_equal(as_float32, want)
+  with pytest.raises(AssertionError, match="enable_x64"):
+    oracle64.cross_entropy(*problem.args)
+
+
+def test_the_oracles_masked_edges(rng):
+  """Every token masked: a mean of exactly 0; a valid out-of-range label:
+  NaN loss and gradients; a NaN hidden row or weight where a token is
+  excluded: no effect, gradients included."""
+  problem = make_problem(rng, (6,), dim=8, vocab=13, mask="none")
+  with jax.enable_x64(True):
+    hidden, weight, labels, _ = _args64(problem)
+    cross_entropy = jax.jit(oracle64.cross_entropy)
+    assert cross_entropy(hidden, weight, labels, where=np.zeros(6, bool)) == 0
+    assert cross_entropy(hidden, weight, labels, token_weights=np.zeros(6)) == 0
+    bad = labels.at[4].set(13)
+    where = np.arange(6) != 1
+    poisoned = hidden.at[1].set(jnp.nan)
+
+    def grads(hidden, where, token_weights=None):
+      def total(hidden, weight):
+        out = oracle64.cross_entropy(
+          hidden,
+          weight,
+          bad,
+          where=where,
+          token_weights=token_weights,
+          reduction="none",
+        )
+        return jnp.sum(out), out
+
+      fn = jax.jit(jax.value_and_grad(total, argnums=(0, 1), has_aux=True))
+      (_, per_token), (dh, dw) = fn(hidden, weight)
+      return np.asarray(per_token), np.asarray(dh), np.asarray(dw)
+
+    per_token, dh, dw = grads(poisoned, where)
+    assert np.isnan(per_token[4]) and per_token[1] == 0.0
+    assert np.isnan(dh[4]).all() and np.isfinite(np.delete(dh, 4, 0)).all()
+    token_weights = np.where(where, 1.0, np.nan)
+    per_token, dh, dw = grads(poisoned, where & (np.arange(6) != 4), token_weights)
+    assert np.isfinite(per_token).all() and np.isfinite(dh).all()
+    assert np.isfinite(dw).all() and (dh[[1, 4]] == 0).all()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_reference_matches_the_oracle(rng, case):
+  """``impl="reference"`` at float64: per-token, summed and mean losses
+  and their gradients, and the aux values, against the oracle (the class
+  weights float64 too)."""
+  problem, options = _case(rng, case)
+  _, lse, correct, _ = _numpy_per_token(*problem.args, problem.where, **options)
+
+  def outputs(fn, hidden, weight, bias):
+    """Each reduction's value and gradients (per token: a weighted sum)."""
+    results = []
+    for reduction in ("none", "sum", "mean"):
+
+      def loss(hidden, weight, bias, reduction=reduction):
+        out = fn(
+          hidden,
+          weight,
+          problem.labels,
+          bias,
+          where=problem.where,
+          reduction=reduction,
+          **options,
+        )
+        return jnp.sum(out * jnp.arange(1.0, out.size + 1).reshape(out.shape))
+
+      results.append(jax.value_and_grad(loss, argnums=(0, 1, 2))(hidden, weight, bias))
+    return results
+
+  with jax.enable_x64(True):
+    args = _args64(problem)
+    arrays = (args[0], args[1], args[3])
+    got = jax.jit(functools.partial(outputs, mst_jax.reference.linear_cross_entropy))
+    want = jax.jit(functools.partial(outputs, oracle64.cross_entropy))
+    pairs = zip(
+      jax.tree.leaves(got(*arrays)), jax.tree.leaves(want(*arrays)), strict=True
+    )
+    for a, b in pairs:
+      assert a.dtype == jnp.float64
+      np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+    _, aux = mst_jax.reference.linear_cross_entropy(
       *args, where=problem.where, reduction="none", return_aux=True, **options
     )
-    total = mst_jax.reference.linear_cross_entropy(
-      *args, where=problem.where, reduction="sum", **options
-    )
-    mean = mst_jax.reference.linear_cross_entropy(
-      *args, where=problem.where, reduction="mean", **options
-    )
-  np.testing.assert_allclose(per_token, loss, rtol=1e-12, atol=1e-12)
   np.testing.assert_allclose(aux.lse, lse, rtol=1e-12, atol=1e-12)
-  assert int(aux.n_valid) == valid_count
+  assert int(aux.n_valid) == int(np.sum(lse != 0))
   assert int(aux.n_correct) == int(correct.sum())
-  np.testing.assert_allclose(total, loss.sum(), rtol=1e-12)
-  np.testing.assert_allclose(mean, loss.sum() / valid_count, rtol=1e-12)
-  z = options.get("z_loss", 0.0)
-  np.testing.assert_allclose(aux.z_loss, z * lse**2, rtol=1e-12)  # per token
+  tw = options.get("token_weights")
+  z_loss = options.get("z_loss", 0.0) * lse**2
+  if tw is not None:  # token weights at label positions
+    shifted = np.concatenate([tw[..., 1:], 0 * tw[..., :1]], axis=-1)
+    z_loss = z_loss * (shifted if options.get("shift") else tw)
+  np.testing.assert_allclose(aux.z_loss, z_loss, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("layout", ["vd", "dv"])
+def test_the_reference_log_probs_match_the_oracle(rng, layout):
+  problem, _ = _case(rng, "plain")
+  options = dict(logit_scale=0.7, logit_softcap=4.0, shift=True, weight_layout=layout)
+  g_lp, g_h = rng.standard_normal((2, *problem.labels.shape))
+  with jax.enable_x64(True):
+    hidden, weight, labels, bias = _args64(problem)
+    weight = weight if layout == "vd" else weight.T
+
+    def total(fn, hidden, weight, bias):
+      lp, h = fn(
+        hidden,
+        weight,
+        labels,
+        bias,
+        where=problem.where,
+        return_entropy=True,
+        **options,
+      )
+      return jnp.sum(lp * g_lp + h * g_h)
+
+    got, want = (
+      jax.jit(jax.value_and_grad(functools.partial(total, fn), argnums=(0, 1, 2)))(
+        hidden, weight, bias
+      )
+      for fn in (mst_jax.reference.linear_log_probs, oracle64.log_probs)
+    )
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
 
 
 def test_reference_out_of_range_label_is_nan(rng):
@@ -130,7 +320,7 @@ def test_reference_out_of_range_label_is_nan(rng):
 def test_nan_rules_hold_for_the_reference_too(rng, impl):
   """docs/errors.md's rules: a NaN hidden row at an excluded token changes
   nothing; a valid token's out-of-range label makes its loss and its
-  gradients NaN. The oracle follows them like the chunked paths."""
+  gradients NaN. The reference follows them like the chunked paths."""
   problem = make_problem(rng, (6,), dim=8, vocab=13, mask="none")
   hidden = problem.hidden.at[1].set(jnp.nan)
   labels = problem.labels.at[4].set(13)
