@@ -56,7 +56,6 @@ LAYERS = [
   ["mst_jax"],  # the public surface
   ["mst_jax.bench*"],
 ]
-MAX_LINES = 450
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -125,15 +124,6 @@ def test_no_module_imports_a_higher_layer():
       if not lower and not (_layer(target) == _layer(module) and same_package):
         upward.append(f"{module} imports {target}")
   assert not upward, upward
-
-
-def test_modules_are_short():
-  long = {
-    name: n
-    for name, path in MODULES.items()
-    if (n := len(path.read_text().splitlines())) > MAX_LINES
-  }
-  assert not long, long
 
 
 def test_private_modules_are_prefixed():
