@@ -124,17 +124,53 @@ def test_the_oracle_matches_the_numpy_definition(rng, case):
   problem, options = _case(rng, case)
   loss, _, _, denominator = _numpy_per_token(*problem.args, problem.where, **options)
   with jax.enable_x64(True):
-    args = _args64(problem)
-    reductions = jax.jit(
-      lambda *args: [
-        oracle64.cross_entropy(*args, where=problem.where, reduction=r, **options)
-        for r in ("none", "sum", "mean")
-      ]
-    )
-    per_token, total, mean = reductions(*args)
+    program = _values_program(case)
+    per_token, total, mean = program(*_args64(problem), problem.where, _arrays(options))
   np.testing.assert_allclose(per_token, loss, rtol=1e-12, atol=1e-12)
   np.testing.assert_allclose(total, loss.sum(), rtol=1e-12)
   np.testing.assert_allclose(mean, loss.sum() / denominator.sum(), rtol=1e-12)
+
+
+def _arrays(options):
+  return {k: v for k, v in options.items() if isinstance(v, np.ndarray)}
+
+
+@functools.cache
+def _values_program(case):
+  """The oracle's loss for each reduction, for ``CASES[case]``."""
+
+  def values(hidden, weight, labels, bias, where, arrays):
+    options = {k: v for k, v in CASES[case].items() if k not in arrays}
+    return [
+      oracle64.cross_entropy(
+        hidden, weight, labels, bias, where=where, reduction=r, **options, **arrays
+      )
+      for r in ("none", "sum", "mean")
+    ]
+
+  return jax.jit(values)
+
+
+@functools.cache
+def _loss_program(fn, case, reduction):
+  """``fn``'s loss (per token: a weighted sum) and its gradients for
+  ``CASES[case]`` and ``reduction``, one compiled program for every seed."""
+
+  def loss(hidden, weight, labels, bias, where, arrays):
+    options = {k: v for k, v in CASES[case].items() if k not in arrays}
+    out = fn(
+      hidden,
+      weight,
+      labels,
+      bias,
+      where=where,
+      reduction=reduction,
+      **options,
+      **arrays,
+    )
+    return jnp.sum(out * jnp.arange(1.0, out.size + 1).reshape(out.shape))
+
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 3)))
 
 
 @pytest.mark.parametrize("layout", ["vd", "dv"])
@@ -230,37 +266,17 @@ def test_the_reference_matches_the_oracle(rng, case):
   problem, options = _case(rng, case)
   _, lse, correct, _ = _numpy_per_token(*problem.args, problem.where, **options)
 
-  def outputs(fn, hidden, weight, bias):
-    """Each reduction's value and gradients (per token: a weighted sum)."""
-    results = []
-    for reduction in ("none", "sum", "mean"):
-
-      def loss(hidden, weight, bias, reduction=reduction):
-        out = fn(
-          hidden,
-          weight,
-          problem.labels,
-          bias,
-          where=problem.where,
-          reduction=reduction,
-          **options,
-        )
-        return jnp.sum(out * jnp.arange(1.0, out.size + 1).reshape(out.shape))
-
-      results.append(jax.value_and_grad(loss, argnums=(0, 1, 2))(hidden, weight, bias))
-    return results
-
   with jax.enable_x64(True):
+    args = (*_args64(problem), problem.where, _arrays(options))
+    for reduction in ("none", "sum", "mean"):
+      got, want = (
+        _loss_program(fn, case, reduction)(*args)
+        for fn in (mst_jax.reference.linear_cross_entropy, oracle64.cross_entropy)
+      )
+      for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.dtype == jnp.float64
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12, err_msg=reduction)
     args = _args64(problem)
-    arrays = (args[0], args[1], args[3])
-    got = jax.jit(functools.partial(outputs, mst_jax.reference.linear_cross_entropy))
-    want = jax.jit(functools.partial(outputs, oracle64.cross_entropy))
-    pairs = zip(
-      jax.tree.leaves(got(*arrays)), jax.tree.leaves(want(*arrays)), strict=True
-    )
-    for a, b in pairs:
-      assert a.dtype == jnp.float64
-      np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
     _, aux = mst_jax.reference.linear_cross_entropy(
       *args, where=problem.where, reduction="none", return_aux=True, **options
     )
