@@ -32,7 +32,7 @@ import numpy as np
 from jax import lax
 
 from mst_jax import _matmul, _planning
-from mst_jax._backends import select_distill, select_gemm
+from mst_jax._backends import refuse_second_order, select_distill, select_gemm
 from mst_jax._ce_math import at_least_float32
 from mst_jax._distill_math import DistillOptions, chunk_loss
 from mst_jax._options import PerfOptions, resolve_logits_dtype
@@ -220,6 +220,11 @@ def _sweep(plan: Plan, x: Heads, g_loss, diff: Differentiated, *, want_loss=True
 # ---- The custom VJPs. ----
 
 
+def _runs_kernels(plan: Plan) -> bool:
+  """Whether the sweep runs Pallas or Mosaic kernels (no second derivatives)."""
+  return plan.kernel is not None or plan.gemm != "xla"
+
+
 # Cotangents of the arrays that are never differentiated: the teacher's
 # hidden, weight and bias, the labels and the validity.
 _NO_COTANGENTS = (None,) * 5
@@ -237,6 +242,7 @@ def _fused_loss_fwd(plan: Plan, *arrays_and_scale):
   *arrays, row_scale = arrays_and_scale
   diff = differentiated(*arrays[:3])
   x, (row_scale,) = Heads(*unwrap_primals(*arrays)), unwrap_primals(row_scale)
+  x = refuse_second_order(x, _runs_kernels(plan))
   loss, grads = _sweep(plan, x, row_scale, diff)
   loss = jnp.sum(loss * row_scale.astype(loss.dtype))
   return loss, (diff.fill(grads), diff.as_residual())
@@ -266,7 +272,7 @@ def row_losses(plan: Plan, *arrays):
 
 def _row_losses_fwd(plan: Plan, *arrays):
   diff = differentiated(*arrays[:3])
-  x = Heads(*unwrap_primals(*arrays))
+  x = refuse_second_order(Heads(*unwrap_primals(*arrays)), _runs_kernels(plan))
   loss, _ = _sweep(plan, x, None, diff)
   return loss, (x, diff.as_residual())
 
