@@ -35,7 +35,9 @@ from mst_jax import _matmul, _planning
 from mst_jax._backends import refuse_second_order, select_distill, select_gemm
 from mst_jax._ce_math import at_least_float32
 from mst_jax._distill_math import DistillOptions, chunk_loss
+from mst_jax._gradient_sweeps import add_bias_gradient, row_products
 from mst_jax._options import PerfOptions, resolve_logits_dtype
+from mst_jax._planning import unit_weights
 from mst_jax._rows import (
   Differentiated,
   Permuted,
@@ -126,26 +128,27 @@ def _gradient_init(plan: Plan, x: Heads, hidden, diff: Differentiated):
   return dhidden, dweight, dbias
 
 
-def _accumulate(plan: Plan, grads, chunk, h, dlogits, weight, first: bool):
-  """Adds a chunk's ``dlogits`` to ``(dhidden, dweight, dbias)``; ``first``:
-  replaces the (never read) zeros of ``dweight`` and ``dbias`` instead."""
+def _accumulate(plan: Plan, grads, chunk, h, dlogits, weight, first: bool, scale):
+  """Adds a chunk's ``dlogits`` (of unit row weights: ``scale``) to
+  ``(dhidden, dweight, dbias)``; ``first``: replaces the (never read) zeros
+  of ``dweight`` and ``dbias`` instead."""
   dhidden, dweight, dbias = grads
-  rows, dweight = _matmul.row_gradients(
+  tile, gemm = plan.matmul_tile, plan.gemm
+  rows, dweight = row_products(
+    grads,
     dlogits,
     h,
     weight,
     plan.weight_layout,
-    dhidden_dtype=None if dhidden is None else dhidden.dtype,
-    dweight=dweight,
+    scale,
     first=first,
-    tile=plan.matmul_tile,
-    gemm=plan.gemm,
+    tile=tile,
+    gemm=gemm,
   )
   if dhidden is not None:
     dhidden = chunk.put(dhidden, rows)
   if dbias is not None:
-    part = _matmul.bias_gradient(dlogits, dbias.shape[0], dbias.dtype)
-    dbias = part if first else dbias + part
+    dbias = add_bias_gradient(dbias, dlogits, scale, first)
   return dhidden, dweight, dbias
 
 
@@ -156,10 +159,11 @@ def _sweep(plan: Plan, x: Heads, g_loss, diff: Differentiated, *, want_loss=True
   gather, scatter, view = compaction(plan.compact, x.valid)
   hidden, teacher_hidden = view(x.hidden), view(x.teacher_hidden)
   labels, valid = gather(x.labels), gather(x.valid)
+  scale = None
   if g_loss is None:
     diff = Differentiated(False, False, False)
   else:
-    g_loss = gather(g_loss)
+    (g_loss,), scale = unit_weights((gather(g_loss),), valid, x.hidden.dtype)
   grads = _gradient_init(plan, x, hidden, diff)
   want_grads = any(g is not None for g in grads)
   loss = jnp.zeros(x.labels.shape, stat_dtype(x.hidden)) if want_loss else None
@@ -206,7 +210,7 @@ def _sweep(plan: Plan, x: Heads, g_loss, diff: Differentiated, *, want_loss=True
       loss = chunk.put(loss, rows.astype(loss.dtype))
     if want_grads:
       dlogits = dlogits.astype(h.dtype)
-      grads = _accumulate(plan, grads, chunk, h, dlogits, x.weight, first)
+      grads = _accumulate(plan, grads, chunk, h, dlogits, x.weight, first, scale)
     return loss, grads
 
   # Compacted, chunk 0 holds a valid row unless none does: it starts dweight.
@@ -214,7 +218,7 @@ def _sweep(plan: Plan, x: Heads, g_loss, diff: Differentiated, *, want_loss=True
   loss, grads = sweep_chunks(
     plan.rows_per_chunk, valid, update, (loss, grads), first=first
   )
-  return None if loss is None else scatter(loss), gradient_finish(grads, x)
+  return None if loss is None else scatter(loss), gradient_finish(grads, x, scale)
 
 
 # ---- The custom VJPs. ----

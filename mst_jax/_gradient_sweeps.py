@@ -10,8 +10,10 @@ group sizes and the logits' dtype:
   ``dlogits`` are gathered into one group buffer.
 
 ``Sweep`` holds what they share: the loop order, the configuration, the
-rows and how a chunk's ``dlogits`` are formed (``_row_chunks``' backward
-recomputes them; its fused sweep forms them with the loss).
+rows, how a chunk's ``dlogits`` are formed (``_row_chunks``' backward
+recomputes them; its fused sweep forms them with the loss) and, for float16,
+the scale of their unit row weights (``_planning.unit_weights``), applied
+where each product is rounded (``row_products``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mst_jax import _matmul
-from mst_jax._planning import dlogits_in_place
+from mst_jax._planning import add_scaled, dlogits_in_place, product_dtype, rounded
 from mst_jax._rows import (
   Chunk,
   Differentiated,
@@ -40,6 +42,58 @@ from mst_jax._rows import (
 )
 
 
+def row_products(
+  grads: Grads,
+  dlogits: jax.Array,
+  h: jax.Array,
+  weight: jax.Array,
+  layout: str,
+  scale: jax.Array | None,
+  *,
+  first: bool = False,
+  tile: int | None = None,
+  gemm: str = "xla",
+):
+  """A block of rows' ``dhidden`` rows (None without ``grads[0]``) and
+  ``grads[1]`` (``dweight``) with its product added (``first``: in place of
+  its never-read zeros), by ``_matmul.row_gradients``.
+
+  ``dlogits`` are of unit row weights; with a ``scale`` (float16) the rows
+  are formed in float32 and scaled as they are rounded, and a float16
+  ``dweight`` (asked for) gets a float32 product (``add_scaled``).
+  """
+  dhidden, dweight = grads[:2]
+  into = dweight is None or product_dtype(dweight.dtype, scale) == dweight.dtype
+  rows, summed = _matmul.row_gradients(
+    dlogits,
+    h,
+    weight,
+    layout,
+    dhidden_dtype=None if dhidden is None else product_dtype(dhidden.dtype, scale),
+    dweight=dweight if into else None,
+    first=first,
+    tile=tile,
+    gemm=gemm,
+  )
+  if not into:
+    width = _matmul.vocab_size(weight, layout)
+    part = _matmul.dweight_matmul(
+      dlogits, h, layout, jnp.float32, gemm=gemm, width=width
+    )
+    summed = add_scaled(dweight, part, scale, first)
+  if rows is not None and scale is not None:
+    rows = rounded(rows, dhidden.dtype, scale)
+  return rows, summed
+
+
+def add_bias_gradient(dbias, dlogits, scale, first: bool = False):
+  """``dbias`` with a block of rows' ``dlogits`` summed in (``add_scaled``)."""
+  part = _matmul.bias_gradient(
+    dlogits, dbias.shape[0], product_dtype(dbias.dtype, scale)
+  )
+  return add_scaled(dbias, part, scale, first)
+
+
 def accumulate(
   config: SweepConfig,
   grads: Grads,
@@ -48,6 +102,7 @@ def accumulate(
   dlogits: jax.Array,
   weight: jax.Array,
   *,
+  scale: jax.Array | None = None,
   first: bool = False,
   local: bool = False,
 ) -> Grads:
@@ -56,26 +111,19 @@ def accumulate(
   ``first``: the first group's contributions replace the (zero) ``dweight``
   and ``dbias`` instead of being added to them, which spares a pass of
   zero-filling and re-reading ``dweight``. ``local``: ``dhidden`` is the
-  enclosing group's rows, not all rows.
+  enclosing group's rows, not all rows. ``scale``: of the unit row weights
+  of ``dlogits`` (``row_products``).
   """
   dhidden, dweight, dbias = grads
-  add = (lambda old, new: new) if first else jnp.add
-  dh, dweight = _matmul.row_gradients(
-    dlogits,
-    h,
-    weight,
-    config.layout,
-    dhidden_dtype=None if dhidden is None else dhidden.dtype,
-    dweight=dweight,
-    first=first,
-    tile=config.head.matmul_tile,
-    gemm=config.head.gemm,
+  tile, gemm = config.head.matmul_tile, config.head.gemm
+  dh, dweight = row_products(
+    grads, dlogits, h, weight, config.layout, scale, first=first, tile=tile, gemm=gemm
   )
   if dhidden is not None:
     dh = config.columns.sum_partial(dh)
     dhidden = group.put(dhidden, dh, local=local)
   if dbias is not None:
-    dbias = add(dbias, _matmul.bias_gradient(dlogits, dbias.shape[0], dbias.dtype))
+    dbias = add_bias_gradient(dbias, dlogits, scale, first)
   return dhidden, dweight, dbias
 
 
@@ -92,6 +140,7 @@ class Sweep:
   config: SweepConfig
   x: RowInputs
   chunk_dlogits: Callable
+  scale: jax.Array | None = None  # of dlogits' unit row weights (float16)
 
   @property
   def hidden(self):
@@ -110,7 +159,15 @@ class Sweep:
     outputs, dlogits = self.chunk_dlogits(outputs, chunk, None)
     h = chunk.hidden(self.hidden)
     grads = accumulate(
-      self.config, grads, chunk, h, dlogits, self.weight, first=first, local=local
+      self.config,
+      grads,
+      chunk,
+      h,
+      dlogits,
+      self.weight,
+      scale=self.scale,
+      first=first,
+      local=local,
     )
     return outputs, grads
 
@@ -228,7 +285,7 @@ def _whole_groups_in_place(sweep: Sweep, outputs, grads):
   """
   config, hidden, weight = sweep.config, sweep.hidden, sweep.weight
   group_size, chunk_size = sweep.order.rows_per_group, sweep.order.rows_per_chunk
-  layout, dh_dtype = config.layout, hidden.dtype
+  layout, dh_dtype, scale = config.layout, hidden.dtype, sweep.scale
   specs = [None if g is None else (g.shape, g.dtype) for g in grads[1:]]
   want_rows = grads[0] is not None
 
@@ -236,14 +293,23 @@ def _whole_groups_in_place(sweep: Sweep, outputs, grads):
     outputs, dlogits = sweep.chunk_dlogits(outputs, group, None)
     h = group.hidden(hidden)
     _, dweight, dbias = accumulate(
-      config, (None, dweight, dbias), group, h, dlogits, weight, first=first
+      config,
+      (None, dweight, dbias),
+      group,
+      h,
+      dlogits,
+      weight,
+      scale=scale,
+      first=first,
     )
     rows = None
     if want_rows:
       tile, gemm = config.head.matmul_tile, config.head.gemm
       rows = _matmul.dhidden_matmul(
-        dlogits, weight, layout, dh_dtype, tile=tile, gemm=gemm
+        dlogits, weight, layout, product_dtype(dh_dtype, scale), tile=tile, gemm=gemm
       )
+      if scale is not None:
+        rows = rounded(rows, dh_dtype, scale)
       rows = config.columns.sum_partial(rows)
     return outputs, rows, dweight, dbias
 
@@ -327,7 +393,7 @@ def _group_buffer(sweep: Sweep, outputs, grads):
       chunk_size, group.valid, fill, (outputs, buffer), group=group
     )
     h = group.hidden(hidden)
-    grads = accumulate(sweep.config, grads, group, h, buffer, weight)
+    grads = accumulate(sweep.config, grads, group, h, buffer, weight, scale=sweep.scale)
     return outputs, grads, buffer
 
   config = sweep.config
@@ -364,4 +430,4 @@ def gradient_sweep(sweep: Sweep, diff: Differentiated, outputs):
   else:
     strategy = _group_buffer
   outputs, grads = strategy(sweep, outputs, grads)
-  return outputs, gradient_finish(grads, sweep.x)
+  return outputs, gradient_finish(grads, sweep.x, sweep.scale)

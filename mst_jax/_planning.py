@@ -1,9 +1,11 @@
-"""Heuristics: how many rows a chunk and a group of chunks hold, per memory budget."""
+"""Heuristics: how many rows a chunk and a group of chunks hold, per memory
+budget; how ``dweight`` accumulates; how float16 gradients are scaled."""
 
 from __future__ import annotations
 
 import functools
 
+import jax.numpy as jnp
 import numpy as np
 
 # The chunk temporaries (a group's logits, overwritten by its dlogits, and a
@@ -167,6 +169,71 @@ MAX_GROUPS_IN_PLACE = 2
 MAX_GROUPS_IN_PLACE_TO_FIT = 32
 
 
+# ---- float16 gradients: formed from unit row weights, scaled in float32. ----
+
+
+def scales_gradients(dtype) -> bool:
+  """Whether gradients in ``dtype`` are formed from unit row weights
+  (``unit_weights``): float16, whose range ends at 6e-8, below the
+  ``dlogits`` of a mean over many tokens (``p / N``). bfloat16 has
+  float32's range: its programs are not scaled."""
+  return np.dtype(dtype) == np.dtype(np.float16)
+
+
+def unit_weights(weights: tuple, valid, dtype):
+  """``(unit, scale)``: per-row weights of a gradient (cotangents, a mean's
+  ``1 / n``) over ``scale``, a float32 scalar on the device, their largest
+  magnitude at a ``valid`` row, for gradients in a ``dtype`` that
+  ``scales_gradients``; else ``(weights, None)``.
+
+  ``dlogits`` of unit weights keep float16's precision; ``scale`` multiplies
+  their products in float32 before each rounding to float16 (``rounded``,
+  ``add_scaled``), or a float32 accumulator's sum at its last cast
+  (``finished``).
+  """
+  if not scales_gradients(dtype):
+    return weights, None
+  largest = [jnp.max(jnp.where(valid, jnp.abs(w), 0)) for w in weights]
+  largest = functools.reduce(jnp.maximum, largest).astype(jnp.float32)
+  scale = jnp.where(largest > 0, largest, 1.0)  # a NaN stays in its rows
+  return tuple(w / scale for w in weights), scale
+
+
+def product_dtype(dtype, scale) -> np.dtype:
+  """The dtype a product bound for ``dtype`` is formed in: float32 where it
+  is scaled before its rounding to ``dtype`` (float16), else ``dtype``."""
+  if scale is None or not scales_gradients(dtype):
+    return np.dtype(dtype)
+  return np.dtype(np.float32)
+
+
+def rounded(x, dtype, scale):
+  """``x`` (a ``product_dtype`` product of unit gradients) times ``scale``,
+  rounded once to ``dtype``."""
+  return (x if scale is None else x * scale).astype(dtype)
+
+
+def add_scaled(total, part, scale, first: bool = False):
+  """``total + part`` (``first``: ``part``, in place of never-read zeros),
+  ``part`` formed in ``product_dtype(total.dtype, scale)``.
+
+  A float16 accumulator holds scaled gradients: ``part`` is scaled and the
+  sum rounded once. Any other holds the unscaled sum (``finished``).
+  """
+  if product_dtype(total.dtype, scale) == total.dtype:
+    return part if first else total + part
+  part = part * scale
+  return (part if first else total.astype(part.dtype) + part).astype(total.dtype)
+
+
+def finished(total, dtype, scale):
+  """An accumulator of ``add_scaled`` in ``dtype``: scaled where it holds
+  the unscaled sum."""
+  if scale is not None and product_dtype(total.dtype, scale) == total.dtype:
+    total = total * scale
+  return total.astype(dtype)
+
+
 def default_accum_dtype(
   n_rows: int, rows_per_group: int, weight_dtype: np.dtype
 ) -> np.dtype | None:
@@ -178,7 +245,11 @@ def default_accum_dtype(
   that of full-logits autodiff; with four (V=256000, 131072 tokens on the
   H200) it was 1.9x, against 1.0x with a float32 accumulator
   (docs/benchmarks.md). Past two, the accumulator is worth its memory.
+  float16 weights always get one (``scales_gradients``): it holds the sum of
+  unit gradients, which float16's 65504 could not, scaled at its last cast.
   """
+  if scales_gradients(weight_dtype):
+    return np.dtype(np.float32)
   n_groups = -(-n_rows // rows_per_group)
   if n_groups <= MAX_GROUPS_IN_PLACE:
     return None
@@ -222,7 +293,8 @@ def plan_with_accumulator(
   would cost more accuracy than a budget is worth.
 
   ``accum_dtype``: the caller's (None: choose). One wider than the weight's
-  comes out of the budget too: the rows get what it leaves, at least a
+  comes out of the budget too, as does float16 weights' default one
+  (``default_accum_dtype``): the rows get what it leaves, at least a
   quarter of the budget.
 
   ``cpu``: plan for what XLA:CPU holds besides (``cpu_fixed_bytes``, and
@@ -250,7 +322,7 @@ def plan_with_accumulator(
     return chunk, group, None
   accumulator = vocab_size * dim * np.dtype(accum).itemsize
   output = 0 if cpu else vocab_size * dim * np.dtype(weight_dtype).itemsize
-  if accum_dtype is not None:
+  if accum_dtype is not None or scales_gradients(weight_dtype):
     if np.dtype(accum).itemsize <= np.dtype(weight_dtype).itemsize:
       return chunk, group, accum  # in place
     rest = max(memory_budget - (accumulator - output), memory_budget // 4)

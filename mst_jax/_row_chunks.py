@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from mst_jax._backends.base import write_into
 from mst_jax._gradient_sweeps import Sweep, accumulate, gradient_sweep
+from mst_jax._planning import unit_weights
 from mst_jax._rows import (
   RowCotangents,
   chunk_of,
@@ -92,6 +93,7 @@ class RowChunks:
     backend can): the dlogits, dhidden and dweight of one chunk of all rows."""
     chunk = chunk_of(x.hidden.shape[0], x.valid, 0)
     rows = x.chunk(chunk)
+    cot, scale = cot.unit(x.valid, x.hidden.dtype)
     coefficients = config.backward_rows(cot, rows.labels, chunk.valid, rows.classes)
     dlogits = config.backend.chunk_backward(
       rows,
@@ -102,13 +104,15 @@ class RowChunks:
       logits=logits,
     )
     grads = gradient_init(config, x, diff)
-    grads = accumulate(config, grads, chunk, rows.hidden, dlogits, x.weight, first=True)
-    return gradient_finish(grads, x)
+    grads = accumulate(
+      config, grads, chunk, rows.hidden, dlogits, x.weight, scale=scale, first=True
+    )
+    return gradient_finish(grads, x, scale)
 
   def backward(self, config, x, cot, diff):
     """``(dhidden, dweight, dbias)`` by recomputing each chunk's logits."""
     x, gather, _ = x.compacted(self.compact)  # recomputed: cheaper than saved
-    cot = RowCotangents(*map(gather, cot))
+    cot, scale = RowCotangents(*map(gather, cot)).unit(x.valid, x.hidden.dtype)
     offset = config.columns.offset()
 
     def chunk_dlogits(outputs, chunk, into):
@@ -123,19 +127,20 @@ class RowChunks:
       return outputs, write_into(into, dlogits)
 
     # grad-of-grad recomputes the chunk instead of saving its logits.
-    sweep = Sweep(self, config, x, jax.checkpoint(chunk_dlogits))
+    sweep = Sweep(self, config, x, jax.checkpoint(chunk_dlogits), scale)
     _, grads = gradient_sweep(sweep, diff, ())
     return grads
 
   def fused(self, config, x, row_scale, diff):
     """``((sum(loss * row_scale), lse, correct, entropy), grads)`` in one sweep."""
     x, gather, scatter = x.compacted(self.compact)
-    scale = gather(row_scale)
+    row_scale = gather(row_scale)
+    (unit,), scale = unit_weights((row_scale,), x.valid, x.hidden.dtype)
 
     def chunk_dlogits(outputs, chunk, into):
       config.announce("fused", chunk.start)
       rows = x.chunk(chunk)
-      g_loss = jnp.where(chunk.valid, chunk.take(scale), 0.0)
+      g_loss = jnp.where(chunk.valid, chunk.take(unit), 0.0)
       stats, dlogits = config.backend.chunk_forward_backward(
         rows,
         g_loss,
@@ -152,7 +157,7 @@ class RowChunks:
       )
       return tuple(outputs), dlogits
 
-    sweep = Sweep(self, config, x, chunk_dlogits)
+    sweep = Sweep(self, config, x, chunk_dlogits, scale)
     init = output_init(x.hidden.shape[0], stat_dtype(x.hidden))
     (loss, *per_row), grads = gradient_sweep(sweep, diff, init)
-    return (jnp.sum(loss * scale), *map(scatter, per_row)), grads
+    return (jnp.sum(loss * row_scale), *map(scatter, per_row)), grads

@@ -13,7 +13,9 @@
   excluded and skipped; scattered masks then save as much as prefix masks.
   ``[N, D]`` arrays are seen through the permutation (``Permuted``), never
   copied into compacted order.
-* The gradient accumulators: started, and finished in their inputs' dtypes.
+* The gradient accumulators: started, and finished in their inputs' dtypes
+  (float16's scaled there where they hold unscaled sums:
+  ``_planning.unit_weights``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from mst_jax import _ce_math, _manual_axes
+from mst_jax import _ce_math, _manual_axes, _planning
 from mst_jax._backends import AllColumns, ChunkBackend, ChunkInputs, Columns, HeadSpec
 
 
@@ -205,6 +207,12 @@ class RowCotangents(NamedTuple):
   def take(self, chunk: Chunk) -> RowCotangents:
     """A chunk's rows of each."""
     return RowCotangents(*map(chunk.take, self))
+
+  def unit(self, valid: jax.Array, dtype) -> tuple[RowCotangents, jax.Array | None]:
+    """``(cotangents, scale)``: the three as ``_planning.unit_weights``."""
+    cot = (self.g_loss, self.g_lse, self.g_entropy)
+    (g_loss, g_lse, g_entropy), scale = _planning.unit_weights(cot, valid, dtype)
+    return self._replace(g_loss=g_loss, g_lse=g_lse, g_entropy=g_entropy), scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -465,13 +473,16 @@ def gradient_init(config: SweepConfig, x: RowInputs, diff: Differentiated) -> Gr
   )
 
 
-def gradient_finish(grads: Grads, x: RowInputs) -> Grads:
-  """The accumulators in their inputs' dtypes (and ``dhidden`` in row order)."""
+def gradient_finish(
+  grads: Grads, x: RowInputs, scale: jax.Array | None = None
+) -> Grads:
+  """The accumulators in their inputs' dtypes (and ``dhidden`` in row order),
+  times ``scale`` where they hold unscaled sums (``_planning.finished``)."""
   (dhidden, dweight, dbias), weight, bias = grads, x.weight, x.bias
   if dhidden is not None:
     dhidden = original_order(dhidden)
   if dweight is not None:
-    dweight = dweight.astype(weight.dtype)
+    dweight = _planning.finished(dweight, weight.dtype, scale)
   if dbias is not None:
-    dbias = dbias.astype(bias.dtype)
+    dbias = _planning.finished(dbias, bias.dtype, scale)
   return dhidden, dweight, dbias

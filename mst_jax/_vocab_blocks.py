@@ -24,7 +24,8 @@ compacted (the row-chunked order's compaction gathers rows without copying
 ``hidden``, so this order could adopt it). ``dweight`` accumulates in the
 weight's dtype by default, whatever the number of row chunks: a float32
 ``[V, D]`` accumulator would be the largest buffer of a mode meant to be
-small.
+small. float16 ``dweight`` blocks are added as float32 products of unit row
+weights, scaled as each sum is rounded (``_planning.add_scaled``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from jax import lax
 
 from mst_jax import _ce_math, _matmul
 from mst_jax._backends.base import ChunkInputs, relative_labels
+from mst_jax._planning import add_scaled, product_dtype, rounded, unit_weights
 from mst_jax._rows import (
   Chunk,
   Grads,
@@ -159,9 +161,10 @@ class VocabBlocks:
     return config.columns.combine(running, labels)
 
   def _chunk_gradients(
-    self, config: SweepConfig, grads: Grads, chunk: Chunk, x: ChunkInputs, rows
+    self, config: SweepConfig, grads: Grads, chunk: Chunk, x: ChunkInputs, rows, scale
   ) -> Grads:
-    """Adds one row chunk's contribution to ``(dhidden, dweight, dbias)``."""
+    """Adds one row chunk's contribution to ``(dhidden, dweight, dbias)``
+    (``rows`` of unit row weights: ``scale`` applied as each is rounded)."""
     dhidden, dweight, dbias = grads
     layout, axis = config.layout, _matmul.vocab_axis(config.layout)
     acc, gemm = stat_dtype(x.hidden), config.head.gemm
@@ -169,7 +172,9 @@ class VocabBlocks:
 
     def add_block(total, part, start, axis):
       old = lax.dynamic_slice_in_dim(total, start, part.shape[axis], axis=axis)
-      return lax.dynamic_update_slice_in_dim(total, old + part, start, axis)
+      return lax.dynamic_update_slice_in_dim(
+        total, add_scaled(old, part, scale), start, axis
+      )
 
     def step(carry, block, start, size):
       dh, dw, db = carry
@@ -180,18 +185,24 @@ class VocabBlocks:
         dh = dh + _matmul.dhidden_matmul(dlogits, block.weight, layout, acc, gemm=gemm)
       if dw is not None:
         dweight_block = _matmul.dweight_matmul(
-          dlogits, x.hidden, layout, dw.dtype, gemm=gemm, width=size
+          dlogits,
+          x.hidden,
+          layout,
+          product_dtype(dw.dtype, scale),
+          gemm=gemm,
+          width=size,
         )
         dw = add_block(dw, dweight_block, start, axis)
       if db is not None:
-        db = add_block(db, _matmul.bias_gradient(dlogits, size, db.dtype), start, 0)
+        db_dtype = product_dtype(db.dtype, scale)
+        db = add_block(db, _matmul.bias_gradient(dlogits, size, db_dtype), start, 0)
       return dh, dw, db
 
     dh = None if dhidden is None else jnp.zeros(x.hidden.shape, acc)
     dh, dweight, dbias = self._over_blocks(config, x, step, (dh, dweight, dbias))
     if dhidden is not None:
       dh = config.columns.sum_partial(dh)
-      dhidden = chunk.put(dhidden, dh.astype(dhidden.dtype))
+      dhidden = chunk.put(dhidden, rounded(dh, dhidden.dtype, scale))
     return dhidden, dweight, dbias
 
   def forward(self, config, x):
@@ -214,6 +225,7 @@ class VocabBlocks:
 
   def backward(self, config, x, cot, diff):
     """``(dhidden, dweight, dbias)`` from saved lse and the row cotangents."""
+    cot, scale = cot.unit(x.valid, x.hidden.dtype)
 
     def update(grads, chunk):
       config.announce("backward", chunk.start)
@@ -221,14 +233,15 @@ class VocabBlocks:
       coefficients = config.backward_rows(
         cot.take(chunk), rows.labels, chunk.valid, rows.classes
       )
-      return self._chunk_gradients(config, grads, chunk, rows, coefficients)
+      return self._chunk_gradients(config, grads, chunk, rows, coefficients, scale)
 
     grads = gradient_init(config, x, diff)
     grads = sweep_chunks(self.rows_per_chunk, x.valid, update, grads)
-    return gradient_finish(grads, x)
+    return gradient_finish(grads, x, scale)
 
   def fused(self, config, x, row_scale, diff):
     """``((sum(loss * row_scale), lse, correct, entropy), grads)``, chunk by chunk."""
+    (unit,), scale = unit_weights((row_scale,), x.valid, x.hidden.dtype)
 
     def update(carry, chunk):
       outputs, grads = carry
@@ -236,10 +249,10 @@ class VocabBlocks:
       rows = x.chunk(chunk)
       stats = self._row_stats(config, rows)
       out = config.row_outputs(stats, rows.labels, chunk.valid, rows.classes)
-      g_loss = jnp.where(chunk.valid, chunk.take(row_scale), 0.0)
+      g_loss = jnp.where(chunk.valid, chunk.take(unit), 0.0)
       cot = RowCotangents.of_loss(stats.lse, g_loss)
       coefficients = config.backward_rows(cot, rows.labels, chunk.valid, rows.classes)
-      grads = self._chunk_gradients(config, grads, chunk, rows, coefficients)
+      grads = self._chunk_gradients(config, grads, chunk, rows, coefficients, scale)
       return tuple(map(chunk.put, outputs, out)), grads
 
     init = (
@@ -247,7 +260,7 @@ class VocabBlocks:
       gradient_init(config, x, diff),
     )
     (loss, *per_row), grads = sweep_chunks(self.rows_per_chunk, x.valid, update, init)
-    return (jnp.sum(loss * row_scale), *per_row), gradient_finish(grads, x)
+    return (jnp.sum(loss * row_scale), *per_row), gradient_finish(grads, x, scale)
 
 
 def _block(config: SweepConfig, x: ChunkInputs, start, size: int) -> ChunkInputs:
