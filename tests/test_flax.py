@@ -10,8 +10,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import oracle as oracle64
 import pytest
-from conftest import GRAD_RTOL, LOSS_RTOL, Problem, _logits_rounding, assert_close, to64
+from conftest import (
+  GRAD_RTOL,
+  LOSS_RTOL,
+  NAIVE_FACTOR,
+  NAIVE_FLOOR,
+  Problem,
+  _logits_rounding,
+  assert_close,
+  naive_head,
+  to64,
+)
 from flax import nnx
 
 import mst_jax
@@ -28,11 +39,11 @@ def _data(rng, shape=(3, 13), vocab=V):
 
 
 def _oracle(hidden, weight, labels, bias, where, weight_layout, argnums, **options):
-  """float64 loss and gradients from the full-logits reference."""
+  """float64 loss and gradients from tests/oracle.py."""
   with jax.enable_x64(True):
 
     def loss(hidden, weight, bias):
-      return mst_jax.reference.linear_cross_entropy(
+      return oracle64.cross_entropy(
         hidden,
         weight,
         labels,
@@ -173,7 +184,7 @@ def test_log_probs_match_the_oracle(rng, api):
     )(kernel)
 
   def reference(kernel):
-    return mst_jax.reference.linear_log_probs(
+    return oracle64.log_probs(
       jnp.asarray(to64(hidden)),
       kernel,
       labels,
@@ -247,7 +258,11 @@ def test_dtype_and_param_dtype_behave_as_in_flax(rng, api):
   )
   rounding, _ = _logits_rounding(bf16, {"weight_layout": "dv"})
   assert_close(value, ref, LOSS_RTOL["bfloat16"], "loss", atol=rounding)
-  assert_close(dkernel, ref_dk, GRAD_RTOL["bfloat16"], "dkernel")
+  # dkernel rounds like a bfloat16 Dense head's (its error within a multiple).
+  _, (_, naive_dk) = naive_head(bf16, weight_layout="dv")
+  allowed = NAIVE_FACTOR["dweight"] * np.linalg.norm(naive_dk - ref_dk)
+  allowed += NAIVE_FLOOR * np.linalg.norm(ref_dk)
+  assert_close(dkernel, ref_dk, 0.0, "dkernel", atol=allowed)
 
 
 class _TinyNNX(nnx.Module):
@@ -289,12 +304,12 @@ def test_tied_embedding_gets_gradient_from_both_uses(rng):
 
     def reference(table):
       hidden = jnp.tanh(table[tokens] @ jnp.asarray(to64(w)) + jnp.asarray(to64(b)))
-      return mst_jax.reference.linear_cross_entropy(hidden, table, labels)
+      return oracle64.cross_entropy(hidden, table, labels)
 
     ref = np.asarray(jax.grad(reference)(jnp.asarray(to64(table))))
   dtable = grads["embed"]["embedding"][...]
   assert_close(dtable, ref, GRAD_RTOL["float32"], "dtable")
-  # The reference counts both uses; rows never looked up still get the head's.
+  # The oracle counts both uses; rows never looked up still get the head's.
   unused = np.setdiff1d(np.arange(V), np.asarray(tokens))
   assert np.abs(ref[unused]).sum() > 0
 
