@@ -15,6 +15,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import oracle as oracle64
 import pytest
 from conftest import GRAD_RTOL, LOSS_RTOL, assert_close, make_problem, oracle, to64
 from jax.sharding import AxisType, NamedSharding
@@ -176,9 +177,7 @@ def test_log_probs_with_shift_and_the_reference(rng, impl):
   )
   with jax.enable_x64(True):
     args64 = [jnp.asarray(to64(x)) for x in problem.args[:2] + (problem.bias,)]
-    (_, ref_outputs), ref_grads = step(
-      mst_jax.reference.linear_log_probs, *args64, problem.labels
-    )
+    (_, ref_outputs), ref_grads = step(oracle64.log_probs, *args64, problem.labels)
   for out, ref in zip((*outputs, *grads), (*ref_outputs, *ref_grads), strict=True):
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-4, atol=2e-5)
 
@@ -284,7 +283,7 @@ def test_distillation_on_explicit_inputs(rng, sharding, reduction):
     wide = [jnp.asarray(to64(x)) for x in (problem.hidden, problem.weight)]
     wide += [jnp.asarray(x, jnp.float64) for x in (teacher_hidden, teacher_weight)]
     ref_value, ref_grads = step(
-      mst_jax.reference.linear_distillation_loss,
+      oracle64.distillation,
       *wide,
       problem.labels,
       problem.where,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import oracle as oracle64
 import pytest
 from conftest import GRAD_RTOL, LOSS_RTOL, assert_close, make_problem, oracle, to64
 from jax import lax
@@ -122,7 +123,7 @@ def test_log_probs_in_a_shard_map(rng, check_vma):
     problem.hidden, problem.labels, problem.where, cotangent, problem.weight
   )
   ref_value, ref_grads = _float64_value_and_grad(
-    lambda h, w, *rest: weighted(mst_jax.reference.linear_log_probs, h, w, *rest),
+    lambda h, w, *rest: weighted(oracle64.log_probs, h, w, *rest),
     problem.hidden,
     problem.weight,
     problem.labels,
@@ -163,7 +164,7 @@ def test_distillation_in_a_shard_map(rng, check_vma, grad_mode):
     teacher_weight,
   )
   ref_value, ref_grads = _float64_value_and_grad(
-    lambda h, w, th, tw, y, where: mst_jax.reference.linear_distillation_loss(
+    lambda h, w, th, tw, y, where: oracle64.distillation(
       h, w, th, tw, y, where=where, **options
     ),
     problem.hidden,
