@@ -43,10 +43,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 
 from mst_jax._mosaic_gemm_config import (
   GemmConfig,
   Problem,
+  accumulator_limit,
   default_config,
   fit_narrow,
   fit_ragged,
@@ -119,6 +121,10 @@ def _check(
   )
 
 
+def _accumulator() -> int:
+  return accumulator_limit(jaxlib.__version__)
+
+
 def _num_sms() -> int:
   return getattr(jax.devices()[0], "core_count", None) or 132
 
@@ -128,7 +134,9 @@ def _config(p: Problem, row_epilogue: RowEpilogue | None = None) -> GemmConfig:
   vectors = None
   if row_epilogue is not None:
     vectors = len(row_epilogue.input_dtypes) + len(row_epilogue.out_dtypes)
-  config = default_config(p.m, p.n, p.k, p.out_dtype, p.accumulate, _num_sms(), vectors)
+  config = default_config(
+    p.m, p.n, p.k, p.out_dtype, p.accumulate, _num_sms(), vectors, _accumulator()
+  )
   config = fit_narrow(fit_ragged(config, p), p)
   return fit_shared_memory(config, p.out_dtype, p.accumulate, vectors)
 

@@ -8,6 +8,7 @@ memory.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax.numpy as jnp
 
@@ -296,6 +297,33 @@ def _k_splits(m: int, n: int, k: int, config: GemmConfig, num_sms: int) -> int:
   return best
 
 
+# Float32 accumulator elements per compute warpgroup. Under ``setmaxnreg``
+# (232 registers for a compute thread) a 128 x 192 tile fits. jaxlib 0.12
+# compiles Mosaic's PTX with libnvJitLink as relocatable code, where ptxas
+# ignores ``setmaxnreg``: each of the block's 384 threads gets 168 registers,
+# a 128 x 192 tile spills and its wgmmas run serialized (5x slower), and a
+# 128 x 128 tile fits.
+_ACCUMULATOR = 128 * 192
+_ACCUMULATOR_RELOCATABLE = 128 * 128
+
+
+def accumulator_limit(jaxlib_version: str) -> int:
+  """Float32 accumulator elements a compute warpgroup may hold with this
+  jaxlib (``_ACCUMULATOR_RELOCATABLE`` from 0.12)."""
+  major, minor = (int(part) for part in jaxlib_version.split(".")[:2])
+  return _ACCUMULATOR_RELOCATABLE if (major, minor) >= (0, 12) else _ACCUMULATOR
+
+
+def fit_registers(config: GemmConfig, limit: int) -> GemmConfig:
+  """``config`` with tiles narrowed (``tile_n`` to a multiple of 64) until a
+  compute warpgroup's accumulator holds at most ``limit`` elements."""
+  if config.tile_m * config.tile_n <= limit:
+    return config
+  tile_n = max(64, limit // config.tile_m // 64 * 64)
+  epilogue_n = math.gcd(config.epilogue_n, tile_n)
+  return dataclasses.replace(config, tile_n=tile_n, epilogue_n=epilogue_n)
+
+
 def default_config(
   m: int,
   n: int,
@@ -304,6 +332,7 @@ def default_config(
   accumulate: bool,
   num_sms: int = 132,
   row_vectors: int | None = None,
+  accumulator: int = _ACCUMULATOR,
 ) -> GemmConfig:
   """The config for an ``[m, k] x [k, n]`` product, fitted to shared memory.
 
@@ -316,11 +345,15 @@ def default_config(
   accumulated) is split along K. A long contraction (``dhidden``) takes
   128 x 192 blocks instead of ``_tuned``'s where they fill the SMs' waves
   ``_SPLIT_GAIN`` better (``_fill``; a split counts ``_SPLIT_GAIN`` worse).
+  Tiles hold at most ``accumulator`` float32 elements a warpgroup
+  (``accumulator_limit``).
   """
-  config = _tuned(m, n, k, out_dtype, accumulate)
   if row_vectors is not None:
     config = _turns(m, n, k)
-  elif not accumulate:
+  else:
+    config = _tuned(m, n, k, out_dtype, accumulate)
+  config = fit_registers(config, accumulator)
+  if row_vectors is None and not accumulate:
     split = lambda c: dataclasses.replace(c, k_splits=_k_splits(m, n, k, c, num_sms))
     # A split costs its float32 partial products and their sum; blocks other
     # than _tuned's must fill the waves clearly better.
@@ -328,7 +361,8 @@ def default_config(
     score = lambda c: (
       _fill(m, n, c, num_sms) - _SPLIT_GAIN * ((c.k_splits > 1) + (c is not tuned))
     )
-    options = [tuned] + ([split(_NARROW_LONG_K)] if k >= _LONG_K else [])
+    narrow = fit_registers(_NARROW_LONG_K, accumulator)
+    options = [tuned] + ([split(narrow)] if k >= _LONG_K else [])
     config = max(options, key=score)  # ties: _tuned's
   return fit_shared_memory(config, out_dtype, accumulate, row_vectors)
 

@@ -259,21 +259,21 @@ def test_pallas_gpu_edge_cases(rng, case):
 
 @pytest.mark.gpu
 def test_select_on_gpu():
-  """impl=None: the Mosaic GPU kernels on a Hopper GPU (Triton's behind
+  """impl=None: the Mosaic GPU kernels on a Hopper GPU (XLA's behind
   them), the Triton ones on other GPUs."""
   assert backends.pallas_unavailable_reason("gpu") is None
   chosen = backends.select(None, "gpu")
   if _mosaic_gemm.unavailable_reason() is None:
     assert isinstance(chosen, MosaicChunkCE)
-    assert isinstance(chosen.fallback(), PallasTritonChunkCE)
+    assert isinstance(chosen.fallback(), backends.XlaChunkCE)
   else:
     assert isinstance(chosen, PallasTritonChunkCE)
 
 
-def test_the_mosaic_kernels_fallback_is_chosen_when_first_needed(monkeypatch):
-  """Choosing the fallback compiles a Triton kernel (and Pallas warns that
-  its Triton backend is deprecated): selecting the Mosaic kernels does not
-  choose it; a chunk that needs it does, the Triton kernels or XLA's."""
+def test_the_mosaic_kernels_never_ask_for_triton(monkeypatch):
+  """The Mosaic kernels run what they do not take (float32 inputs, class
+  weights) on XLA: neither selecting them nor their fallbacks compiles a
+  Triton kernel (Pallas's Triton lowering is deprecated)."""
   asked = []
   monkeypatch.setattr(_mosaic_gemm, "unavailable_reason", lambda: None)
   monkeypatch.setattr(
@@ -281,12 +281,10 @@ def test_the_mosaic_kernels_fallback_is_chosen_when_first_needed(monkeypatch):
   )
   chosen = backends.select(None, "gpu")
   distill = backends.select_distill(None, "gpu")
-  assert isinstance(chosen, MosaicChunkCE) and asked == []
-  assert isinstance(chosen.fallback(), PallasTritonChunkCE) and asked == ["gpu"]
-  assert distill.fallback() is not None
-  monkeypatch.setattr(backends, "pallas_unavailable_reason", lambda platform: "no")
+  assert isinstance(chosen, MosaicChunkCE)
   assert isinstance(chosen.fallback(), backends.XlaChunkCE)
-  assert distill.fallback() is None
+  assert distill.fallback() is None  # XLA's chunk
+  assert asked == []
 
 
 def test_unavailable_triton_falls_back_to_xla_with_one_warning(monkeypatch):
@@ -324,11 +322,11 @@ def _run_fresh_process(code: str, warning_filter: str) -> str:
 
 @pytest.mark.gpu
 def test_a_step_the_mosaic_kernels_run_whole_warns_nothing():
-  """A fresh process's default steps (cross-entropy and distillation) on
-  shapes the Mosaic kernels take whole: no deprecation warning at all (no
-  Triton kernel runs; the planner's probe of one keeps quiet). Also
-  distillation with ``[D, V]`` weights at GPT-2's vocabulary, which the
-  planner first sees untransposed, where the kernels do not take them."""
+  """A fresh process's default steps (cross-entropy and distillation) on a
+  Hopper GPU: no deprecation warning at all (no Triton kernel runs; the
+  planner's probe of one keeps quiet), also where the Mosaic kernels do not
+  take the inputs: float32, and distillation with ``[D, V]`` weights at
+  GPT-2's vocabulary, which the planner first sees untransposed."""
   if _mosaic_gemm.unavailable_reason() is not None:
     pytest.skip("needs the Mosaic GPU kernels (a Hopper GPU)")
   code = (
@@ -341,6 +339,9 @@ def test_a_step_the_mosaic_kernels_run_whole_warns_nothing():
     "distill = mst_jax.linear_distillation_loss\n"
     "loss = lambda h, w: distill(h, w, h, w, weight_layout='dv')\n"
     "jax.grad(loss)(h, wd).block_until_ready()\n"
+    "h, w = h.astype(jnp.float32), w.astype(jnp.float32)\n"
+    "jax.grad(mst_jax.linear_cross_entropy)(h, w, y).block_until_ready()\n"
+    "jax.grad(mst_jax.linear_distillation_loss)(h, w, h, w).block_until_ready()\n"
   )
   stderr = _run_fresh_process(code, "error::DeprecationWarning")
   assert "Warning" not in stderr, stderr

@@ -1,41 +1,82 @@
-"""Which path the default takes on which jax: the Mosaic GPU GEMMs on a Hopper
-GPU, except under a jaxlib that compiles them slowly (checked on any host
-by faking the device and the version)."""
+"""Which path the default takes on which jax: the Mosaic GPU kernels on a
+Hopper GPU, on every jaxlib, with tiles whose accumulators fit the registers
+that jaxlib's PTX compilation leaves them; never the Triton kernels there
+(checked on any host by faking the device and the version)."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import jaxlib
+import numpy as np
 import pytest
 
 from mst_jax import _backends, _mosaic_gemm
-from mst_jax._backends import mosaic_is_slow
+from mst_jax._mosaic_gemm_config import (
+  SMEM_BYTES,
+  accumulator_limit,
+  default_config,
+)
 
 
 @pytest.mark.parametrize(
-  "version,slow",
+  "version,limit",
   [
-    ("0.10.2", False),
-    ("0.11.2", False),
-    ("0.12.0", True),
-    ("0.12.0.1", True),
-    ("1.0", True),
+    ("0.10.2", 128 * 192),
+    ("0.11.2", 128 * 192),
+    ("0.12.0", 128 * 128),
+    ("0.12.0.1", 128 * 128),
+    ("1.0", 128 * 128),
   ],
 )
-def test_mosaic_is_slow_from_jaxlib_0_12(version, slow):
-  assert mosaic_is_slow(version) is slow
+def test_accumulator_limit_from_jaxlib_0_12(version, limit):
+  assert accumulator_limit(version) == limit
 
 
 @pytest.mark.parametrize("version", ["0.11.2", "0.12.0.1"])
-def test_the_default_on_hopper_follows_the_jaxlib_version(monkeypatch, version):
+def test_the_default_on_hopper_is_mosaic_on_every_jaxlib(monkeypatch, version):
   monkeypatch.setattr(_mosaic_gemm, "unavailable_reason", lambda: None)
   monkeypatch.setattr(_backends, "pallas_unavailable_reason", lambda platform: None)
   monkeypatch.setattr(jaxlib, "__version__", version)
-  fast = not mosaic_is_slow(version)
-  assert _backends.select_gemm(None, "gpu") == ("mosaic" if fast else "xla")
-  default = type(_backends.select(None, "gpu")).__name__
-  assert default == ("MosaicChunkCE" if fast else "PallasTritonChunkCE")
-  distill = type(_backends.select_distill(None, "gpu")).__name__
-  assert distill == ("MosaicDistill" if fast else "PallasTritonDistill")
-  # Asked for by name, the Mosaic kernels run on either version.
-  assert _backends.select_gemm("mosaic", "gpu") == "mosaic"
-  assert type(_backends.select("mosaic", "gpu")).__name__ == "MosaicChunkCE"
+  for impl in (None, "mosaic"):
+    assert _backends.select_gemm(impl, "gpu") == "mosaic"
+    ce = _backends.select(impl, "gpu")
+    assert type(ce).__name__ == "MosaicChunkCE"
+    # What the Mosaic kernels do not take runs on XLA, not Triton.
+    assert type(ce.fallback()).__name__ == "XlaChunkCE"
+    distill = _backends.select_distill(impl, "gpu")
+    assert type(distill).__name__ == "MosaicDistill"
+    assert distill.fallback() is None  # XLA's chunk
+  assert type(_backends.select("pallas", "gpu")).__name__ == "PallasTritonChunkCE"
+
+
+def _shapes(rng: np.random.Generator, count: int):
+  """Random head shapes (rows, D, V) with Mosaic-copyable widths."""
+  for _ in range(count):
+    rows = int(rng.integers(1, 64)) * 64
+    d = int(rng.integers(1, 80)) * 64
+    v = int(rng.integers(1, 4000)) * 64
+    yield rows, d, v
+
+
+@pytest.mark.parametrize("version", ["0.11.2", "0.12.0.1"])
+def test_every_default_tile_fits_the_jaxlib_registers(monkeypatch, rng, version):
+  """Every product of a head's step (logits with and without a row
+  epilogue, dhidden, dweight accumulated or not, both output dtypes) holds
+  at most the jaxlib's accumulator limit a warpgroup, and fits shared
+  memory."""
+  monkeypatch.setattr(jaxlib, "__version__", version)
+  limit = _mosaic_gemm._accumulator()
+  assert limit == accumulator_limit(version)
+  bf16, f32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+  for rows, d, v in _shapes(rng, 40):
+    for m, n, k, acc, vectors in [
+      (rows, v, d, False, None),
+      (rows, v, d, False, 4),
+      (rows, d, v, False, None),
+      (v, d, rows, True, None),
+      (v, d, rows, False, None),
+    ]:
+      for out in (bf16, f32):
+        c = default_config(m, n, k, out, acc, 132, vectors, limit)
+        assert c.tile_m * c.tile_n <= limit, (m, n, k, acc, vectors, c)
+        assert c.smem_bytes(bf16, out, acc, vectors or 0) <= SMEM_BYTES

@@ -229,15 +229,14 @@ def test_tiles_are_validated():
 
 
 def test_selection_on_hopper(monkeypatch):
-  """impl=None and "mosaic": the Mosaic kernels with Triton's behind them; a
-  jax without the Triton lowering: XLA's behind them, without a warning;
+  """impl=None and "mosaic": the Mosaic kernels with XLA's behind them;
   "pallas" and "xla" as asked, and a CPU: XLA."""
   monkeypatch.setattr(_mosaic_gemm, "unavailable_reason", lambda: None)
   monkeypatch.setattr(backends, "pallas_unavailable_reason", lambda platform: None)
   for impl in (None, "mosaic"):
     chosen = backends.select(impl, "gpu")
     assert isinstance(chosen, MosaicChunkCE) and not chosen.interpret
-    assert isinstance(chosen.fallback(), pallas_triton.PallasTritonChunkCE)
+    assert isinstance(chosen.fallback(), backends.XlaChunkCE)
     assert backends.select_gemm(impl, "gpu") == "mosaic"
   assert isinstance(backends.select("pallas", "gpu"), pallas_triton.PallasTritonChunkCE)
   assert backends.select_gemm("pallas", "gpu") == "xla"

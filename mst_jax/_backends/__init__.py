@@ -10,7 +10,6 @@ import functools
 import warnings
 
 import jax
-import jaxlib
 
 from mst_jax import _mosaic_gemm
 from mst_jax._backends.base import (
@@ -29,7 +28,6 @@ __all__ = [
   "Columns",
   "HeadSpec",
   "XlaChunkCE",
-  "mosaic_is_slow",
   "pallas_unavailable_reason",
   "refuse_second_order",
   "select",
@@ -90,15 +88,15 @@ def select(
   or "mosaic") on ``platform``.
 
   ``impl=None`` and ``"mosaic"`` on a Hopper GPU (where ``select_gemm``
-  gives the Mosaic GEMMs): the Mosaic GPU kernels, with the Triton ones (or
-  XLA's, where Triton cannot lower or with ``not_on_triton``) for what they do
-  not take. Otherwise the Pallas Triton kernels where ``_use_pallas`` says
-  so, else XLA.
+  gives the Mosaic GEMMs): the Mosaic GPU kernels, with XLA's for what they
+  do not take (float32 inputs, class weights), so Hopper never runs Pallas's
+  deprecated Triton lowering unless asked. Otherwise the Pallas Triton
+  kernels where ``_use_pallas`` says so, else XLA.
   """
   if impl in (None, "mosaic") and select_gemm(impl, platform) == "mosaic":
     from mst_jax._backends import mosaic_ce
 
-    return mosaic_ce.MosaicChunkCE(fallback=_triton_else_xla)
+    return mosaic_ce.MosaicChunkCE()
   if not _use_pallas(impl, platform, not_on_triton):
     return XlaChunkCE()
   from mst_jax._backends import pallas_triton
@@ -109,42 +107,17 @@ def select(
 def select_distill(impl: str | None, platform: str):
   """The per-chunk distillation kernel for ``impl`` on ``platform``, or None
   for the XLA chunk (``_distill_math.chunk_loss``); chosen as ``select``
-  chooses: ``mosaic_distill.MosaicDistill`` (with the Triton kernel, or XLA's
-  chunk, for what it does not take) or ``pallas_distill.PallasTritonDistill``."""
+  chooses: ``mosaic_distill.MosaicDistill`` (with XLA's chunk for what it
+  does not take) or ``pallas_distill.PallasTritonDistill``."""
   if impl in (None, "mosaic") and select_gemm(impl, platform) == "mosaic":
     from mst_jax._backends import mosaic_distill
 
-    return mosaic_distill.MosaicDistill(fallback=_triton_distill_else_xla)
+    return mosaic_distill.MosaicDistill()
   if not _use_pallas(impl, platform):
     return None
   from mst_jax._backends import pallas_distill
 
   return pallas_distill.PallasTritonDistill(interpret=platform != "gpu")
-
-
-# The Mosaic kernels' fallbacks, chosen when a chunk first needs one: the
-# choice compiles a Triton kernel (``pallas_unavailable_reason``), and Pallas
-# warns that its Triton backend is deprecated, which a step that the Mosaic
-# kernels run whole has no cause to say.
-
-
-def _triton_else_xla():
-  """The Triton kernels where they lower on the GPU, else XLA's."""
-  if pallas_unavailable_reason("gpu") is None:
-    from mst_jax._backends import pallas_triton
-
-    return pallas_triton.PallasTritonChunkCE()
-  return XlaChunkCE()
-
-
-def _triton_distill_else_xla():
-  """The Triton distillation kernel where it lowers on the GPU, else None
-  (XLA's chunk, ``_distill_math.chunk_loss``)."""
-  if pallas_unavailable_reason("gpu") is None:
-    from mst_jax._backends import pallas_distill
-
-    return pallas_distill.PallasTritonDistill()
-  return None
 
 
 def select_gemm(impl: str | None, platform: str) -> str:
@@ -162,27 +135,11 @@ def select_gemm(impl: str | None, platform: str) -> str:
   reason = _mosaic_gemm.unavailable_reason()
   if platform != "gpu":
     reason = f"it needs a Hopper GPU, the platform is a {platform}"
-  if reason is None and impl is None and mosaic_is_slow(jaxlib.__version__):
-    return "xla"
   if reason is None:
     return "mosaic"
   if impl == "mosaic":
     _warn_fallback(reason, what="GEMMs")
   return "xla"
-
-
-def mosaic_is_slow(jaxlib_version: str) -> bool:
-  """Whether this jaxlib runs the Mosaic GPU GEMMs several times slower than
-  XLA's, so that ``impl=None`` takes XLA's GEMMs and the Triton kernels.
-
-  From jaxlib 0.12, Mosaic GPU compiles its PTX with libnvJitLink, as
-  relocatable code, where ptxas ignores ``setmaxnreg``: the GEMMs' float32
-  accumulators no longer fit the compute warpgroups' registers (the default
-  step took 198 ms against the naive head's 41 ms at the Llama-3 head on an
-  H200, jax 0.12.0.1; ``impl="pallas"`` 40 ms).
-  """
-  major, minor = (int(part) for part in jaxlib_version.split(".")[:2])
-  return (major, minor) >= (0, 12)
 
 
 _INSTEAD = {
