@@ -9,7 +9,8 @@
 #    then the rest on $WORKERS xdist workers (default 4);
 # 3. bench/: the README's GPU case (python -m mst_jax.bench: the Llama-3 head,
 #    mst_jax against the naive head in the same run), with $BENCH_ARGS added.
-# STEPS="tests bench" (the default) picks the steps; TESTS_LIMIT and
+# STEPS="tests bench" (the default) picks the steps; TESTS (default: tests)
+# the test paths; TESTS_LIMIT and
 # BENCH_LIMIT (seconds, default 1800 each) cap them. The exit status is
 # nonzero if any step failed or ran out of time.
 set -u
@@ -39,9 +40,12 @@ for what in ${STEPS:-tests bench}; do
   case $what in
     tests)
       big=tests/test_peer_bugs.py # 65 GiB of GPU memory: alone
-      step tests "${TESTS_LIMIT:-1800}" python3 -m pytest -q -m gpu -rfEs "$big"
+      paths=${TESTS:-tests}
+      if [ "$paths" = tests ] || [[ " $paths " == *" $big "* ]]; then
+        step tests "${TESTS_LIMIT:-1800}" python3 -m pytest -q -m gpu -rfEs "$big"
+      fi
       step tests "${TESTS_LIMIT:-1800}" python3 -m pytest -v -m gpu -rfEs --durations=20 \
-        -n "${WORKERS:-4}" --ignore="$big" tests
+        -n "${WORKERS:-4}" --ignore="$big" $paths
       ;;
     bench)
       step bench "${BENCH_LIMIT:-1800}" python3 -m mst_jax.bench --out "$OUT/bench" ${BENCH_ARGS:-}
