@@ -295,7 +295,11 @@ def test_out_of_range_label_is_nan(rng, impl):
   log_p = logits - logits.max(-1, keepdims=True)
   log_p -= np.log(np.exp(log_p).sum(-1, keepdims=True))
   want = -(np.exp(log_p) * log_p).sum(-1)
-  np.testing.assert_allclose(entropy, want, rtol=1e-5)
+  # The entropy is formed as lse - E[s]: its absolute error is a few float32
+  # roundings of the row's largest logit (docs/limitations.md), which a
+  # nearly certain row's small entropy cannot hide in a relative tolerance.
+  rounding = 8 * np.finfo(np.float32).eps * np.abs(logits).max(-1)
+  assert np.all(np.abs(np.asarray(entropy) - want) <= 1e-5 * want + rounding)
 
 
 def test_bad_arguments_raise(rng):
