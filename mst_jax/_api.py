@@ -113,14 +113,10 @@ def linear_cross_entropy(
     chunk_size: rows per chunk (their logits exist at once; the ``dhidden`` /
       ``dweight`` matmuls also run per chunk). None plans chunks (and, for
       float32 logits, groups of chunks) from ``memory_budget``.
-    memory_budget: bytes for the chunk temporaries (default 2.25 GiB,
-      ``mst_jax._api.DEFAULT_MEMORY_BUDGET``): with logits in
-      the compute dtype, one chunk's logits, overwritten in place by its
-      ``dlogits``; with float32 logits, one chunk's logits and one group's
-      ``dlogits``, whose matmuls run once per group. Peak extra memory is about
-      this plus ``dhidden``-sized buffers. It is per device; with
-      ``vocab_axis`` the default is divided by that axis's size (each device
-      holds that fraction of the vocabulary).
+    memory_budget: a cap on the step's temporaries, in bytes per device
+      (default 2.25 GiB, ``DEFAULT_MEMORY_BUDGET``, divided by the
+      ``vocab_axis`` size): the row chunks, groups and ``dweight``
+      accumulator are planned to fit it.
     vocab_block_size: the low-memory loop order (vocabulary blocks):
       each row chunk walks the vocabulary in blocks of this many columns,
       once for the statistics and once for the gradients, so only
@@ -140,24 +136,17 @@ def linear_cross_entropy(
       interpret mode, slowly: for tests), ``"mosaic"`` (on a Hopper GPU the
       matmuls and the per-chunk cross-entropy as Mosaic GPU kernels, the
       statistics in the logits matmul's epilogue, where the arrays are whole
-      TMA tiles, the Triton kernels and XLA's matmuls for other shapes; not
+      TMA tiles, XLA's per-chunk math and matmuls for other shapes; not
       autotuned, so the first call peaks like later ones; elsewhere as
       ``"pallas"``, with one warning) or ``"reference"`` (full logits; for
       tests and small problems). If the Pallas Triton lowering is
       unavailable, ``"pallas"`` falls back to ``"xla"`` with one warning.
-    accum_dtype: dtype of the ``dweight`` / ``dbias`` accumulators across
-      groups. None (default): with at most 2 groups, ``dweight`` accumulates
-      in the weight's dtype, in place in its output, one rounding per group
-      (with 2 groups at the Llama-3 head, within 1.1x the error of
-      full-logits autodiff; 4 groups measured 1.9x); with more, in float32,
-      whose ``V x D`` buffer and traffic cost less than the error of many
-      roundings would. It comes out of ``memory_budget`` (off the CPU, only
-      its bytes beyond the output's, whose buffer holds other temporaries
-      until the sweep ends); past half of it, ``dweight`` stays in place up
-      to 32 groups, with that error, and past 32 the buffer is kept beyond
-      the budget (``_planning.plan_with_accumulator``). A float32 one given
-      here is counted too: the rows get what it leaves (at least a quarter).
-      With ``vocab_block_size``, in place unless given here.
+    accum_dtype: the dtype ``dweight`` and ``dbias`` are summed in across
+      row groups. None (default): float32 where its ``[V, D]`` buffer fits in
+      half of ``memory_budget`` and there are more than 2 groups (float16
+      weights: always), else the weight's dtype in place, one rounding per
+      group (docs/how_it_works.md). With ``vocab_block_size``, in place
+      unless given here.
     logits_dtype: the dtype the logits matmul writes (it accumulates in
       float32 either way; the cross-entropy math is float32). None (default):
       bfloat16 for bfloat16 inputs, as a bfloat16 ``Dense`` head feeding a

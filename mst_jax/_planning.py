@@ -163,10 +163,8 @@ def plan_vocab_blocked_rows(
   return int(min(n_rows, _aligned_rows(memory_budget // per_row)))
 
 
-# Up to this many groups, dweight accumulates in the weight's dtype in place;
-# up to the second, also when a float32 accumulator would not fit the budget.
+# Up to this many groups, dweight accumulates in the weight's dtype in place.
 MAX_GROUPS_IN_PLACE = 2
-MAX_GROUPS_IN_PLACE_TO_FIT = 32
 
 
 # ---- float16 gradients: formed from unit row weights, scaled in float32. ----
@@ -286,11 +284,9 @@ def plan_with_accumulator(
   the accumulator adds only its size beyond it to the step's peak (the
   Llama-3 head at 32768 tokens on the H200: 2110 MiB extra with a float32
   accumulator in 4096-row groups, docs/benchmarks.md). When that takes at
-  most half the budget, the rows are planned again in the rest. When it
-  would take more, ``dweight`` accumulates in place (a rounding per group,
-  no buffer beyond the budget) up to ``MAX_GROUPS_IN_PLACE_TO_FIT`` groups;
-  past that, the accumulator is kept beyond the budget: so many roundings
-  would cost more accuracy than a budget is worth.
+  most half the budget, the rows are planned again in the rest; otherwise
+  ``dweight`` accumulates in place (a rounding per group): the budget is a
+  cap, also where it costs accuracy.
 
   ``accum_dtype``: the caller's (None: choose). One wider than the weight's
   comes out of the budget too, as does float16 weights' default one
@@ -329,15 +325,13 @@ def plan_with_accumulator(
     return *plan(memory_budget=rest), accum
   if accumulator <= memory_budget and accumulator - output <= memory_budget // 2:
     return *plan(memory_budget=memory_budget - (accumulator - output)), accum
-  if -(-n_rows // group) <= MAX_GROUPS_IN_PLACE_TO_FIT:
-    return chunk, group, None
-  return chunk, group, accum
+  return chunk, group, None
 
 
 def cpu_fixed_bytes(n_rows: int, dim: int, dtype: np.dtype) -> int:
   """Bytes XLA:CPU holds whatever the chunks: a tile's float32 weight columns
   and ``dweight`` product, and, for 16-bit inputs, a float32 copy of
-  ``dhidden`` (it computes 16-bit updates of a buffer's rows in float32)."""
+  ``dhidden`` (it scatters 16-bit rows into a buffer through float32)."""
   tiles = 2 * 4 * MATMUL_TILE * dim
   return tiles + (4 * n_rows * dim if np.dtype(dtype).itemsize < 4 else 0)
 
