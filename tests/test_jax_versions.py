@@ -1,7 +1,8 @@
 """Which path the default takes on which jax: the Mosaic GPU kernels on a
-Hopper GPU, on every jaxlib, with tiles whose accumulators fit the registers
-that jaxlib's PTX compilation leaves them; never the Triton kernels there
-(checked on any host by faking the device and the version)."""
+Hopper GPU (before jaxlib 0.12), with tiles whose accumulators fit the
+registers that jaxlib's PTX compilation leaves them, and XLA's per-chunk math
+(not Triton's) behind them (checked on any host by faking the device and the
+version)."""
 
 from __future__ import annotations
 
@@ -32,12 +33,34 @@ def test_accumulator_limit_from_jaxlib_0_12(version, limit):
   assert accumulator_limit(version) == limit
 
 
+@pytest.mark.parametrize(
+  "version,slow",
+  [
+    ("0.10.2", False),
+    ("0.11.2", False),
+    ("0.12.0", True),
+    ("0.12.0.1", True),
+    ("1.0", True),
+  ],
+)
+def test_mosaic_is_slow_from_jaxlib_0_12(version, slow):
+  assert _backends.mosaic_is_slow(version) is slow
+
+
 @pytest.mark.parametrize("version", ["0.11.2", "0.12.0.1"])
-def test_the_default_on_hopper_is_mosaic_on_every_jaxlib(monkeypatch, version):
+def test_the_default_on_hopper_follows_the_jaxlib_version(monkeypatch, version):
+  """impl=None: the Mosaic kernels, or from jaxlib 0.12 the Triton ones;
+  impl="mosaic": the Mosaic kernels on either."""
   monkeypatch.setattr(_mosaic_gemm, "unavailable_reason", lambda: None)
   monkeypatch.setattr(_backends, "pallas_unavailable_reason", lambda platform: None)
   monkeypatch.setattr(jaxlib, "__version__", version)
-  for impl in (None, "mosaic"):
+  if _backends.mosaic_is_slow(version):
+    assert _backends.select_gemm(None, "gpu") == "xla"
+    assert type(_backends.select(None, "gpu")).__name__ == "PallasTritonChunkCE"
+    assert type(_backends.select_distill(None, "gpu")).__name__ == "PallasTritonDistill"
+  for impl in (
+    (None, "mosaic") if not _backends.mosaic_is_slow(version) else ("mosaic",)
+  ):
     assert _backends.select_gemm(impl, "gpu") == "mosaic"
     ce = _backends.select(impl, "gpu")
     assert type(ce).__name__ == "MosaicChunkCE"

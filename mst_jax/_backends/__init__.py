@@ -10,6 +10,7 @@ import functools
 import warnings
 
 import jax
+import jaxlib
 
 from mst_jax import _mosaic_gemm
 from mst_jax._backends.base import (
@@ -28,6 +29,7 @@ __all__ = [
   "Columns",
   "HeadSpec",
   "XlaChunkCE",
+  "mosaic_is_slow",
   "pallas_unavailable_reason",
   "refuse_second_order",
   "select",
@@ -135,11 +137,25 @@ def select_gemm(impl: str | None, platform: str) -> str:
   reason = _mosaic_gemm.unavailable_reason()
   if platform != "gpu":
     reason = f"it needs a Hopper GPU, the platform is a {platform}"
+  if reason is None and impl is None and mosaic_is_slow(jaxlib.__version__):
+    return "xla"
   if reason is None:
     return "mosaic"
   if impl == "mosaic":
     _warn_fallback(reason, what="GEMMs")
   return "xla"
+
+
+def mosaic_is_slow(jaxlib_version: str) -> bool:
+  """Whether ``impl=None`` leaves the Mosaic GPU kernels for XLA's GEMMs and
+  the Triton kernels on this jaxlib: from 0.12, whose libnvJitLink ignores
+  the GEMMs' register split (``setmaxnreg``). There the default Llama-3 step
+  took 198 ms against the naive head's 41 ms (H200, jax 0.12.0.1), and
+  ``impl="pallas"`` 40 ms. ``impl="mosaic"`` runs the Mosaic kernels with
+  tiles that fit the registers left (``accumulator_limit``), not yet timed.
+  """
+  major, minor = (int(part) for part in jaxlib_version.split(".")[:2])
+  return (major, minor) >= (0, 12)
 
 
 _INSTEAD = {
