@@ -12,10 +12,11 @@ import math
 
 import jax
 
-from mst_jax import _backends, _full_logits, _inputs, _mesh, _options, _planning
-from mst_jax._ce_math import at_least_float32
+from mst_jax import _backends, _inputs, _mesh, _options, _planning
 from mst_jax._driver import Plan, reduced_loss, row_losses
 from mst_jax._inputs import Rows
+from mst_jax._math import full_logits
+from mst_jax._math.ce import at_least_float32
 from mst_jax._options import LossOptions, PerfOptions
 from mst_jax._row_chunks import RowChunks
 from mst_jax._rows import SweepConfig, stat_dtype
@@ -252,9 +253,7 @@ def per_row_outputs(
         raise ValueError("impl='reference' forms the full logits; it takes no mesh.")
       rows = _mesh.gathered(rows)
     ce = dataclasses.replace(options.ce, entropy=entropy)
-    return _full_logits.row_losses(
-      *rows.arrays, options=ce, weight_layout=weight_layout
-    )
+    return full_logits.row_losses(*rows.arrays, options=ce, weight_layout=weight_layout)
   rows = rows.for_chunks(options.label_smoothing)
   plan, fused = resolve(rows, options, perf, weight_layout, layout, entropy=entropy)
   if (transposed := _transposed_perf(rows, plan, perf, layout)) is not None:

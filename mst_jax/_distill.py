@@ -3,7 +3,7 @@
 The public function validates its arguments at trace time, turns both heads
 into rows (``_inputs.prepare``) and dispatches: to the chunked sweep
 (``_distill_driver``: neither head's ``[N, V]`` logits exist) or, with
-``impl="reference"``, to the full-logits oracle (``_full_distill``).
+``impl="reference"``, to the full-logits oracle (``_math.full_distill``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from jax.sharding import PartitionSpec as P
 
 from mst_jax import (
   _distill_driver,
-  _full_distill,
   _inputs,
   _manual_axes,
   _matmul,
@@ -27,7 +26,8 @@ from mst_jax import (
   _planning,
 )
 from mst_jax._distill_driver import Heads
-from mst_jax._distill_math import DistillOptions
+from mst_jax._math import full_distill
+from mst_jax._math.distill import DistillOptions
 from mst_jax._rows import stat_dtype
 
 # The cross-entropy options that do not apply to a distillation loss.
@@ -222,7 +222,7 @@ def linear_distillation_loss(
   weights = _inputs.row_weights(student, options.reduction, out_dtype)
   n_rows = student.hidden.shape[0]
   if perf.impl == "reference" or n_rows == 0:
-    loss = _full_distill.row_losses(*x, options=distill, weight_layout=weight_layout)
+    loss = full_distill.row_losses(*x, options=distill, weight_layout=weight_layout)
   else:
     _planning.require_concrete(
       student.hidden, student.weight, teacher.hidden, teacher.weight

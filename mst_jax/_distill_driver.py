@@ -3,7 +3,7 @@
 Rows are walked in chunks (``_rows.sweep_chunks``, valid rows compacted to the
 front, chunks without a valid row skipped by ``lax.cond``); per chunk both
 heads' logits are formed (``_matmul.logits_matmul``, the teacher's under
-``lax.stop_gradient``), ``_distill_math.chunk_loss`` (XLA) or the Pallas
+``lax.stop_gradient``), ``_math.distill.chunk_loss`` (XLA) or the Pallas
 kernel of ``_backends.select_distill`` scores them, and the student's
 ``dlogits`` go into its ``dhidden`` rows, ``dweight`` and ``dbias``.
 Two custom VJPs:
@@ -33,9 +33,9 @@ from jax import lax
 
 from mst_jax import _matmul, _planning
 from mst_jax._backends import refuse_second_order, select_distill, select_gemm
-from mst_jax._ce_math import at_least_float32
-from mst_jax._distill_math import DistillOptions, chunk_loss
 from mst_jax._gradient_sweeps import add_bias_gradient, row_products
+from mst_jax._math.ce import at_least_float32
+from mst_jax._math.distill import DistillOptions, chunk_loss
 from mst_jax._options import PerfOptions, resolve_logits_dtype
 from mst_jax._planning import unit_weights
 from mst_jax._rows import (
@@ -78,7 +78,7 @@ class Plan:
     gemm: what runs the matmuls, ``"xla"`` or ``"mosaic"`` (``_matmul``).
     compact: move valid rows to the front before chunking.
     kernel: the per-chunk Pallas kernel (``_backends.select_distill``), or
-      None for the XLA chunk (``_distill_math.chunk_loss``).
+      None for the XLA chunk (``_math.distill.chunk_loss``).
     pad_logits: form each chunk's logits by the Mosaic GEMM padded to whole
       64-column tiles (``_matmul.mosaic_logits``), which the kernel reads
       against the weights' columns (``_pads_logits``).

@@ -19,7 +19,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mst_jax import _manual_axes, _matmul, _planning
-from mst_jax._ce_math import at_least_float32
+from mst_jax._math.ce import at_least_float32
 from mst_jax._options import LossOptions, check_choice
 
 

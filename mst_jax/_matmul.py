@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mst_jax import _manual_axes, _mosaic_gemm
-from mst_jax._ce_math import at_least_float32
+from mst_jax._math.ce import at_least_float32
 
 WEIGHT_LAYOUTS = ("vd", "dv")
 

@@ -34,9 +34,10 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mst_jax import _ce_math, _inputs, _matmul
+from mst_jax import _inputs, _matmul
 from mst_jax._driver import LoopOrder
 from mst_jax._inputs import Rows
+from mst_jax._math import ce as ce_math
 from mst_jax._rows import (
   Differentiated,
   Grads,
@@ -66,13 +67,13 @@ class VocabShard:
   def offset(self) -> jax.Array:
     return lax.axis_index(self.axis) * self.shard_size
 
-  def combine(self, stats: _ce_math.RowStats, labels: jax.Array) -> _ce_math.RowStats:
+  def combine(self, stats: ce_math.RowStats, labels: jax.Array) -> ce_math.RowStats:
     """Whole-row statistics from each shard's (``stats`` relative to the shard)."""
     offset = self.offset()
     local = labels - offset
     here = (local >= 0) & (local < self.shard_size)
     reduce = lambda collective: functools.partial(collective, axis_name=self.axis)
-    return _ce_math.combine_stats(
+    return ce_math.combine_stats(
       stats,
       here,
       offset,

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mst_jax import _manual_axes
-from mst_jax._ce_math import CEOptions, at_least_float32
+from mst_jax._math.ce import CEOptions, at_least_float32
 
 REDUCTIONS = ("mean", "sum", "none")
 IMPLEMENTATIONS = (None, "xla", "pallas", "mosaic", "reference")

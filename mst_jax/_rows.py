@@ -29,8 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from mst_jax import _ce_math, _manual_axes, _planning
+from mst_jax import _manual_axes, _planning
 from mst_jax._backends import AllColumns, ChunkBackend, ChunkInputs, Columns, HeadSpec
+from mst_jax._math import ce as ce_math
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,15 +71,15 @@ class SweepConfig:
 
   def row_outputs(
     self,
-    stats: _ce_math.RowStats,
+    stats: ce_math.RowStats,
     labels: jax.Array,
     valid: jax.Array,
-    classes: _ce_math.ClassRows | None = None,
+    classes: ce_math.ClassRows | None = None,
   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Per-row ``(loss, lse, correct, entropy)`` of a chunk's whole-row
     statistics."""
     head = self.head
-    return _ce_math.row_outputs(
+    return ce_math.row_outputs(
       stats, labels, valid, head.options, head.vocab_size, classes
     )
 
@@ -87,11 +88,11 @@ class SweepConfig:
     cot: RowCotangents,
     labels: jax.Array,
     valid: jax.Array,
-    classes: _ce_math.ClassRows | None = None,
-  ) -> _ce_math.BackwardRows:
+    classes: ce_math.ClassRows | None = None,
+  ) -> ce_math.BackwardRows:
     """Per-row ``dlogits`` coefficients from a chunk's cotangents."""
     head = self.head
-    return _ce_math.backward_rows(
+    return ce_math.backward_rows(
       cot.g_loss,
       cot.g_lse,
       cot.lse,
@@ -104,12 +105,12 @@ class SweepConfig:
       classes=classes,
     )
 
-  def whole_row_stats(self, x: ChunkInputs) -> _ce_math.RowStats:
+  def whole_row_stats(self, x: ChunkInputs) -> ce_math.RowStats:
     """A chunk's statistics over the whole vocabulary, combined across shards."""
     stats = self.backend.chunk_forward(x, self.head, offset=self.columns.offset())
     return self.columns.combine(stats, x.labels)
 
-  def logits_and_row_stats(self, x: ChunkInputs) -> tuple[jax.Array, _ce_math.RowStats]:
+  def logits_and_row_stats(self, x: ChunkInputs) -> tuple[jax.Array, ce_math.RowStats]:
     """A chunk's logits and their ``whole_row_stats``: from the logits GEMM's
     epilogue where the backend computes them there, else read back from the
     logits."""
@@ -146,10 +147,10 @@ class RowInputs(NamedTuple):
   mean_weight: jax.Array | None = None
 
   @property
-  def classes(self) -> _ce_math.ClassRows | None:
+  def classes(self) -> ce_math.ClassRows | None:
     if self.target_weight is None:
       return None
-    return _ce_math.ClassRows(self.target_weight, self.mean_weight)
+    return ce_math.ClassRows(self.target_weight, self.mean_weight)
 
   def _per_row(self, take) -> dict:
     """The per-row fields other than ``hidden``, through ``take``."""
@@ -169,7 +170,7 @@ class RowInputs(NamedTuple):
     """A chunk's rows (excluded ones zeroed) with the whole weight."""
     classes = self.classes
     if classes is not None:
-      classes = _ce_math.ClassRows(*map(chunk.take, classes))
+      classes = ce_math.ClassRows(*map(chunk.take, classes))
     return ChunkInputs(
       chunk.hidden(self.hidden),
       self.weight,
@@ -450,7 +451,7 @@ def output_init(n_rows: int, dtype: jnp.dtype):
 
 def stat_dtype(hidden) -> jnp.dtype:
   """The per-row statistics' dtype: float32, or float64 for float64 inputs."""
-  return _ce_math.at_least_float32(hidden.dtype)
+  return ce_math.at_least_float32(hidden.dtype)
 
 
 def _zeros_if(flag: bool, shape, dtype):

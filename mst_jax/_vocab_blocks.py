@@ -5,7 +5,7 @@ through the vocabulary in blocks of ``B`` columns, twice:
 
 1. **Statistics.** Each block's ``[rows, B]`` float32 logits are reduced by
    the backend and merged into the running row statistics
-   (``_ce_math.combine_stats``: an online max / sum-exp, the target logit from
+   (``_math.ce.combine_stats``: an online max / sum-exp, the target logit from
    the block that holds the label, the mean, the first argmax).
 2. **Gradients.** Each block's logits are formed again; the backend turns
    them into ``dlogits`` (the lse is known now); the block's rows of
@@ -38,8 +38,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mst_jax import _ce_math, _matmul
+from mst_jax import _matmul
 from mst_jax._backends.base import ChunkInputs, relative_labels
+from mst_jax._math import ce as ce_math
 from mst_jax._planning import add_scaled, product_dtype, rounded, unit_weights
 from mst_jax._rows import (
   Chunk,
@@ -106,7 +107,7 @@ class VocabBlocks:
       tie=config.head.matmul_tile is not None,
     )
 
-  def _row_stats(self, config: SweepConfig, x: ChunkInputs) -> _ce_math.RowStats:
+  def _row_stats(self, config: SweepConfig, x: ChunkInputs) -> ce_math.RowStats:
     """Whole-row statistics of a chunk's logits, merged block by block.
 
     On a vocab-parallel shard the blocks of this shard are merged first and
@@ -118,7 +119,7 @@ class VocabBlocks:
     # Over the stacked parts, keeping the axis (no implicit rank broadcasting).
     stacked = lambda reduce: functools.partial(reduce, axis=0, keepdims=True)
     combine = functools.partial(
-      _ce_math.combine_stats,
+      ce_math.combine_stats,
       vocab_size=config.head.vocab_size,
       reduce_max=stacked(jnp.max),
       reduce_sum=stacked(jnp.sum),

@@ -11,7 +11,7 @@ their per-row math.
 from __future__ import annotations
 
 from mst_jax import _api, _distill, _log_probs
-from mst_jax._full_logits import losses_from_logits, row_losses
+from mst_jax._math.full_logits import losses_from_logits, row_losses
 
 __all__ = [
   "linear_cross_entropy",
@@ -46,7 +46,7 @@ def linear_distillation_loss(
   student_hidden, student_weight, teacher_hidden, teacher_weight, labels=None, **kwargs
 ):
   """``mst_jax.linear_distillation_loss`` from both heads' full logits,
-  differentiated by autodiff (likewise; ``_full_distill`` has the math)."""
+  differentiated by autodiff (likewise; ``_math.full_distill`` has the math)."""
   return _distill.linear_distillation_loss(
     student_hidden,
     student_weight,

@@ -25,9 +25,11 @@ ROOT = PACKAGE.parent
 
 LAYERS = [
   [
-    "mst_jax._ce_math",
+    "mst_jax._math",
+    "mst_jax._math.ce",
+    "mst_jax._math.online",
     "mst_jax._planning",
-    "mst_jax._distill_math",
+    "mst_jax._math.distill",
     "mst_jax._mosaic_gemm_config",
     "mst_jax._manual_axes",
   ],  # math, heuristics, manual mesh axes
@@ -37,8 +39,8 @@ LAYERS = [
   [
     "mst_jax._options",
     "mst_jax._matmul",
-    "mst_jax._full_logits",
-    "mst_jax._full_distill",
+    "mst_jax._math.full_logits",
+    "mst_jax._math.full_distill",
   ],
   ["mst_jax._inputs"],
   ["mst_jax._backends*"],  # per-chunk backends

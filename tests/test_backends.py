@@ -19,11 +19,11 @@ import pytest
 from conftest import assert_close, has_gpu
 
 from mst_jax import _backends as backends
-from mst_jax import _ce_math as ce_math
 from mst_jax import _mosaic_gemm, reference
 from mst_jax._backends import pallas_triton
 from mst_jax._backends.mosaic_ce import MosaicChunkCE
 from mst_jax._backends.pallas_triton import KernelBlocks, PallasTritonChunkCE
+from mst_jax._math import ce as ce_math
 
 ALL_OPTIONS = ce_math.CEOptions(label_smoothing=0.1, z_loss=1e-3, logit_softcap=30.0)
 SCALED = ce_math.CEOptions(label_smoothing=0.1, logit_softcap=30.0, logit_scale=0.4)

@@ -3,7 +3,7 @@
 The oracle is tests/oracle.py's ``distillation`` on float64 inputs: both
 heads' whole logits, the loss written from the definitions, gradients by
 autodiff. It shares nothing with the library (neither the chunked path's
-hand-written gradient, ``_distill_math``, nor its argument handling); a numpy
+hand-written gradient, ``_math.distill``, nor its argument handling); a numpy
 check pins its values to the formulas. Sizes are unaligned on purpose (N=37,
 D_s=24, D_t=40, V=203) and chunks small (8 rows), so every problem has
 several chunks, a clamped last one, and (valid rows compacted to the front)
@@ -811,8 +811,8 @@ KERNEL_OPTIONS = [
 
 def kernel_options(options: dict):
   """``KERNEL_OPTIONS``' dict as ``DistillOptions``."""
-  from mst_jax._ce_math import CEOptions
-  from mst_jax._distill_math import DistillOptions
+  from mst_jax._math.ce import CEOptions
+  from mst_jax._math.distill import DistillOptions
 
   scores = {k: options[k] for k in ("logit_softcap", "logit_scale") if k in options}
   distill = {k: v for k, v in options.items() if k not in scores}

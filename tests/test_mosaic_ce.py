@@ -24,10 +24,10 @@ from test_backends import (
 )
 
 from mst_jax import _backends as backends
-from mst_jax import _ce_math as ce_math
 from mst_jax import _matmul, _mosaic_gemm, reference
 from mst_jax._backends import pallas_triton
 from mst_jax._backends.mosaic_ce import MosaicBlocks, MosaicChunkCE, takes
+from mst_jax._math import ce as ce_math
 
 # 64 x 128 tiles, 8 programs: 200 rows are 4 row blocks (the last ragged), 1216
 # columns 10 tiles (the last ragged) in 2 parts of 5.

@@ -23,11 +23,12 @@ from test_distillation import (
 
 import mst_jax
 from mst_jax import _backends as backends
-from mst_jax import _distill_math, _mosaic_gemm
+from mst_jax import _mosaic_gemm
 from mst_jax._backends import pallas_distill
 from mst_jax._backends.mosaic_ce import MosaicBlocks
 from mst_jax._backends.mosaic_distill import MosaicDistill, takes
 from mst_jax._backends.triton_common import KernelBlocks
+from mst_jax._math import distill as distill_math
 
 # 64 x 128 tiles: 200 rows are 4 row blocks (the last ragged), 1216 columns
 # 10 tiles (the last ragged); 12 programs cut them into 3 parts of 4 tiles
@@ -194,7 +195,7 @@ def test_a_label_outside_the_vocabulary_is_nan_as_in_xla(rng):
   opts = kernel_options(KERNEL_OPTIONS[3])
   g = jnp.asarray(g_loss, jnp.float32)
   loss, dlogits = INTERPRET.chunk_loss(*heads, labels, valid, g, opts, jnp.bfloat16)
-  ref_loss, ref_grad = _distill_math.chunk_loss(*heads, labels, valid, g, opts)
+  ref_loss, ref_grad = distill_math.chunk_loss(*heads, labels, valid, g, opts)
   bad = np.isin(np.arange(ROWS), [3, 4])
   assert np.isnan(to64(loss)[bad]).all() and np.isnan(to64(ref_loss)[bad]).all()
   assert np.isnan(to64(dlogits)[bad]).any(axis=1).all()
@@ -217,7 +218,7 @@ def test_a_label_in_or_past_the_padding_is_nan_as_in_xla(rng):
   loss, dlogits = INTERPRET.chunk_loss(
     *padded, labels, valid, g, opts, jnp.bfloat16, n_cols=n_cols
   )
-  ref_loss, ref_grad = _distill_math.chunk_loss(*heads, labels, valid, g, opts)
+  ref_loss, ref_grad = distill_math.chunk_loss(*heads, labels, valid, g, opts)
   bad = np.isin(np.arange(ROWS), bad_rows)
   assert np.isnan(to64(loss)[bad]).all() and np.isnan(to64(ref_loss)[bad]).all()
   assert np.isnan(to64(dlogits)[bad, :n_cols]).any(axis=1).all()

@@ -23,10 +23,10 @@ from test_backends import (
   _oracle,
 )
 
-from mst_jax import _ce_math as ce_math
 from mst_jax import _matmul, _mosaic_gemm, reference
 from mst_jax._backends import base, mosaic_stats
 from mst_jax._backends.mosaic_ce import MosaicChunkCE
+from mst_jax._math import ce as ce_math
 from mst_jax._mosaic_gemm_kernels import gemm
 
 ENTROPY = ce_math.CEOptions(label_smoothing=0.1, entropy=True)

@@ -106,7 +106,7 @@ def select(
 
 def select_distill(impl: str | None, platform: str):
   """The per-chunk distillation kernel for ``impl`` on ``platform``, or None
-  for the XLA chunk (``_distill_math.chunk_loss``); chosen as ``select``
+  for the XLA chunk (``_math.distill.chunk_loss``); chosen as ``select``
   chooses: ``mosaic_distill.MosaicDistill`` (with XLA's chunk for what it
   does not take) or ``pallas_distill.PallasTritonDistill``."""
   if impl in (None, "mosaic") and select_gemm(impl, platform) == "mosaic":

@@ -23,8 +23,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mst_jax import _ce_math, _matmul
-from mst_jax._ce_math import BackwardRows, CEOptions, ClassRows, RowStats
+from mst_jax import _matmul
+from mst_jax._math import ce as ce_math
+from mst_jax._math.ce import BackwardRows, CEOptions, ClassRows, RowStats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,7 +327,7 @@ def unfused_forward_backward(
   if stats is None:
     stats = backend.forward(logits, local, options, **weights)
   stats = columns.combine(stats, labels)
-  rows = _ce_math.backward_rows(
+  rows = ce_math.backward_rows(
     g_loss,
     jnp.zeros_like(stats.lse),
     stats.lse,

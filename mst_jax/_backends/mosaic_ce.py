@@ -48,11 +48,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mst_jax import _ce_math as ce_math
 from mst_jax import _matmul, _mosaic_gemm
 from mst_jax._backends import base, mosaic_stats
 from mst_jax._backends.mosaic_launch import Grid, MosaicBlocks, Program, launch, takes
 from mst_jax._backends.xla import XlaChunkCE
+from mst_jax._math import ce as ce_math
 
 
 def _stats_kernel(

@@ -1,12 +1,12 @@
 """Per-chunk distillation as Pallas kernels lowered through Mosaic GPU (Hopper).
 
 Over a chunk's student and teacher logits ``[R, V]`` (each 16-bit or
-float32; math in float32 and ``_distill_math``'s, as the other backends), on
+float32; math in float32 and ``_math.distill``'s, as the other backends), on
 ``mosaic_launch``'s tiles, vocabulary parts and TMA pipelines:
 
 1. ``_stats_kernel``: each ``[block_rows, V / parts]`` slab's
    ``DistillStats``, in one pass over tiles of both heads; a tree of
-   ``_distill_math.combine`` merges the parts' (``_merge_parts``);
+   ``_math.distill.combine`` merges the parts' (``_merge_parts``);
 2. ``_jsd_kernel`` (``divergence="jsd"``): the JSD's two sums, given the
    whole rows' normalizers, in a second pass;
 3. ``_dlogits_kernel``: the student's ``dlogits`` (``dlogits_block``),
@@ -30,18 +30,20 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mst_jax import _ce_math, _distill_math, _matmul, _mosaic_gemm
+from mst_jax import _matmul, _mosaic_gemm
 from mst_jax._backends import mosaic_launch, mosaic_stats
+from mst_jax._math import ce as ce_math
+from mst_jax._math import distill as distill_math
 
 
 def _tempered_tile(first_col, student_ref, teacher_ref, options, n_cols):
-  """``(s_s, u, v)`` of a tile (``_distill_math.tempered``), -inf from
+  """``(s_s, u, v)`` of a tile (``_math.distill.tempered``), -inf from
   column ``n_cols`` on."""
   shape = student_ref.shape
   inside = first_col + lax.broadcasted_iota(jnp.int32, shape, 1) < n_cols
   z_s = student_ref[...].astype(jnp.float32)
   z_t = teacher_ref[...].astype(jnp.float32)
-  out = _distill_math.tempered(z_s, z_t, options)
+  out = distill_math.tempered(z_s, z_t, options)
   return [jnp.where(inside, x, -jnp.inf) for x in out]
 
 
@@ -50,16 +52,16 @@ def _stats_kernel(
   teacher_ref,  # [R, V] likewise
   *out_refs,  # [parts, R] float32 each: DistillStats' fields that are not None
   program: mosaic_launch.Program,
-  options: _distill_math.DistillOptions,
+  options: distill_math.DistillOptions,
   n_cols: int,
 ):
   def body(first_col, s_tile, t_tile, stats):
     tile = _tempered_tile(first_col, s_tile, t_tile, options, n_cols)
-    block = _distill_math.block_stats(*tile, options)
-    return _distill_math.combine(stats, block, options)
+    block = distill_math.block_stats(*tile, options)
+    return distill_math.combine(stats, block, options)
 
   rows = program.blocks.block_rows
-  empty = _distill_math.empty_stats((rows,), jnp.float32, options)
+  empty = distill_math.empty_stats((rows,), jnp.float32, options)
   stats = program.walk(body, [student_ref, teacher_ref], init=empty)
   program.store_rows(out_refs, [x for x in stats if x is not None])
 
@@ -69,7 +71,7 @@ def _jsd_kernel(
   teacher_ref,  # [R, V] likewise
   *refs,  # [R] float32: log_norms' four; then [parts, R] float32: the two sums
   program: mosaic_launch.Program,
-  options: _distill_math.DistillOptions,
+  options: distill_math.DistillOptions,
   n_cols: int,
 ):
   *norm_refs, kl_p_ref, kl_q_ref = refs
@@ -77,7 +79,7 @@ def _jsd_kernel(
   def with_norms(norms):
     def body(first_col, s_tile, t_tile, sums):
       _, u, v = _tempered_tile(first_col, s_tile, t_tile, options, n_cols)
-      block = _distill_math.jsd_sums(u, v, norms, options.beta)
+      block = distill_math.jsd_sums(u, v, norms, options.beta)
       return sums[0] + block[0], sums[1] + block[1]
 
     zeros = jnp.zeros((program.blocks.block_rows,), jnp.float32)
@@ -94,7 +96,7 @@ def _dlogits_kernel(
   # [R, V] logits and the student's, written over (in_place), else the
   # [R, V] array written
   program: mosaic_launch.Program,
-  options: _distill_math.DistillOptions,
+  options: distill_math.DistillOptions,
   vocab_total: int,
   padded: bool,
   in_place: bool,
@@ -110,15 +112,15 @@ def _dlogits_kernel(
     labels, *values = values
     hard = None
     if options.hard_label_weight:
-      hard = _ce_math.BackwardRows(*values[7:10])
+      hard = ce_math.BackwardRows(*values[7:10])
     valid = values[6] > 0.0
-    rows = _distill_math.DistillRows(*values[:6], valid=valid, hard=hard)
+    rows = distill_math.DistillRows(*values[:6], valid=valid, hard=hard)
 
     def body(first_col, s_tile, t_tile, out_tile):
       cols = first_col + lax.broadcasted_iota(jnp.int32, shape, 1)
       z_s = s_tile[...].astype(jnp.float32)
       z_t = t_tile[...].astype(jnp.float32)
-      grad = _distill_math.dlogits_block(
+      grad = distill_math.dlogits_block(
         z_s, z_t, cols, labels, rows, options, vocab_total
       )
       if padded:  # zeros past the weight's columns
@@ -134,27 +136,27 @@ def _halves(size: int) -> tuple[slice, slice]:
   return slice(None, size), slice(size, None)
 
 
-def _merge_parts(parts: list, options) -> _distill_math.DistillStats:
+def _merge_parts(parts: list, options) -> distill_math.DistillStats:
   """The whole rows' ``DistillStats`` from each part's (``[parts, R]``
   fields, None ones left out): halves merged with ``combine`` until one
   part is left (empty parts pad the count to a power of 2)."""
   fields = iter(parts)
-  stats = _distill_math.DistillStats(
+  stats = distill_math.DistillStats(
     *(
       None if x is None else next(fields)
-      for x in _distill_math.empty_stats((), jnp.float32, options)
+      for x in distill_math.empty_stats((), jnp.float32, options)
     )
   )
   count = stats.max_q.shape[0]
   size = 1 << (count - 1).bit_length()
-  empty = _distill_math.empty_stats(
+  empty = distill_math.empty_stats(
     (size - count, stats.max_q.shape[1]), jnp.float32, options
   )
   stats = jax.tree.map(lambda x, e: jnp.concatenate([x, e]), stats, empty)
   while size > 1:
     size //= 2
     halves = [jax.tree.map(lambda x, s=s: x[s], stats) for s in _halves(size)]
-    stats = _distill_math.combine(*halves, options)
+    stats = distill_math.combine(*halves, options)
   return jax.tree.map(lambda x: x[0], stats)
 
 
@@ -182,7 +184,7 @@ class MosaicDistill:
   Attributes:
     fallback: makes the kernel for what these do not take
       (``PallasTritonDistill``), or returns None for XLA's chunk
-      (``_distill_math.chunk_loss``); called only when a chunk needs it.
+      (``_math.distill.chunk_loss``); called only when a chunk needs it.
     tiles: the kernels' tiles.
     interpret: run the kernels in Pallas interpret mode (on a CPU too).
   """
@@ -234,7 +236,7 @@ class MosaicDistill:
     out_dtype,
     n_cols=None,
   ):
-    """``_distill_math.chunk_loss``'s ``(loss, dlogits)``, ``dlogits`` in
+    """``_math.distill.chunk_loss``'s ``(loss, dlogits)``, ``dlogits`` in
     ``out_dtype`` (None without ``g_loss``).
 
     ``n_cols``: the weights' columns where the logits are padded past them
@@ -249,7 +251,7 @@ class MosaicDistill:
         heads = [x[:, :n_cols] for x in heads]
       args = (*heads, labels, valid, g_loss, options)
       if (fallback := self.fallback()) is None:
-        loss, dlogits = _distill_math.chunk_loss(*args)
+        loss, dlogits = distill_math.chunk_loss(*args)
         dlogits = None if dlogits is None else dlogits.astype(out_dtype)
       else:
         loss, dlogits = fallback.chunk_loss(*args, out_dtype)
@@ -259,7 +261,7 @@ class MosaicDistill:
     n_rows = student_logits.shape[0]
     grid = mosaic_launch.Grid.of(n_rows, width, self.tiles)
     heads = [student_logits, teacher_logits]
-    empty = _distill_math.empty_stats((), jnp.float32, options)
+    empty = distill_math.empty_stats((), jnp.float32, options)
     part = jax.ShapeDtypeStruct((grid.parts, n_rows), jnp.float32)
     kernel = functools.partial(_stats_kernel, options=options, n_cols=n_cols)
     run = lambda *heads: self._launch(
@@ -275,7 +277,7 @@ class MosaicDistill:
     sums = target = None
     if options.divergence == "jsd":
       kernel = functools.partial(_jsd_kernel, options=options, n_cols=n_cols)
-      norms = list(_distill_math.log_norms(stats))
+      norms = list(distill_math.log_norms(stats))
       run = lambda *args: self._launch(
         kernel, "mst_distill_jsd_mosaic", grid, args[2:], [part] * 2, args[:2], options
       )
@@ -288,8 +290,8 @@ class MosaicDistill:
       # reads: tied to the logits the kernel takes, it runs first, rather
       # than XLA copying the logits to keep them for it.
       student_logits, raw = lax.optimization_barrier((student_logits, raw))
-      target = _ce_math.scores(raw.astype(jnp.float32), options.scores)
-    loss, rows = _distill_math.finish(
+      target = ce_math.scores(raw.astype(jnp.float32), options.scores)
+    loss, rows = distill_math.finish(
       stats, sums, target, labels, valid, g_loss, options, n_cols
     )
     if rows is None:

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mst_jax import _ce_math as ce_math
-from mst_jax._backends import online
+from mst_jax._math import ce as ce_math
+from mst_jax._math import online
 
 
 def start(n_rows: int):

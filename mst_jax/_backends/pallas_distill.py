@@ -1,7 +1,7 @@
 """Per-chunk distillation as one Pallas kernel lowered through Triton.
 
 ``_distill_kernel`` reads a chunk's student and teacher logits ``[R, V]``
-(bfloat16 or float32, math in float32 and ``_distill_math``'s, as the XLA
+(bfloat16 or float32, math in float32 and ``_math.distill``'s, as the XLA
 chunk) and, per program of ``block_rows`` rows:
 
 1. walks the vocabulary once, merging each block's ``DistillStats``
@@ -27,7 +27,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from mst_jax import _ce_math, _distill_math
 from mst_jax._backends.triton_common import (
   TritonKernels,
   label_logits,
@@ -35,6 +34,8 @@ from mst_jax._backends.triton_common import (
   load_rows,
   row_block,
 )
+from mst_jax._math import ce as ce_math
+from mst_jax._math import distill as distill_math
 
 
 def _distill_kernel(
@@ -45,12 +46,12 @@ def _distill_kernel(
   g_loss_ref,  # [R] float32 (read with a cotangent only)
   loss_ref,  # [R] float32
   *dlogits_ref,  # [R, V], with a cotangent
-  options: _distill_math.DistillOptions,
+  options: distill_math.DistillOptions,
   block_rows: int,
   block_v: int,
 ):
   n_rows, n_cols = student_ref.shape
-  dtype = _ce_math.at_least_float32(student_ref.dtype)
+  dtype = ce_math.at_least_float32(student_ref.dtype)
   row_slice, row_mask = row_block(pl.program_id(0), block_rows, n_rows)
   labels = load_rows(labels_ref, row_slice, row_mask, 0)
   valid = load_rows(valid_ref, row_slice, row_mask, 0) != 0
@@ -68,31 +69,31 @@ def _distill_kernel(
   def tempered(col_block_index):
     """``(s_s, u, v)`` of a block, -inf beyond the vocabulary."""
     z_s, z_t, _, col_mask = logits(col_block_index)
-    out = _distill_math.tempered(z_s, z_t, options)
+    out = distill_math.tempered(z_s, z_t, options)
     return [jnp.where(col_mask[None, :], x, -jnp.inf) for x in out]
 
   def merge(col_block_index, stats):
-    block = _distill_math.block_stats(*tempered(col_block_index), options)
-    return _distill_math.combine(stats, block, options)
+    block = distill_math.block_stats(*tempered(col_block_index), options)
+    return distill_math.combine(stats, block, options)
 
-  empty = _distill_math.empty_stats((block_rows,), dtype, options)
+  empty = distill_math.empty_stats((block_rows,), dtype, options)
   stats = lax.fori_loop(0, n_blocks, merge, empty)
   sums = target = None
   if options.divergence == "jsd":
-    norms = _distill_math.log_norms(stats)
+    norms = distill_math.log_norms(stats)
 
     def add(col_block_index, sums):
       _, u, v = tempered(col_block_index)
-      block = _distill_math.jsd_sums(u, v, norms, options.beta)
+      block = distill_math.jsd_sums(u, v, norms, options.beta)
       return sums[0] + block[0], sums[1] + block[1]
 
     zeros = jnp.zeros((block_rows,), dtype)
     sums = lax.fori_loop(0, n_blocks, add, (zeros, zeros))
   if options.hard_label_weight:
     raw = label_logits(student_ref, labels, row_slice, row_mask)
-    target = _ce_math.scores(raw, options.scores)
+    target = ce_math.scores(raw, options.scores)
   g_loss = load_rows(g_loss_ref, row_slice, row_mask, 0.0) if dlogits_ref else None
-  loss, rows = _distill_math.finish(
+  loss, rows = distill_math.finish(
     stats, sums, target, labels, valid, g_loss, options, n_cols
   )
   plgpu.store(loss_ref.at[row_slice], loss.astype(loss_ref.dtype), mask=row_mask)
@@ -103,7 +104,7 @@ def _distill_kernel(
   @pl.loop(0, n_blocks)
   def _(col_block_index):
     z_s, z_t, cols, col_mask = logits(col_block_index)
-    grad = _distill_math.dlogits_block(z_s, z_t, cols, labels, rows, options, n_cols)
+    grad = distill_math.dlogits_block(z_s, z_t, cols, labels, rows, options, n_cols)
     col_block_index = jnp.asarray(col_block_index, jnp.int32)
     plgpu.store(
       dlogits_ref.at[row_slice, pl.ds(col_block_index * block_v, block_v)],
@@ -131,11 +132,11 @@ class PallasTritonDistill(TritonKernels):
   def chunk_loss(
     self, student_logits, teacher_logits, labels, valid, g_loss, options, out_dtype
   ):
-    """``_distill_math.chunk_loss``'s ``(loss, dlogits)``, ``dlogits`` in
+    """``_math.distill.chunk_loss``'s ``(loss, dlogits)``, ``dlogits`` in
     ``out_dtype`` (None without ``g_loss``)."""
     n_rows, vocab_size = student_logits.shape
     loss_shape = jax.ShapeDtypeStruct(
-      (n_rows,), _ce_math.at_least_float32(student_logits.dtype)
+      (n_rows,), ce_math.at_least_float32(student_logits.dtype)
     )
     out_shape, aliases = (loss_shape,), {}
     if g_loss is None:

@@ -27,8 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from mst_jax import _ce_math as ce_math
-from mst_jax._backends import base, online
+from mst_jax._backends import base
 from mst_jax._backends.triton_common import (
   DEPRECATION,
   KernelBlocks,  # noqa: F401 -- imported from here by tests and the benchmark
@@ -39,6 +38,8 @@ from mst_jax._backends.triton_common import (
   row_block,
   row_scalar,
 )
+from mst_jax._math import ce as ce_math
+from mst_jax._math import online
 
 
 def _row_stats(logits_ref, labels, row_slice, row_mask, *, options, block_v):

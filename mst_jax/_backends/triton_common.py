@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from mst_jax._ce_math import at_least_float32
+from mst_jax._math.ce import at_least_float32
 
 DEPRECATION = ".*Pallas Triton backend is deprecated"  # jax 0.11's warning
 warnings.filterwarnings("once", message=DEPRECATION, category=DeprecationWarning)

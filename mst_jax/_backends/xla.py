@@ -7,8 +7,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from mst_jax import _ce_math as ce_math
 from mst_jax._backends import base
+from mst_jax._math import ce as ce_math
 
 
 def _upcast(logits: jax.Array) -> jax.Array:

@@ -27,10 +27,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from mst_jax import _backends as backends
-from mst_jax import _ce_math as ce_math
 from mst_jax import _mosaic_gemm as mosaic_gemm
 from mst_jax._backends.mosaic_ce import MosaicBlocks, MosaicChunkCE
 from mst_jax._backends.pallas_triton import KernelBlocks, PallasTritonChunkCE
+from mst_jax._math import ce as ce_math
 
 
 def _mean_seconds_async(fn, args, reps: int) -> float:

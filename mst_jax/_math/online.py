@@ -15,7 +15,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from mst_jax import _ce_math as ce_math
+from mst_jax._math import ce as ce_math
 
 
 class Running(NamedTuple):

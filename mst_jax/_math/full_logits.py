@@ -6,7 +6,7 @@ computes. It is written from the definition
 ``-(1 - eps) * log p_y - eps * mean_j log p_j + zl * lse**2`` (and the
 entropy ``-sum_j p_j log p_j``) with
 ``log p = log_softmax(softcap(logit_scale * logits))``, independently of the
-blockwise math in ``_ce_math`` that the fast paths share (it takes only its
+blockwise math in ``_math.ce`` that the fast paths share (it takes only its
 options).
 """
 
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mst_jax._ce_math import CEOptions, at_least_float32
+from mst_jax._math.ce import CEOptions, at_least_float32
 
 
 def full_logits(hidden, weight, bias, valid, weight_layout: str) -> jax.Array:

@@ -5,8 +5,8 @@ whole logits and is differentiated by autodiff, so it is the test oracle (run
 on float64 inputs) for the chunked path's hand-written gradient. It is written
 from the definitions (``P = softmax(s_t / T)``, ``Q = softmax(s_s / T)``,
 ``M = beta P + (1 - beta) Q``, the KL divergences as sums of ``P log(P / Q)``),
-independently of ``_distill_math``, whose options it takes; the hard-label term
-is the cross-entropy reference's (``_full_logits``). The logarithms come from
+independently of ``_math.distill``, whose options it takes; the hard-label term
+is the cross-entropy reference's (``_math.full_logits``). The logarithms come from
 ``log_softmax`` (``log M`` from ``logaddexp``), not from the probabilities: a
 probability that underflows to 0 beside a small nonzero one would make
 ``log(P / Q)`` infinite where the divergence is finite.
@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mst_jax import _full_logits
-from mst_jax._distill_math import DistillOptions
+from mst_jax._math import full_logits
+from mst_jax._math.distill import DistillOptions
 
 
 def row_losses(
@@ -53,8 +53,8 @@ def row_losses(
     ``[N]`` float32 (float64 for float64 inputs).
   """
   teacher = lax.stop_gradient((teacher_hidden, teacher_weight, teacher_bias))
-  student_logits = _full_logits.full_logits(hidden, weight, bias, valid, weight_layout)
-  teacher_logits = _full_logits.full_logits(*teacher, valid, weight_layout)
+  student_logits = full_logits.full_logits(hidden, weight, bias, valid, weight_layout)
+  teacher_logits = full_logits.full_logits(*teacher, valid, weight_layout)
   return losses_from_logits(
     student_logits, teacher_logits.astype(student_logits.dtype), labels, valid, options
   )
@@ -105,7 +105,7 @@ def losses_from_logits(
   loss = jnp.maximum(loss, 0.0)  # rounding can take P ~ Q's sums below 0
   if options.hard_label_weight:
     # The student's cross-entropy at temperature 1, the CE reference's.
-    hard, *_ = _full_logits.losses_from_logits(
+    hard, *_ = full_logits.losses_from_logits(
       student_logits, labels, valid, options=head
     )
     loss = loss + options.hard_label_weight * hard

@@ -2,7 +2,7 @@
 
 For one token with the student's raw logits ``z_s`` and the teacher's ``z_t``
 (each ``[V]``), both heads' scores are formed as in the cross-entropy
-(``_ce_math.scores``: ``s = c * tanh(a z / c)``, or ``a z`` without a softcap)
+(``_math.ce.scores``: ``s = c * tanh(a z / c)``, or ``a z`` without a softcap)
 and divided by the temperature ``T``::
 
   log Q = log_softmax(s_s / T)        (the student)
@@ -15,7 +15,7 @@ and divided by the temperature ``T``::
   loss = divergence + h * (lse(s_s) - s_s[y])     (h = hard_label_weight)
 
 The hard-label term is the cross-entropy of the student's scores at
-temperature 1 (``_ce_math``'s formulas). A class of probability 0 (a score of
+temperature 1 (``_math.ce``'s formulas). A class of probability 0 (a score of
 -inf, a banned token) adds 0 to a sum, not ``0 * -inf``; ``log M`` is
 ``logaddexp(log beta + log P, log(1 - beta) + log Q)``, finite wherever ``P``
 or ``Q`` is not 0.
@@ -28,7 +28,7 @@ The gradient with respect to ``u = s_s / T`` (the teacher is a constant)::
 
 (for the JSD, ``dJ/dQ_j = (1 - beta)(log Q_j - log M_j)`` through the
 softmax). Then ``d/ds = (1 / T) d/du + h (softmax(s_s) - onehot(y))`` and
-``d/dz = d/ds * ds/dz`` (``_ce_math.scores_grad``).
+``d/dz = d/ds * ds/dz`` (``_math.ce.scores_grad``).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from mst_jax import _ce_math
-from mst_jax._ce_math import CEOptions, at_least_float32, per_row
+from mst_jax._math import ce as ce_math
+from mst_jax._math.ce import CEOptions, at_least_float32, per_row
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 
@@ -119,7 +119,7 @@ class DistillRows(NamedTuple):
   """Per-row inputs of ``dlogits_block``, each ``[rows]`` (from ``finish``).
 
   ``log Q = u - shift_q - log_sum_q`` (likewise ``log P``): the max and
-  the log-sum-exp apart, as in ``_ce_math.RowStats``, so that scores of large
+  the log-sum-exp apart, as in ``_math.ce.RowStats``, so that scores of large
   magnitude (a low temperature) lose no digits to the rounding of their sum.
 
   Attributes:
@@ -130,7 +130,7 @@ class DistillRows(NamedTuple):
     kl: ``KL(Q || P)`` (``"reverse_kl"``), ``KL(Q || M)`` (``"jsd"``) or 0.
     coef: ``g_loss / T``; 0 at excluded rows.
     valid: bool; excluded rows get exactly 0 whatever their logits.
-    hard: the hard-label term's ``_ce_math.BackwardRows`` (on the untempered
+    hard: the hard-label term's ``_math.ce.BackwardRows`` (on the untempered
       scores), or None without that term.
   """
 
@@ -141,7 +141,7 @@ class DistillRows(NamedTuple):
   kl: jax.Array
   coef: jax.Array
   valid: jax.Array
-  hard: _ce_math.BackwardRows | None = None
+  hard: ce_math.BackwardRows | None = None
 
 
 _PLAIN = CEOptions()  # the hard-label term sees scores already scaled and capped
@@ -152,8 +152,8 @@ def tempered(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """``(s_s, u, v)`` of raw float logits: the student's scores, and both heads'
   scores divided by the temperature."""
-  scores = _ce_math.scores(student_logits, options.scores)
-  teacher = _ce_math.scores(teacher_logits, options.scores)
+  scores = ce_math.scores(student_logits, options.scores)
+  teacher = ce_math.scores(teacher_logits, options.scores)
   if options.temperature == 1.0:
     return scores, scores, teacher
   return scores, scores / options.temperature, teacher / options.temperature
@@ -166,7 +166,7 @@ def _own_stats(options: DistillOptions) -> bool:
 
 def _max_and_exp(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   row_max = jnp.max(x, axis=-1)
-  return row_max, jnp.exp(x - per_row(_ce_math.max_shift(row_max), x.shape))
+  return row_max, jnp.exp(x - per_row(ce_math.max_shift(row_max), x.shape))
 
 
 def _weighted_sum(weights: jax.Array, values: jax.Array) -> jax.Array:
@@ -176,7 +176,7 @@ def _weighted_sum(weights: jax.Array, values: jax.Array) -> jax.Array:
 
 def _logaddexp(a: jax.Array, b: jax.Array) -> jax.Array:
   """``log(exp(a) + exp(b))``; -inf where both are."""
-  shift = _ce_math.max_shift(jnp.maximum(a, b))
+  shift = ce_math.max_shift(jnp.maximum(a, b))
   return shift + jnp.log(jnp.exp(a - shift) + jnp.exp(b - shift))
 
 
@@ -211,7 +211,7 @@ def empty_stats(shape, dtype, options: DistillOptions) -> DistillStats:
 def _rescaled(max_a, max_b, *pairs):
   """The larger max, and each ``(a, b)`` pair of sums rescaled to it and added."""
   new_max = jnp.maximum(max_a, max_b)
-  shift = _ce_math.max_shift(new_max)
+  shift = ce_math.max_shift(new_max)
   scale_a, scale_b = jnp.exp(max_a - shift), jnp.exp(max_b - shift)
   return new_max, *(a * scale_a + b * scale_b for a, b in pairs)
 
@@ -235,9 +235,9 @@ def log_norms(stats: DistillStats) -> tuple[jax.Array, ...]:
   """``(shift_q, log_sum_q, shift_p, log_sum_p)``: ``log Q = u - shift_q -
   log_sum_q`` and ``log P = v - shift_p - log_sum_p`` (see ``DistillRows``)."""
   return (
-    _ce_math.max_shift(stats.max_q),
+    ce_math.max_shift(stats.max_q),
     jnp.log(stats.sum_q),
-    _ce_math.max_shift(stats.max_p),
+    ce_math.max_shift(stats.max_p),
     jnp.log(stats.sum_p),
   )
 
@@ -296,14 +296,14 @@ def finish(
   weight, hard = options.hard_label_weight, None
   if weight:
     own = stats.max_s is not None
-    ce_stats = _ce_math.RowStats(
+    ce_stats = ce_math.RowStats(
       row_max=stats.max_s if own else stats.max_q,
       log_sum_exp=jnp.log(stats.sum_s if own else stats.sum_q),
       target=target,
       mean_logit=jnp.zeros_like(log_ratio),
       argmax=jnp.zeros_like(labels),
     )
-    hard_loss, hard_lse, _, _ = _ce_math.row_outputs(
+    hard_loss, hard_lse, _, _ = ce_math.row_outputs(
       ce_stats, labels, valid, _PLAIN, vocab_size
     )
     loss = loss + weight * hard_loss
@@ -313,7 +313,7 @@ def finish(
   coef = jnp.where(valid, g_loss.astype(log_ratio.dtype), 0.0)
   if weight:
     zeros = jnp.zeros_like(coef)
-    hard = _ce_math.backward_rows(
+    hard = ce_math.backward_rows(
       weight * coef, zeros, hard_lse, labels, valid, _PLAIN, vocab_size
     )
   far = jnp.full_like(log_ratio, jnp.inf)
@@ -371,11 +371,11 @@ def dlogits_block(
       grad = (1.0 - options.beta) * grad
   grad = grad * per_row(rows.coef, grad.shape)
   if rows.hard is not None:
-    hard = _ce_math.dlogits_block(scores, cols, labels, rows.hard, _PLAIN, vocab_size)
+    hard = ce_math.dlogits_block(scores, cols, labels, rows.hard, _PLAIN, vocab_size)
     grad = grad + hard
   head = options.scores
   if head.logit_softcap is not None or head.logit_scale != 1.0:
-    grad = grad * _ce_math.scores_grad(student_logits, head)
+    grad = grad * ce_math.scores_grad(student_logits, head)
   return jnp.where(per_row(rows.valid, grad.shape), grad, 0.0)
 
 
