@@ -16,16 +16,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from mst_jax import (
-  _distill_driver,
-  _inputs,
-  _manual_axes,
-  _matmul,
-  _mesh,
-  _options,
-  _planning,
-)
+from mst_jax import _distill_driver, _inputs, _manual_axes, _mesh, _options, _planning
 from mst_jax._distill_driver import Heads
+from mst_jax._gemm import matmul
 from mst_jax._math import full_distill
 from mst_jax._math.distill import DistillOptions
 from mst_jax._rows import stat_dtype
@@ -369,7 +362,7 @@ def _prepare_heads(student, teacher, labels, where, options, layout):
       " hidden size)."
     )
   if teacher_weight.ndim == 2:
-    vocab = teacher_weight.shape[_matmul.vocab_axis(layout)]
+    vocab = teacher_weight.shape[matmul.vocab_axis(layout)]
     if vocab != rows.vocab_size:
       raise ValueError(
         f"the teacher's vocabulary ({vocab}) must equal the student's"

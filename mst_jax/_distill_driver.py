@@ -2,7 +2,7 @@
 
 Rows are walked in chunks (``_rows.sweep_chunks``, valid rows compacted to the
 front, chunks without a valid row skipped by ``lax.cond``); per chunk both
-heads' logits are formed (``_matmul.logits_matmul``, the teacher's under
+heads' logits are formed (``_gemm.matmul.logits_matmul``, the teacher's under
 ``lax.stop_gradient``), ``_math.distill.chunk_loss`` (XLA) or the Pallas
 kernel of ``_backends.select_distill`` scores them, and the student's
 ``dlogits`` go into its ``dhidden`` rows, ``dweight`` and ``dbias``.
@@ -31,8 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from mst_jax import _matmul, _planning
+from mst_jax import _planning
 from mst_jax._backends import refuse_second_order, select_distill, select_gemm
+from mst_jax._gemm import matmul
 from mst_jax._gradient_sweeps import add_bias_gradient, row_products
 from mst_jax._math.ce import at_least_float32
 from mst_jax._math.distill import DistillOptions, chunk_loss
@@ -75,12 +76,12 @@ class Plan:
       ``dweight`` accumulates in place in the output).
     dbias_dtype: the ``dbias`` accumulator's.
     matmul_tile: vocabulary columns per matmul tile (XLA:CPU), or None.
-    gemm: what runs the matmuls, ``"xla"`` or ``"mosaic"`` (``_matmul``).
+    gemm: what runs the matmuls, ``"xla"`` or ``"mosaic"`` (``_gemm.matmul``).
     compact: move valid rows to the front before chunking.
     kernel: the per-chunk Pallas kernel (``_backends.select_distill``), or
       None for the XLA chunk (``_math.distill.chunk_loss``).
     pad_logits: form each chunk's logits by the Mosaic GEMM padded to whole
-      64-column tiles (``_matmul.mosaic_logits``), which the kernel reads
+      64-column tiles (``_gemm.matmul.mosaic_logits``), which the kernel reads
       against the weights' columns (``_pads_logits``).
   """
 
@@ -171,18 +172,18 @@ def _sweep(plan: Plan, x: Heads, g_loss, diff: Differentiated, *, want_loss=True
 
   def logits(h, h_t):
     if plan.pad_logits:
-      student = _matmul.mosaic_logits(
+      student = matmul.mosaic_logits(
         h, x.weight, layout, plan.logits_dtype, bias=x.bias
       )
-      teacher = _matmul.mosaic_logits(
+      teacher = matmul.mosaic_logits(
         h_t, x.teacher_weight, layout, plan.teacher_logits_dtype, bias=x.teacher_bias
       )
       if student is not None and teacher is not None:
         return student, teacher
-    student = _matmul.logits_matmul(
+    student = matmul.logits_matmul(
       h, x.weight, x.bias, layout, plan.logits_dtype, tile=tile, gemm=gemm
     )
-    teacher = _matmul.logits_matmul(
+    teacher = matmul.logits_matmul(
       h_t,
       x.teacher_weight,
       x.teacher_bias,
@@ -202,7 +203,7 @@ def _sweep(plan: Plan, x: Heads, g_loss, diff: Differentiated, *, want_loss=True
     if plan.kernel is None:
       rows, dlogits = chunk_loss(*inputs, g_rows, plan.options)
     else:
-      padded = dict(n_cols=_matmul.vocab_size(x.weight, layout))
+      padded = dict(n_cols=matmul.vocab_size(x.weight, layout))
       rows, dlogits = plan.kernel.chunk_loss(
         *inputs, g_rows, plan.options, h.dtype, **(padded if plan.pad_logits else {})
       )
@@ -336,11 +337,11 @@ def resolve(x: Heads, options: DistillOptions, perf: PerfOptions, layout: str) -
   teacher_logits_dtype = resolve_logits_dtype(perf.logits_dtype, teacher_dtype)
   platform = jax.default_backend()
   kernel, gemm = select_distill(perf.impl, platform), select_gemm(perf.impl, platform)
-  n_rows, vocab = x.hidden.shape[0], _matmul.vocab_size(x.weight, layout)
+  n_rows, vocab = x.hidden.shape[0], matmul.vocab_size(x.weight, layout)
   dtypes = (logits_dtype, teacher_logits_dtype, dtype)
   pad = _pads_logits(x, layout, kernel, gemm, *dtypes)
   if pad:  # the chunks' logits are this wide
-    vocab = _matmul.padded_width(vocab)
+    vocab = matmul.padded_width(vocab)
   per_logit = logits_dtype.itemsize + teacher_logits_dtype.itemsize
   for bias, head_dtype in (
     (x.bias, logits_dtype),
@@ -412,10 +413,10 @@ def _pads_logits(x: Heads, layout: str, kernel, gemm: str, *dtypes) -> bool:
   vocabulary of other widths (GPT-2's 50257), both heads' logits (biases
   added) by the Mosaic GEMM, in ``dtypes`` (the heads' logits', the
   gradients') that ``kernel`` takes whole (``pads_logits``)."""
-  vocab = _matmul.vocab_size(x.weight, layout)
+  vocab = matmul.vocab_size(x.weight, layout)
   if gemm != "mosaic" or kernel is None or not kernel.pads_logits(*dtypes):
     return False
-  if _matmul.padded_width(vocab) == vocab:
+  if matmul.padded_width(vocab) == vocab:
     return False
   heads = (
     (x.hidden, x.weight, x.bias, dtypes[0]),
@@ -423,6 +424,6 @@ def _pads_logits(x: Heads, layout: str, kernel, gemm: str, *dtypes) -> bool:
   )
   for hidden, weight, bias, dtype in heads:
     rows = jax.ShapeDtypeStruct((_planning.TMA_ROWS, hidden.shape[1]), hidden.dtype)
-    if not _matmul.mosaic_takes_logits(rows, weight, layout, dtype, bias=bias):
+    if not matmul.mosaic_takes_logits(rows, weight, layout, dtype, bias=bias):
       return False
   return True

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mst_jax import _matmul
+from mst_jax._gemm import matmul
 from mst_jax._planning import add_scaled, dlogits_in_place, product_dtype, rounded
 from mst_jax._rows import (
   Chunk,
@@ -56,7 +56,7 @@ def row_products(
 ):
   """A block of rows' ``dhidden`` rows (None without ``grads[0]``) and
   ``grads[1]`` (``dweight``) with its product added (``first``: in place of
-  its never-read zeros), by ``_matmul.row_gradients``.
+  its never-read zeros), by ``_gemm.matmul.row_gradients``.
 
   ``dlogits`` are of unit row weights; with a ``scale`` (float16) the rows
   are formed in float32 and scaled as they are rounded, and a float16
@@ -64,7 +64,7 @@ def row_products(
   """
   dhidden, dweight = grads[:2]
   into = dweight is None or product_dtype(dweight.dtype, scale) == dweight.dtype
-  rows, summed = _matmul.row_gradients(
+  rows, summed = matmul.row_gradients(
     dlogits,
     h,
     weight,
@@ -76,8 +76,8 @@ def row_products(
     gemm=gemm,
   )
   if not into:
-    width = _matmul.vocab_size(weight, layout)
-    part = _matmul.dweight_matmul(
+    width = matmul.vocab_size(weight, layout)
+    part = matmul.dweight_matmul(
       dlogits, h, layout, jnp.float32, gemm=gemm, width=width
     )
     summed = add_scaled(dweight, part, scale, first)
@@ -88,7 +88,7 @@ def row_products(
 
 def add_bias_gradient(dbias, dlogits, scale, first: bool = False):
   """``dbias`` with a block of rows' ``dlogits`` summed in (``add_scaled``)."""
-  part = _matmul.bias_gradient(
+  part = matmul.bias_gradient(
     dlogits, dbias.shape[0], product_dtype(dbias.dtype, scale)
   )
   return add_scaled(dbias, part, scale, first)
@@ -305,7 +305,7 @@ def _whole_groups_in_place(sweep: Sweep, outputs, grads):
     rows = None
     if want_rows:
       tile, gemm = config.head.matmul_tile, config.head.gemm
-      rows = _matmul.dhidden_matmul(
+      rows = matmul.dhidden_matmul(
         dlogits, weight, layout, product_dtype(dh_dtype, scale), tile=tile, gemm=gemm
       )
       if scale is not None:

@@ -18,7 +18,8 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mst_jax import _manual_axes, _matmul, _planning
+from mst_jax import _manual_axes, _planning
+from mst_jax._gemm import matmul
 from mst_jax._math.ce import at_least_float32
 from mst_jax._options import LossOptions, check_choice
 
@@ -121,7 +122,7 @@ def prepare(
       " ignore_index or where= to exclude tokens)."
     )
   hidden, weight, labels = map(jnp.asarray, (hidden, weight, labels))
-  check_choice("weight_layout", weight_layout, _matmul.WEIGHT_LAYOUTS)
+  check_choice("weight_layout", weight_layout, matmul.WEIGHT_LAYOUTS)
   _check_float("hidden", hidden)
   _check_float("weight", weight)
   if not jnp.issubdtype(labels.dtype, jnp.integer):
@@ -130,7 +131,7 @@ def prepare(
     raise ValueError(f"hidden must be [N, D] or [..., T, D], got shape {hidden.shape}.")
   if weight.ndim != 2:
     raise ValueError(f"weight must be 2-D, got shape {weight.shape}.")
-  vocab_axis = _matmul.vocab_axis(weight_layout)
+  vocab_axis = matmul.vocab_axis(weight_layout)
   vocab_size, dim = weight.shape[vocab_axis], weight.shape[1 - vocab_axis]
   if hidden.shape[-1] != dim:
     hint = ""

@@ -34,8 +34,9 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mst_jax import _inputs, _matmul
+from mst_jax import _inputs
 from mst_jax._driver import LoopOrder
+from mst_jax._gemm import matmul
 from mst_jax._inputs import Rows
 from mst_jax._math import ce as ce_math
 from mst_jax._rows import (
@@ -349,7 +350,7 @@ def _from_inputs(rows: Rows, weight_layout: str) -> Layout | None:
   mesh = _inputs.explicit_mesh(rows.hidden, rows.weight)
   if mesh is None:
     return None
-  vocab = _inputs.spec_entry(rows.weight, _matmul.vocab_axis(weight_layout))
+  vocab = _inputs.spec_entry(rows.weight, matmul.vocab_axis(weight_layout))
   layout = Layout(
     mesh, _inputs.spec_entry(rows.hidden, 0), vocab, weight_layout, from_inputs=True
   )

@@ -22,7 +22,7 @@ CHUNKS_PER_GROUP = 8
 MATMUL_TILE = 4096
 CPU_COPY_BYTES = 4
 # A bias is added to float32 logits, then rounded to 16-bit ones
-# (``_matmul.logits_matmul``): the float32 product, this many bytes a logit,
+# (``_gemm.matmul.logits_matmul``): the float32 product, this many bytes a logit,
 # is held beside them.
 BIAS_BYTES = 4
 
@@ -30,7 +30,7 @@ BIAS_BYTES = 4
 _ROW_ALIGN = 128
 
 # The Mosaic GPU kernels move rows in TMA tiles of this many
-# (``mst_jax._mosaic_gemm``): they take blocks of rows in multiples of it.
+# (``mst_jax._gemm.mosaic.gemm``): they take blocks of rows in multiples of it.
 TMA_ROWS = 8
 
 

@@ -38,8 +38,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mst_jax import _matmul
 from mst_jax._backends.base import ChunkInputs, relative_labels
+from mst_jax._gemm import matmul
 from mst_jax._math import ce as ce_math
 from mst_jax._planning import add_scaled, product_dtype, rounded, unit_weights
 from mst_jax._rows import (
@@ -70,7 +70,7 @@ class VocabBlocks:
 
   def _widths(self, config: SweepConfig, weight) -> tuple[int, int]:
     """``(columns, block)``: this device's vocabulary and its block width."""
-    vocab = _matmul.vocab_size(weight, config.layout)
+    vocab = matmul.vocab_size(weight, config.layout)
     return vocab, min(self.block, vocab)
 
   def _over_blocks(
@@ -86,7 +86,7 @@ class VocabBlocks:
 
     ``block`` is the chunk against the block's columns (``_block``). Full
     blocks run in a ``lax.scan``, a remainder of ``V mod B`` columns once
-    more at its own width (``_matmul.over_columns``); ``skip_first`` leaves
+    more at its own width (``_gemm.matmul.over_columns``); ``skip_first`` leaves
     out block 0.
     """
     vocab, block = self._widths(config, x.weight)
@@ -95,7 +95,7 @@ class VocabBlocks:
       columns = _block(config, x._replace(weight=weight, bias=bias), start, size)
       return step(carry, columns, start, size)
 
-    return _matmul.over_columns(
+    return matmul.over_columns(
       each,
       carry,
       (x.weight, x.bias),
@@ -167,7 +167,7 @@ class VocabBlocks:
     """Adds one row chunk's contribution to ``(dhidden, dweight, dbias)``
     (``rows`` of unit row weights: ``scale`` applied as each is rounded)."""
     dhidden, dweight, dbias = grads
-    layout, axis = config.layout, _matmul.vocab_axis(config.layout)
+    layout, axis = config.layout, matmul.vocab_axis(config.layout)
     acc, gemm = stat_dtype(x.hidden), config.head.gemm
     x = x._replace(labels=relative_labels(x.labels, config.columns.offset()))
 
@@ -183,9 +183,9 @@ class VocabBlocks:
         block, rows, config.head, x.hidden.dtype, offset=start
       )
       if dh is not None:
-        dh = dh + _matmul.dhidden_matmul(dlogits, block.weight, layout, acc, gemm=gemm)
+        dh = dh + matmul.dhidden_matmul(dlogits, block.weight, layout, acc, gemm=gemm)
       if dw is not None:
-        dweight_block = _matmul.dweight_matmul(
+        dweight_block = matmul.dweight_matmul(
           dlogits,
           x.hidden,
           layout,
@@ -196,7 +196,7 @@ class VocabBlocks:
         dw = add_block(dw, dweight_block, start, axis)
       if db is not None:
         db_dtype = product_dtype(db.dtype, scale)
-        db = add_block(db, _matmul.bias_gradient(dlogits, size, db_dtype), start, 0)
+        db = add_block(db, matmul.bias_gradient(dlogits, size, db_dtype), start, 0)
       return dh, dw, db
 
     dh = None if dhidden is None else jnp.zeros(x.hidden.shape, acc)
@@ -267,7 +267,7 @@ class VocabBlocks:
 def _block(config: SweepConfig, x: ChunkInputs, start, size: int) -> ChunkInputs:
   """The chunk against the weight's (bias's, class weights') columns
   ``[start, start + size)``."""
-  w = _matmul.weight_columns(x.weight, start, size, config.layout)
+  w = matmul.weight_columns(x.weight, start, size, config.layout)
   columns = lambda v: None if v is None else lax.dynamic_slice_in_dim(v, start, size)
   return x._replace(
     weight=w, bias=columns(x.bias), class_weights=columns(x.class_weights)

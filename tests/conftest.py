@@ -15,9 +15,10 @@ import pytest
 from jax import lax
 
 import mst_jax
-from mst_jax import _api, _backends, _distill_driver, _mosaic_gemm, _planning
+from mst_jax import _api, _backends, _distill_driver, _planning
 from mst_jax._backends import mosaic_ce, mosaic_distill
 from mst_jax._backends.xla import XlaChunkCE
+from mst_jax._gemm.mosaic import gemm as mosaic_gemm
 
 
 def has_gpu() -> bool:
@@ -138,7 +139,7 @@ def as_if_on_hopper(monkeypatch):
   without a GPU can check of the GPU program (the Mosaic and Triton kernels'
   Python lowering). Clears JAX's caches after, so no other test meets a
   program traced under these patches."""
-  monkeypatch.setattr(_mosaic_gemm, "unavailable_reason", lambda: None)
+  monkeypatch.setattr(mosaic_gemm, "unavailable_reason", lambda: None)
   monkeypatch.setattr(_backends, "pallas_unavailable_reason", lambda platform: None)
   monkeypatch.setattr(_api, "_platform", lambda layout: "gpu")
   yield
@@ -157,7 +158,7 @@ def mosaic_on_cpu(as_if_on_hopper, monkeypatch):
     widths.append(out.shape[1])
     return out
 
-  monkeypatch.setattr(_mosaic_gemm, "matmul", gemm)
+  monkeypatch.setattr(mosaic_gemm, "matmul", gemm)
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # distillation's
   backend = mosaic_ce.MosaicChunkCE(fallback=XlaChunkCE, interpret=True)
   monkeypatch.setattr(_backends, "select", lambda *args, **kwargs: backend)
@@ -179,7 +180,7 @@ def xla_gemm(
   out_shape=None,
   zero_extend=False,
 ):
-  """``_mosaic_gemm.matmul``'s contract as an XLA product: float32
+  """``_gemm.mosaic.gemm.matmul``'s contract as an XLA product: float32
   accumulation rounded once, operands zero-extended, the output trimmed or
   zero-padded to ``out_shape``, ``accumulate`` added."""
   del config, row_inputs

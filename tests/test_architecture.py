@@ -30,15 +30,17 @@ LAYERS = [
     "mst_jax._math.online",
     "mst_jax._planning",
     "mst_jax._math.distill",
-    "mst_jax._mosaic_gemm_config",
+    "mst_jax._gemm.mosaic",
+    "mst_jax._gemm.mosaic.config",
     "mst_jax._manual_axes",
   ],  # math, heuristics, manual mesh axes
-  ["mst_jax._mosaic_gemm_epilogue"],  # the Mosaic GPU GEMM's epilogues
-  ["mst_jax._mosaic_gemm_kernels"],  # the Mosaic GPU GEMM kernels
-  ["mst_jax._mosaic_gemm"],  # their arguments and config
+  ["mst_jax._gemm.mosaic.epilogue"],  # the Mosaic GPU GEMM's epilogues
+  ["mst_jax._gemm.mosaic.kernels"],  # the Mosaic GPU GEMM kernels
+  ["mst_jax._gemm.mosaic.gemm"],  # their arguments and config
   [
     "mst_jax._options",
-    "mst_jax._matmul",
+    "mst_jax._gemm",
+    "mst_jax._gemm.matmul",
     "mst_jax._math.full_logits",
     "mst_jax._math.full_distill",
   ],

@@ -23,7 +23,8 @@ import pytest
 from conftest import ALL_OPTIONS, make_problem, rel_err
 
 import mst_jax
-from mst_jax import _mosaic_gemm, _planning
+from mst_jax import _planning
+from mst_jax._gemm.mosaic import gemm as mosaic_gemm
 
 # A gradient's error against float64, at most this times the naive head's.
 NAIVE_FACTOR = {"cross_entropy": 2.0, "log_probs": 2.0, "distillation": 2.0}
@@ -239,13 +240,13 @@ def test_the_hopper_program(rng, mosaic_on_cpu, monkeypatch, kind, perf, vocab):
   write float32 products, which are scaled as they are rounded; the
   ``dweight`` accumulator is float32."""
   products = []
-  gemm = _mosaic_gemm.matmul
+  gemm = mosaic_gemm.matmul
 
   def recorded(lhs, rhs, dims, out_dtype=None, **kwargs):
     products.append((jnp.dtype(lhs.dtype), jnp.dtype(out_dtype)))
     return gemm(lhs, rhs, dims, out_dtype, **kwargs)
 
-  monkeypatch.setattr(_mosaic_gemm, "matmul", recorded)
+  monkeypatch.setattr(mosaic_gemm, "matmul", recorded)
   problem = _problem(rng, "vd", "scattered", n_rows=1000, vocab=vocab, dim=128)
   teacher = _teacher(rng, "vd", n_rows=1000, vocab=vocab, dim=64)
   check_float16(kind, problem, "vd", teacher=teacher, impl="mosaic", **perf)

@@ -10,12 +10,9 @@ import jaxlib
 import numpy as np
 import pytest
 
-from mst_jax import _backends, _mosaic_gemm
-from mst_jax._mosaic_gemm_config import (
-  SMEM_BYTES,
-  accumulator_limit,
-  default_config,
-)
+from mst_jax import _backends
+from mst_jax._gemm.mosaic import gemm as mosaic_gemm
+from mst_jax._gemm.mosaic.config import SMEM_BYTES, accumulator_limit, default_config
 
 
 @pytest.mark.parametrize(
@@ -34,7 +31,7 @@ def test_accumulator_limit_from_jaxlib_0_12(version, limit):
 
 @pytest.mark.parametrize("version", ["0.11.2", "0.12.0.1"])
 def test_the_default_on_hopper_is_mosaic_on_every_jaxlib(monkeypatch, version):
-  monkeypatch.setattr(_mosaic_gemm, "unavailable_reason", lambda: None)
+  monkeypatch.setattr(mosaic_gemm, "unavailable_reason", lambda: None)
   monkeypatch.setattr(_backends, "pallas_unavailable_reason", lambda platform: None)
   monkeypatch.setattr(jaxlib, "__version__", version)
   for impl in (None, "mosaic"):
@@ -65,7 +62,7 @@ def test_every_default_tile_fits_the_jaxlib_registers(monkeypatch, rng, version)
   at most the jaxlib's accumulator limit a warpgroup, and fits shared
   memory."""
   monkeypatch.setattr(jaxlib, "__version__", version)
-  limit = _mosaic_gemm._accumulator()
+  limit = mosaic_gemm._accumulator()
   assert limit == accumulator_limit(version)
   bf16, f32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
   for rows, d, v in _shapes(rng, 40):

@@ -23,11 +23,11 @@ from test_distillation import (
 
 import mst_jax
 from mst_jax import _backends as backends
-from mst_jax import _mosaic_gemm
 from mst_jax._backends import pallas_distill
 from mst_jax._backends.mosaic_ce import MosaicBlocks
 from mst_jax._backends.mosaic_distill import MosaicDistill, takes
 from mst_jax._backends.triton_common import KernelBlocks
+from mst_jax._gemm.mosaic import gemm as mosaic_gemm
 from mst_jax._math import distill as distill_math
 
 # 64 x 128 tiles: 200 rows are 4 row blocks (the last ragged), 1216 columns
@@ -256,7 +256,7 @@ def test_selection_on_hopper(monkeypatch):
   """impl=None and "mosaic": the Mosaic kernels with XLA's chunk behind them;
   "pallas" and "xla" as asked; another GPU: the Triton kernel; a CPU: XLA's
   chunk."""
-  monkeypatch.setattr(_mosaic_gemm, "unavailable_reason", lambda: None)
+  monkeypatch.setattr(mosaic_gemm, "unavailable_reason", lambda: None)
   monkeypatch.setattr(backends, "pallas_unavailable_reason", lambda platform: None)
   for impl in (None, "mosaic"):
     chosen = backends.select_distill(impl, "gpu")
@@ -266,7 +266,7 @@ def test_selection_on_hopper(monkeypatch):
   assert isinstance(chosen, pallas_distill.PallasTritonDistill)
   assert backends.select_distill("xla", "gpu") is None
   assert backends.select_distill(None, "cpu") is None
-  monkeypatch.setattr(_mosaic_gemm, "unavailable_reason", lambda: "compute 8.0")
+  monkeypatch.setattr(mosaic_gemm, "unavailable_reason", lambda: "compute 8.0")
   chosen = backends.select_distill(None, "gpu")
   assert isinstance(chosen, pallas_distill.PallasTritonDistill)
 

@@ -2,7 +2,7 @@
 
 XLA:CPU computes 16-bit matmuls and elementwise updates in float32 and
 converts their operands whole, so on the CPU the matmuls go tile by tile
-(``_matmul``, ``HeadSpec.matmul_tile``) and the planner counts what the CPU
+(``_gemm.matmul``, ``HeadSpec.matmul_tile``) and the planner counts what the CPU
 holds besides (``_planning.cpu_fixed_bytes``, ``CPU_COPY_BYTES``).
 """
 
@@ -15,7 +15,8 @@ import pytest
 from conftest import ON_GPU, check_against_oracle, make_problem
 
 import mst_jax
-from mst_jax import _matmul, _planning
+from mst_jax import _planning
+from mst_jax._gemm import matmul
 
 pytestmark = pytest.mark.skipif(ON_GPU, reason="XLA:CPU programs")
 
@@ -49,16 +50,16 @@ def test_tiled_matmuls_match_float64(rng, layout, dtype, width, tile):
     assert err < tol, (what, err)
 
   logits = jax.jit(
-    lambda h, w, b: _matmul.logits_matmul(h, w, b, layout, jnp.float32, tile=tile)
+    lambda h, w, b: matmul.logits_matmul(h, w, b, layout, jnp.float32, tile=tile)
   )(hidden, weight, bias)
   close(logits, _f64(hidden) @ w64.T + _f64(bias), "logits")
-  dh = jax.jit(lambda d, w: _matmul.dhidden_matmul(d, w, layout, dtype, tile=tile))(
+  dh = jax.jit(lambda d, w: matmul.dhidden_matmul(d, w, layout, dtype, tile=tile))(
     dlogits, weight
   )
   close(dh, _f64(dlogits) @ w64, "dhidden")
   for add in (True, False):
     dw = jax.jit(
-      lambda d, h, w, add=add: _matmul.dweight_matmul(
+      lambda d, h, w, add=add: matmul.dweight_matmul(
         d, h, layout, jnp.float32, into=w.astype(jnp.float32), add=add, tile=tile
       )
     )(dlogits, hidden, start)

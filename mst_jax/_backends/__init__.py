@@ -11,7 +11,6 @@ import warnings
 
 import jax
 
-from mst_jax import _mosaic_gemm
 from mst_jax._backends.base import (
   AllColumns,
   ChunkBackend,
@@ -20,6 +19,7 @@ from mst_jax._backends.base import (
   HeadSpec,
 )
 from mst_jax._backends.xla import XlaChunkCE
+from mst_jax._gemm.mosaic import gemm as mosaic_gemm
 
 __all__ = [
   "AllColumns",
@@ -121,7 +121,7 @@ def select_distill(impl: str | None, platform: str):
 
 
 def select_gemm(impl: str | None, platform: str) -> str:
-  """What runs the head's matmuls (``_matmul``'s ``gemm``: "xla" or "mosaic")
+  """What runs the head's matmuls (``_gemm.matmul``'s ``gemm``: "xla" or "mosaic")
   for ``impl``.
 
   ``impl=None`` and ``"mosaic"``: the Mosaic GPU kernel on a Hopper GPU,
@@ -132,7 +132,7 @@ def select_gemm(impl: str | None, platform: str) -> str:
   """
   if impl not in (None, "mosaic"):
     return "xla"
-  reason = _mosaic_gemm.unavailable_reason()
+  reason = mosaic_gemm.unavailable_reason()
   if platform != "gpu":
     reason = f"it needs a Hopper GPU, the platform is a {platform}"
   if reason is None:

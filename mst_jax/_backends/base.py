@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mst_jax import _matmul
+from mst_jax._gemm import matmul
 from mst_jax._math import ce as ce_math
 from mst_jax._math.ce import BackwardRows, CEOptions, ClassRows, RowStats
 
@@ -39,8 +39,8 @@ class HeadSpec:
     vocab_size: the whole vocabulary ``V`` (label smoothing spreads ``eps / V``
       over all of it, also when a weight holds only some columns).
     matmul_tile: None, or the vocabulary columns each matmul takes at a time
-      (``_matmul``: for XLA:CPU, which converts 16-bit operands whole).
-    gemm: what runs the matmuls, ``"xla"`` or ``"mosaic"`` (``_matmul``).
+      (``_gemm.matmul``: for XLA:CPU, which converts 16-bit operands whole).
+    gemm: what runs the matmuls, ``"xla"`` or ``"mosaic"`` (``_gemm.matmul``).
   """
 
   weight_layout: str
@@ -224,7 +224,7 @@ class MatmulThenCE:
   """
 
   def chunk_logits(self, x: ChunkInputs, head: HeadSpec) -> jax.Array:
-    return _matmul.logits_matmul(
+    return matmul.logits_matmul(
       x.hidden,
       x.weight,
       x.bias,
@@ -240,7 +240,7 @@ class MatmulThenCE:
     return self.chunk_logits(x, head), None
 
   def dlogits_width(self, x: ChunkInputs, head: HeadSpec) -> int:
-    return _matmul.vocab_size(x.weight, head.weight_layout)
+    return matmul.vocab_size(x.weight, head.weight_layout)
 
   def transposes_weight(self, x: ChunkInputs, head: HeadSpec) -> bool:
     del x, head

@@ -28,7 +28,7 @@ reads the logits.
 The kernels take logits of ``8 i`` rows and ``64 j`` columns (``32 j`` in
 float32: whole TMA tiles, ``mosaic_launch.takes``). The Mosaic GEMM forms
 the logits (16-bit or float32) of a vocabulary of other widths (GPT-2's
-50257) padded to whole 64-column tiles (``_matmul.mosaic_logits``), and
+50257) padded to whole 64-column tiles (``_gemm.matmul.mosaic_logits``), and
 their ``dlogits`` and a group's buffer are as wide (``dlogits_width``): the
 statistics leave the padding out, ``dlogits`` are zero there, and the
 products of ``dlogits`` read only the weight's columns. What
@@ -48,10 +48,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mst_jax import _matmul, _mosaic_gemm
 from mst_jax._backends import base, mosaic_stats
 from mst_jax._backends.mosaic_launch import Grid, MosaicBlocks, Program, launch, takes
 from mst_jax._backends.xla import XlaChunkCE
+from mst_jax._gemm import matmul
+from mst_jax._gemm.mosaic import gemm as mosaic_gemm
 from mst_jax._math import ce as ce_math
 
 
@@ -156,10 +157,10 @@ class MosaicChunkCE(base.MatmulThenCE):
 
   def _padded(self, x: base.ChunkInputs, head: base.HeadSpec) -> bool:
     """Whether the chunk's logits come from the Mosaic GEMM, padded to whole
-    64-column tiles (``_matmul.mosaic_logits``, a bias added), for these
+    64-column tiles (``_gemm.matmul.mosaic_logits``, a bias added), for these
     kernels alone, where that GEMM takes them (``head.gemm`` is ``"mosaic"``
     on a Hopper GPU alone)."""
-    return head.gemm == "mosaic" and _matmul.mosaic_takes_logits(
+    return head.gemm == "mosaic" and matmul.mosaic_takes_logits(
       x.hidden,
       x.weight,
       head.weight_layout,
@@ -169,8 +170,8 @@ class MosaicChunkCE(base.MatmulThenCE):
     )
 
   def dlogits_width(self, x: base.ChunkInputs, head: base.HeadSpec) -> int:
-    n_cols = _matmul.vocab_size(x.weight, head.weight_layout)
-    return _matmul.padded_width(n_cols) if self._padded(x, head) else n_cols
+    n_cols = matmul.vocab_size(x.weight, head.weight_layout)
+    return matmul.padded_width(n_cols) if self._padded(x, head) else n_cols
 
   def transposes_weight(self, x: base.ChunkInputs, head: base.HeadSpec) -> bool:
     """True for a ``[D, V]`` weight whose rows TMA cannot copy (V not whole
@@ -192,7 +193,7 @@ class MosaicChunkCE(base.MatmulThenCE):
     that scores the weight's columns only."""
     if not self._padded(x, head):
       return self
-    n_cols = _matmul.vocab_size(x.weight, head.weight_layout)
+    n_cols = matmul.vocab_size(x.weight, head.weight_layout)
     return dataclasses.replace(self, weight_columns=n_cols)
 
   def chunk_logits(self, x: base.ChunkInputs, head: base.HeadSpec) -> jax.Array:
@@ -200,7 +201,7 @@ class MosaicChunkCE(base.MatmulThenCE):
     (zeros past the weight's columns)."""
     logits = None
     if self._padded(x, head):
-      logits = _matmul.mosaic_logits(
+      logits = matmul.mosaic_logits(
         x.hidden, x.weight, head.weight_layout, head.logits_dtype, bias=x.bias
       )
     return super().chunk_logits(x, head) if logits is None else logits
@@ -215,16 +216,16 @@ class MosaicChunkCE(base.MatmulThenCE):
     float32 logits (whose tile would take all of the epilogue's registers).
 
     The statistics leave the padding of padded logits out, and the chunk's
-    ``dlogits`` over them are padded alike (``_matmul`` reads them against
+    ``dlogits`` over them are padded alike (``_gemm.matmul`` reads them against
     the weight's columns only)."""
     sixteen_bits = jnp.dtype(head.logits_dtype).itemsize == 2
     plain = x.bias is None and x.class_weights is None
     if not (self._padded(x, head) and sixteen_bits and plain):
       return self.chunk_logits(x, head), None
-    n_cols = _matmul.vocab_size(x.weight, head.weight_layout)
+    n_cols = matmul.vocab_size(x.weight, head.weight_layout)
     epilogue = mosaic_stats.TileStats(head.options, n_cols)
     labels = base.relative_labels(x.labels, offset).astype(jnp.int32)
-    fused = _matmul.mosaic_logits(
+    fused = matmul.mosaic_logits(
       x.hidden, x.weight, head.weight_layout, head.logits_dtype, epilogue, (labels,)
     )
     if fused is None:
@@ -285,7 +286,7 @@ class MosaicChunkCE(base.MatmulThenCE):
       approx=mosaic_stats.approx_math(options),
       columns=weights,
     )
-    outputs = _mosaic_gemm.unbatched(run)(logits, labels, *weights)
+    outputs = mosaic_gemm.unbatched(run)(logits, labels, *weights)
     part_cols = grid.steps * self.tiles.block_v
     widths = mosaic_stats.part_widths(n_cols, part_cols)
     sums = None

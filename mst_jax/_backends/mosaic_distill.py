@@ -30,8 +30,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mst_jax import _matmul, _mosaic_gemm
 from mst_jax._backends import mosaic_launch, mosaic_stats
+from mst_jax._gemm import matmul
+from mst_jax._gemm.mosaic import gemm as mosaic_gemm
 from mst_jax._math import ce as ce_math
 from mst_jax._math import distill as distill_math
 
@@ -220,8 +221,8 @@ class MosaicDistill:
     """Whether these kernels take logits of these dtypes whole, ``dlogits``
     in ``out_dtype`` over them: then a vocabulary that is not whole 64-column
     tiles (GPT-2's 50257) can come as logits padded to them
-    (``_matmul.mosaic_logits``; ``chunk_loss``'s ``n_cols``)."""
-    shape = (64, _matmul.PADDED_COLUMNS)  # a row block of padded logits
+    (``_gemm.matmul.mosaic_logits``; ``chunk_loss``'s ``n_cols``)."""
+    shape = (64, matmul.PADDED_COLUMNS)  # a row block of padded logits
     heads = [jax.ShapeDtypeStruct(shape, d) for d in (student_dtype, teacher_dtype)]
     return takes(*heads, out_dtype)
 
@@ -273,7 +274,7 @@ class MosaicDistill:
       heads,
       options,
     )
-    stats = _merge_parts(_mosaic_gemm.unbatched(run)(*heads), options)
+    stats = _merge_parts(mosaic_gemm.unbatched(run)(*heads), options)
     sums = target = None
     if options.divergence == "jsd":
       kernel = functools.partial(_jsd_kernel, options=options, n_cols=n_cols)
@@ -281,7 +282,7 @@ class MosaicDistill:
       run = lambda *args: self._launch(
         kernel, "mst_distill_jsd_mosaic", grid, args[2:], [part] * 2, args[:2], options
       )
-      kl_p, kl_q = _mosaic_gemm.unbatched(run)(*heads, *norms)
+      kl_p, kl_q = mosaic_gemm.unbatched(run)(*heads, *norms)
       sums = kl_p.sum(axis=0), kl_q.sum(axis=0)
     if options.hard_label_weight:
       safe = jnp.clip(labels, 0, n_cols - 1)[:, None]

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from mst_jax._mosaic_gemm_epilogue import load_rows
+from mst_jax._gemm.mosaic.epilogue import load_rows
 
 try:  # Mosaic GPU's Pallas front end (lowering needs a Hopper GPU)
   from jax.experimental.pallas import mosaic_gpu as plgpu

@@ -3,16 +3,16 @@
 ``matmul`` computes ``lax.dot_general(lhs, rhs, dimension_numbers,
 preferred_element_type=out_dtype)`` for 2-D operands contracted over one
 dimension each, which covers the head's three products in both weight layouts
-(``mst_jax._matmul``): an operand contracted over its rows is read as
+(``mst_jax._gemm.matmul``): an operand contracted over its rows is read as
 transposed shared-memory tiles (wgmma's transpose bits), so the weight is
 never transposed or copied in device memory.
 
-The kernels (``mst_jax._mosaic_gemm_kernels``) run a persistent grid of
+The kernels (``mst_jax._gemm.mosaic.kernels``) run a persistent grid of
 warp-specialized blocks: a warpgroup issuing TMA copies into a ring of
 shared-memory slots, two issuing ``wgmma``, either both on each output tile
 or (ping-pong) each on its own tiles in turn; ``default_config`` picks the
 tiles and the schedule per shape. A ping-pong product may also run a
-``RowEpilogue`` (``_mosaic_gemm_epilogue``): per-row reductions of each
+``RowEpilogue`` (``_gemm.mosaic.epilogue``): per-row reductions of each
 output tile as it is stored, such as the cross-entropy's statistics of the
 logits.
 
@@ -23,10 +23,10 @@ every operand and the output must have a multiple of 64 (16-bit) or 32
 (float32) columns as stored: V = 32000, 128256 or 256000 qualify as columns,
 GPT-2's 50257 does not. An array whose number of rows is not a multiple of 8
 (a ``[50257, D]`` weight; ``Problem.ragged``) is copied in tiles of one row
-(``_mosaic_gemm_config.ragged_error``); an operand contracted over its rows
+(``_gemm.mosaic.config.ragged_error``); an operand contracted over its rows
 must have whole tiles of 8 of them. An output one swizzle span wide (a
 16-bit ``[V, 64]`` ``dweight``) is stored from blocks as narrow
-(``_mosaic_gemm_config.narrow_error``). ``matmul`` raises
+(``_gemm.mosaic.config.narrow_error``). ``matmul`` raises
 ``NotImplementedError`` for other shapes. For logits padded past a ragged
 vocabulary, ``out_shape`` makes the product wider or narrower than the
 operands (zeros past them, the rest dropped), and ``zero_extend`` contracts
@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 
-from mst_jax._mosaic_gemm_config import (
+from mst_jax._gemm.mosaic.config import (
   GemmConfig,
   Problem,
   accumulator_limit,
@@ -54,8 +54,8 @@ from mst_jax._mosaic_gemm_config import (
   fit_ragged,
   fit_shared_memory,
 )
-from mst_jax._mosaic_gemm_epilogue import RowEpilogue
-from mst_jax._mosaic_gemm_kernels import IMPORT_ERROR, gemm
+from mst_jax._gemm.mosaic.epilogue import RowEpilogue
+from mst_jax._gemm.mosaic.kernels import IMPORT_ERROR, gemm
 
 _INPUT_DTYPES = ("bfloat16", "float16")
 _OUTPUT_DTYPES = ("bfloat16", "float16", "float32")
@@ -198,7 +198,7 @@ def takes(
   lhs, rhs, dimension_numbers, out_dtype, accumulate=None, *, here=True, **shapes
 ) -> bool:
   """Whether ``matmul`` runs these arguments here (a Hopper GPU, bf16/f16
-  operands, arrays of whole 128-byte rows); ``mst_jax._matmul`` uses
+  operands, arrays of whole 128-byte rows); ``mst_jax._gemm.matmul`` uses
   ``lax.dot_general`` for the rest. ``shapes``: ``matmul``'s ``out_shape``
   and ``zero_extend``. ``here=False``: whether it would on a Hopper GPU
   (the shapes and dtypes alone)."""
@@ -231,7 +231,7 @@ def matmul(
   be contracted over its rows or its columns; neither is transposed in
   memory. The LM head's products, for ``hidden [N, D]``, ``dlogits [N, V]``
   and a weight ``[V, D]`` (``"vd"``) or ``[D, V]`` (``"dv"``), are those of
-  ``mst_jax._matmul``::
+  ``mst_jax._gemm.matmul``::
 
     logits  = matmul(hidden, w, (((1,), (1,)), ((), ())), bf16)    # vd
     logits  = matmul(hidden, w, (((1,), (0,)), ((), ())), bf16)    # dv

@@ -1,5 +1,5 @@
 """The Mosaic GPU GEMM's epilogues: what a compute warpgroup does with a
-finished ``[tile_m, tile_n]`` float32 accumulator (``_mosaic_gemm_kernels``).
+finished ``[tile_m, tile_n]`` float32 accumulator (``_gemm.mosaic.kernels``).
 
 ``TileStore`` rounds it to the output dtype (after adding the ``accumulate``
 array's tile, loaded ahead during the main loop) and stores it through
@@ -19,7 +19,7 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 
-from mst_jax._mosaic_gemm_config import GemmConfig, Problem, epilogue_slots
+from mst_jax._gemm.mosaic.config import GemmConfig, Problem, epilogue_slots
 
 try:  # Mosaic GPU's Pallas front end; its lowering runs only on a Hopper GPU.
   from jax.experimental import pallas as pl
@@ -86,7 +86,7 @@ def smem(shape, dtype, ragged: bool = False):
   multiple of 8, which TMA takes only in tiles of one row. Then it is a
   union of two views of the same bytes: tiled by 8 rows (for wgmma and the
   registers) and by one row (for TMA), alike where the tile is one swizzle
-  span wide (``_mosaic_gemm_config.ragged_error``). Returns the allocation;
+  span wide (``_gemm.mosaic.config.ragged_error``). Returns the allocation;
   ``views`` gives ``(compute view, copy view)`` of it in a kernel.
   """
   transforms = smem_transforms(shape[-1], dtype)

@@ -8,7 +8,7 @@ copy is transposed once per step for the Mosaic kernels, by ``_api``, where
 ``transposes_weight`` of the backend asks for it.)
 
 ``gemm`` says what runs a product: ``"xla"`` (``lax.dot_general``) or
-``"mosaic"``: the Mosaic GPU kernel (``_mosaic_gemm``, Hopper), for the
+``"mosaic"``: the Mosaic GPU kernel (``_gemm.mosaic.gemm``, Hopper), for the
 products whose shapes it takes, ``lax.dot_general`` for the others. XLA
 autotunes each GEMM it compiles on fresh buffers of its operands' and
 output's sizes, weight-sized at an LM head; the Mosaic kernel is not
@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mst_jax import _manual_axes, _mosaic_gemm
+from mst_jax import _manual_axes
+from mst_jax._gemm.mosaic import gemm as mosaic_gemm
 from mst_jax._math.ce import at_least_float32
 
 WEIGHT_LAYOUTS = ("vd", "dv")
@@ -111,8 +112,8 @@ def _dot(
   """
   (lc,), (rc,) = dims[0]
   kw = dict(out_shape=out_shape, zero_extend=lhs.shape[lc] != rhs.shape[rc])
-  if gemm == "mosaic" and _mosaic_gemm.takes(lhs, rhs, dims, dtype, accumulate, **kw):
-    return _mosaic_gemm.matmul(lhs, rhs, dims, dtype, accumulate=accumulate, **kw)
+  if gemm == "mosaic" and mosaic_gemm.takes(lhs, rhs, dims, dtype, accumulate, **kw):
+    return mosaic_gemm.matmul(lhs, rhs, dims, dtype, accumulate=accumulate, **kw)
   k = min(lhs.shape[lc], rhs.shape[rc])
   lhs, rhs = _trim(lhs, k, lc), _trim(rhs, k, rc)
   if out_shape is not None:  # trimmed operands, then a zero-padded product
@@ -227,7 +228,7 @@ def mosaic_takes_logits(
   dims, out_shape = _LOGITS_DIMS[layout], (hidden.shape[0], width)
   if bias is not None:  # the GEMM writes float32, the bias is added after
     dtype = at_least_float32(hidden.dtype)
-  return _mosaic_gemm.takes(hidden, weight, dims, dtype, out_shape=out_shape, here=here)
+  return mosaic_gemm.takes(hidden, weight, dims, dtype, out_shape=out_shape, here=here)
 
 
 def mosaic_logits(
@@ -235,7 +236,7 @@ def mosaic_logits(
   weight: jax.Array,
   layout: str,
   dtype,
-  row_epilogue: _mosaic_gemm.RowEpilogue | None = None,
+  row_epilogue: mosaic_gemm.RowEpilogue | None = None,
   row_inputs: tuple = (),
   *,
   bias: jax.Array | None = None,
@@ -259,14 +260,14 @@ def mosaic_logits(
     if row_epilogue is not None:
       raise ValueError("a row_epilogue sees the GEMM's output, without the bias")
     acc = at_least_float32(hidden.dtype)
-    logits = _mosaic_gemm.matmul(hidden, weight, dims, acc, out_shape=out_shape)
+    logits = mosaic_gemm.matmul(hidden, weight, dims, acc, out_shape=out_shape)
     return _add_bias(logits, bias, dtype)
   if row_epilogue is None:
-    return _mosaic_gemm.matmul(hidden, weight, dims, dtype, out_shape=out_shape)
-  config = _mosaic_gemm.row_epilogue_config(
+    return mosaic_gemm.matmul(hidden, weight, dims, dtype, out_shape=out_shape)
+  config = mosaic_gemm.row_epilogue_config(
     hidden, weight, dims, dtype, row_epilogue, out_shape
   )
-  logits, outputs = _mosaic_gemm.matmul(
+  logits, outputs = mosaic_gemm.matmul(
     hidden,
     weight,
     dims,

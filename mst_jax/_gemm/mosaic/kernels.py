@@ -1,4 +1,4 @@
-"""The Mosaic GPU GEMM's kernels (Hopper, sm_90a); ``mst_jax._mosaic_gemm``
+"""The Mosaic GPU GEMM's kernels (Hopper, sm_90a); ``mst_jax._gemm.mosaic.gemm``
 checks the arguments and picks the config.
 
 ``gemm`` launches one of two kernels for ``out[m, n] = A[m, k] @ B[k, n]``
@@ -14,7 +14,7 @@ checks the arguments and picks the config.
    ``[tile, tile_k]`` tiles into a ring of ``stages`` shared-memory slots;
    two compute warpgroups issue ``wgmma`` into float32 accumulators.
 3. End each tile with an epilogue in the compute warpgroups
-   (``_mosaic_gemm_epilogue``): the accumulator is rounded to the output
+   (``_gemm.mosaic.epilogue``): the accumulator is rounded to the output
    dtype, or first added to the ``accumulate`` array's tile (loaded ahead,
    during the main loop), and stored through shared memory with TMA.
 
@@ -41,8 +41,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mst_jax import _mosaic_gemm_epilogue as epilogues
-from mst_jax._mosaic_gemm_config import (
+from mst_jax._gemm.mosaic import epilogue as epilogues
+from mst_jax._gemm.mosaic.config import (
   GemmConfig,
   Problem,
   epilogue_slots,

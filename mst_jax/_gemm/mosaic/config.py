@@ -123,7 +123,7 @@ class Problem:
   accumulate: bool
   # Whether the lhs, the rhs and the output, as stored, have a number of rows
   # that is not a multiple of 8 (such as a [50257, D] weight): TMA copies
-  # those a row at a time (``_mosaic_gemm_kernels``).
+  # those a row at a time (``_gemm.mosaic.kernels``).
   ragged: tuple[bool, bool, bool] = (False, False, False)
 
 
