@@ -12,7 +12,7 @@ import math
 
 import jax
 
-from mst_jax import _backends, _inputs, _mesh, _options, _planning
+from mst_jax import _inputs, _kernels, _mesh, _options, _planning
 from mst_jax._driver import Plan, reduced_loss, row_losses
 from mst_jax._inputs import Rows
 from mst_jax._math import full_logits
@@ -295,7 +295,7 @@ def _transposed_perf(rows: Rows, plan: Plan, perf: PerfOptions, layout):
   vocab_devices = 1 if layout is None else layout.axis_size(layout.vocab_axis)
   shape = (rows.hidden.shape[1], rows.vocab_size // vocab_devices)
   weight = jax.ShapeDtypeStruct(shape, rows.weight.dtype)
-  x = _backends.ChunkInputs(rows.hidden, weight, rows.bias, rows.labels)
+  x = _kernels.ChunkInputs(rows.hidden, weight, rows.bias, rows.labels)
   x, config = x._replace(class_weights=rows.class_weights), plan.config
   copies = 2 * math.prod(shape) * weight.dtype.itemsize
   budget = _budget(perf, vocab_devices)
@@ -335,16 +335,16 @@ def resolve(
   tile = _planning.MATMUL_TILE if platform == "cpu" else None
   order, accum = _loop_order(rows, perf, logits_dtype, layout, cpu=platform == "cpu")
   config = SweepConfig(
-    backend=_backends.select(
+    backend=_kernels.select(
       perf.impl, platform, not_on_triton=_not_on_triton(rows.class_weights)
     ),
-    head=_backends.HeadSpec(
+    head=_kernels.HeadSpec(
       weight_layout,
       logits_dtype,
       dataclasses.replace(options.ce, entropy=entropy),
       rows.vocab_size,
       matmul_tile=tile,
-      gemm=_backends.select_gemm(perf.impl, platform),
+      gemm=_kernels.select_gemm(perf.impl, platform),
     ),
     dweight_dtype=accum or rows.weight.dtype,
     dbias_dtype=accum or at_least_float32(bias_dtype),

@@ -4,7 +4,7 @@ Rows are walked in chunks (``_rows.sweep_chunks``, valid rows compacted to the
 front, chunks without a valid row skipped by ``lax.cond``); per chunk both
 heads' logits are formed (``_gemm.matmul.logits_matmul``, the teacher's under
 ``lax.stop_gradient``), ``_math.distill.chunk_loss`` (XLA) or the Pallas
-kernel of ``_backends.select_distill`` scores them, and the student's
+kernel of ``_kernels.select_distill`` scores them, and the student's
 ``dlogits`` go into its ``dhidden`` rows, ``dweight`` and ``dbias``.
 Two custom VJPs:
 
@@ -32,9 +32,9 @@ import numpy as np
 from jax import lax
 
 from mst_jax import _planning
-from mst_jax._backends import refuse_second_order, select_distill, select_gemm
 from mst_jax._gemm import matmul
 from mst_jax._gradient_sweeps import add_bias_gradient, row_products
+from mst_jax._kernels import refuse_second_order, select_distill, select_gemm
 from mst_jax._math.ce import at_least_float32
 from mst_jax._math.distill import DistillOptions, chunk_loss
 from mst_jax._options import PerfOptions, resolve_logits_dtype
@@ -78,7 +78,7 @@ class Plan:
     matmul_tile: vocabulary columns per matmul tile (XLA:CPU), or None.
     gemm: what runs the matmuls, ``"xla"`` or ``"mosaic"`` (``_gemm.matmul``).
     compact: move valid rows to the front before chunking.
-    kernel: the per-chunk Pallas kernel (``_backends.select_distill``), or
+    kernel: the per-chunk Pallas kernel (``_kernels.select_distill``), or
       None for the XLA chunk (``_math.distill.chunk_loss``).
     pad_logits: form each chunk's logits by the Mosaic GEMM padded to whole
       64-column tiles (``_gemm.matmul.mosaic_logits``), which the kernel reads

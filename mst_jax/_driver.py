@@ -25,7 +25,7 @@ from typing import NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 
-from mst_jax._backends import XlaChunkCE, refuse_second_order
+from mst_jax._kernels import XlaChunkCE, refuse_second_order
 from mst_jax._rows import (
   Differentiated,
   Grads,

@@ -28,8 +28,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from mst_jax._backends.base import write_into
 from mst_jax._gradient_sweeps import Sweep, accumulate, gradient_sweep
+from mst_jax._kernels.base import write_into
 from mst_jax._planning import unit_weights
 from mst_jax._rows import (
   RowCotangents,

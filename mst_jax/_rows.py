@@ -30,7 +30,7 @@ import numpy as np
 from jax import lax
 
 from mst_jax import _manual_axes, _planning
-from mst_jax._backends import AllColumns, ChunkBackend, ChunkInputs, Columns, HeadSpec
+from mst_jax._kernels import AllColumns, ChunkBackend, ChunkInputs, Columns, HeadSpec
 from mst_jax._math import ce as ce_math
 
 

@@ -38,8 +38,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mst_jax._backends.base import ChunkInputs, relative_labels
 from mst_jax._gemm import matmul
+from mst_jax._kernels.base import ChunkInputs, relative_labels
 from mst_jax._math import ce as ce_math
 from mst_jax._planning import add_scaled, product_dtype, rounded, unit_weights
 from mst_jax._rows import (

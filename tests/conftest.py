@@ -15,10 +15,11 @@ import pytest
 from jax import lax
 
 import mst_jax
-from mst_jax import _api, _backends, _distill_driver, _planning
-from mst_jax._backends import mosaic_ce, mosaic_distill
-from mst_jax._backends.xla import XlaChunkCE
+from mst_jax import _api, _distill_driver, _kernels, _planning
 from mst_jax._gemm.mosaic import gemm as mosaic_gemm
+from mst_jax._kernels.mosaic import ce as mosaic_ce
+from mst_jax._kernels.mosaic import distill as mosaic_distill
+from mst_jax._kernels.xla import XlaChunkCE
 
 
 def has_gpu() -> bool:
@@ -140,7 +141,7 @@ def as_if_on_hopper(monkeypatch):
   Python lowering). Clears JAX's caches after, so no other test meets a
   program traced under these patches."""
   monkeypatch.setattr(mosaic_gemm, "unavailable_reason", lambda: None)
-  monkeypatch.setattr(_backends, "pallas_unavailable_reason", lambda platform: None)
+  monkeypatch.setattr(_kernels, "pallas_unavailable_reason", lambda platform: None)
   monkeypatch.setattr(_api, "_platform", lambda layout: "gpu")
   yield
   jax.clear_caches()
@@ -161,7 +162,7 @@ def mosaic_on_cpu(as_if_on_hopper, monkeypatch):
   monkeypatch.setattr(mosaic_gemm, "matmul", gemm)
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # distillation's
   backend = mosaic_ce.MosaicChunkCE(fallback=XlaChunkCE, interpret=True)
-  monkeypatch.setattr(_backends, "select", lambda *args, **kwargs: backend)
+  monkeypatch.setattr(_kernels, "select", lambda *args, **kwargs: backend)
   kernel = mosaic_distill.MosaicDistill(interpret=True)
   monkeypatch.setattr(_distill_driver, "select_distill", lambda *args: kernel)
   yield widths

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 from conftest import assert_close, has_gpu
 
-from mst_jax import _backends as backends
+from mst_jax import _kernels as backends
 from mst_jax import reference
-from mst_jax._backends import pallas_triton
-from mst_jax._backends.mosaic_ce import MosaicChunkCE
-from mst_jax._backends.pallas_triton import KernelBlocks, PallasTritonChunkCE
 from mst_jax._gemm.mosaic import gemm as mosaic_gemm
+from mst_jax._kernels.mosaic.ce import MosaicChunkCE
+from mst_jax._kernels.triton import ce as triton_ce
+from mst_jax._kernels.triton.ce import KernelBlocks, PallasTritonChunkCE
 from mst_jax._math import ce as ce_math
 
 ALL_OPTIONS = ce_math.CEOptions(label_smoothing=0.1, z_loss=1e-3, logit_softcap=30.0)
@@ -289,12 +289,12 @@ def test_the_mosaic_kernels_never_ask_for_triton(monkeypatch):
 
 
 def test_unavailable_triton_falls_back_to_xla_with_one_warning(monkeypatch):
-  from mst_jax._backends import pallas_triton
+  from mst_jax._kernels.triton import ce as triton_ce
 
   def broken():
     raise NotImplementedError("no Triton lowering in this jax")
 
-  monkeypatch.setattr(pallas_triton, "smoke_test", broken)
+  monkeypatch.setattr(triton_ce, "smoke_test", broken)
   monkeypatch.setattr(mosaic_gemm, "unavailable_reason", lambda: "not a Hopper GPU")
   backends.pallas_unavailable_reason.cache_clear()
   backends._warn_fallback.cache_clear()
@@ -377,8 +377,8 @@ def test_the_triton_probe_keeps_quiet(monkeypatch):
     ("something else is deprecated", False),
   ):
     patched = functools.partialmethod(forward, message=message)
-    monkeypatch.setattr(pallas_triton.PallasTritonChunkCE, "forward", patched)
+    monkeypatch.setattr(triton_ce.PallasTritonChunkCE, "forward", patched)
     with warnings.catch_warnings(record=True) as caught:
       warnings.simplefilter("always")
-      pallas_triton.smoke_test()
+      triton_ce.smoke_test()
     assert (not caught) == hidden, [str(w.message) for w in caught]

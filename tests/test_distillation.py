@@ -866,8 +866,8 @@ def test_kernel_blocks_merge_like_whole_rows(rng, options, offset):
   full-logits reference (``losses_from_logits`` and its autodiff gradient).
   ``offset`` adds 1e3 to every logit of both heads (without a softcap the
   loss does not change)."""
-  from mst_jax._backends.pallas_distill import PallasTritonDistill
-  from mst_jax._backends.triton_common import KernelBlocks
+  from mst_jax._kernels.triton.common import KernelBlocks
+  from mst_jax._kernels.triton.distill import PallasTritonDistill
 
   rows, vocab = 7, V
   student = rng.standard_normal((rows, vocab)) * 3.0

@@ -10,7 +10,7 @@ import jaxlib
 import numpy as np
 import pytest
 
-from mst_jax import _backends
+from mst_jax import _kernels
 from mst_jax._gemm.mosaic import gemm as mosaic_gemm
 from mst_jax._gemm.mosaic.config import SMEM_BYTES, accumulator_limit, default_config
 
@@ -32,18 +32,18 @@ def test_accumulator_limit_from_jaxlib_0_12(version, limit):
 @pytest.mark.parametrize("version", ["0.11.2", "0.12.0.1"])
 def test_the_default_on_hopper_is_mosaic_on_every_jaxlib(monkeypatch, version):
   monkeypatch.setattr(mosaic_gemm, "unavailable_reason", lambda: None)
-  monkeypatch.setattr(_backends, "pallas_unavailable_reason", lambda platform: None)
+  monkeypatch.setattr(_kernels, "pallas_unavailable_reason", lambda platform: None)
   monkeypatch.setattr(jaxlib, "__version__", version)
   for impl in (None, "mosaic"):
-    assert _backends.select_gemm(impl, "gpu") == "mosaic"
-    ce = _backends.select(impl, "gpu")
+    assert _kernels.select_gemm(impl, "gpu") == "mosaic"
+    ce = _kernels.select(impl, "gpu")
     assert type(ce).__name__ == "MosaicChunkCE"
     # What the Mosaic kernels do not take runs on XLA, not Triton.
     assert type(ce.fallback()).__name__ == "XlaChunkCE"
-    distill = _backends.select_distill(impl, "gpu")
+    distill = _kernels.select_distill(impl, "gpu")
     assert type(distill).__name__ == "MosaicDistill"
     assert distill.fallback() is None  # XLA's chunk
-  assert type(_backends.select("pallas", "gpu")).__name__ == "PallasTritonChunkCE"
+  assert type(_kernels.select("pallas", "gpu")).__name__ == "PallasTritonChunkCE"
 
 
 def _shapes(rng: np.random.Generator, count: int):

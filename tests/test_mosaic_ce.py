@@ -1,4 +1,4 @@
-"""The Mosaic GPU cross-entropy kernels (``_backends.mosaic_ce``) against the
+"""The Mosaic GPU cross-entropy kernels (``_kernels.mosaic.ce``) against the
 float64 oracle: in interpret mode on any host (the kernel bodies: online
 statistics over tiles and vocabulary parts, ``dlogits``), compiled on a
 Hopper GPU at real sizes (the TMA pipelines, in-place writes, ragged tiles).
@@ -23,12 +23,12 @@ from test_backends import (
   check_backend,
 )
 
-from mst_jax import _backends as backends
+from mst_jax import _kernels as backends
 from mst_jax import reference
-from mst_jax._backends import pallas_triton
-from mst_jax._backends.mosaic_ce import MosaicBlocks, MosaicChunkCE, takes
 from mst_jax._gemm import matmul
 from mst_jax._gemm.mosaic import gemm as mosaic_gemm
+from mst_jax._kernels.mosaic.ce import MosaicBlocks, MosaicChunkCE, takes
+from mst_jax._kernels.triton import ce as triton_ce
 from mst_jax._math import ce as ce_math
 
 # 64 x 128 tiles, 8 programs: 200 rows are 4 row blocks (the last ragged), 1216
@@ -240,7 +240,7 @@ def test_selection_on_hopper(monkeypatch):
     assert isinstance(chosen, MosaicChunkCE) and not chosen.interpret
     assert isinstance(chosen.fallback(), backends.XlaChunkCE)
     assert backends.select_gemm(impl, "gpu") == "mosaic"
-  assert isinstance(backends.select("pallas", "gpu"), pallas_triton.PallasTritonChunkCE)
+  assert isinstance(backends.select("pallas", "gpu"), triton_ce.PallasTritonChunkCE)
   assert backends.select_gemm("pallas", "gpu") == "xla"
   backends._warn_fallback.cache_clear()
   with pytest.warns(RuntimeWarning, match="XLA's GEMMs instead of Mosaic"):
@@ -277,7 +277,7 @@ def test_impl_none_off_hopper_keeps_quiet(monkeypatch):
       warnings.simplefilter("error")
       assert backends.select_gemm(None, "gpu") == "xla"
       chosen = backends.select(None, "gpu")
-      assert isinstance(chosen, pallas_triton.PallasTritonChunkCE)
+      assert isinstance(chosen, triton_ce.PallasTritonChunkCE)
     with pytest.warns(RuntimeWarning, match="XLA's GEMMs instead of Mosaic"):
       assert backends.select_gemm("mosaic", "gpu") == "xla"
   finally:

@@ -1,4 +1,4 @@
-"""The Mosaic GPU distillation kernels (``_backends.mosaic_distill``) against
+"""The Mosaic GPU distillation kernels (``_kernels.mosaic.distill``) against
 the float64 oracle: in interpret mode on any host (the kernel bodies: both
 heads' online statistics over tiles and vocabulary parts, the JSD's second
 pass, ``dlogits``), lowered for a Hopper GPU on any host (what the default
@@ -22,12 +22,12 @@ from test_distillation import (
 )
 
 import mst_jax
-from mst_jax import _backends as backends
-from mst_jax._backends import pallas_distill
-from mst_jax._backends.mosaic_ce import MosaicBlocks
-from mst_jax._backends.mosaic_distill import MosaicDistill, takes
-from mst_jax._backends.triton_common import KernelBlocks
+from mst_jax import _kernels as backends
 from mst_jax._gemm.mosaic import gemm as mosaic_gemm
+from mst_jax._kernels.mosaic.ce import MosaicBlocks
+from mst_jax._kernels.mosaic.distill import MosaicDistill, takes
+from mst_jax._kernels.triton import distill as triton_distill
+from mst_jax._kernels.triton.common import KernelBlocks
 from mst_jax._math import distill as distill_math
 
 # 64 x 128 tiles: 200 rows are 4 row blocks (the last ragged), 1216 columns
@@ -75,7 +75,7 @@ def test_kernels_match_the_oracle(rng, options):
   np.testing.assert_array_equal(np.asarray(loss_only), np.asarray(loss))
 
 
-TRITON = pallas_distill.PallasTritonDistill(
+TRITON = triton_distill.PallasTritonDistill(
   blocks=KernelBlocks(block_rows=32, block_v=512), interpret=True
 )
 
@@ -236,7 +236,7 @@ def test_in_place_where_the_kernels_or_the_fallback_are():
   compiles a Triton kernel)."""
   head = lambda vocab, dtype=jnp.bfloat16: jax.ShapeDtypeStruct((ROWS, vocab), dtype)
   bf16 = jnp.bfloat16
-  triton = MosaicDistill(fallback=lambda: pallas_distill.PallasTritonDistill())
+  triton = MosaicDistill(fallback=lambda: triton_distill.PallasTritonDistill())
   assert triton.in_place(head(VOCAB - 3), head(VOCAB - 3), bf16)
   assert triton.in_place(head(VOCAB), head(VOCAB, jnp.float32), bf16)
   assert not triton.in_place(head(VOCAB), head(VOCAB), jnp.float32)
@@ -263,12 +263,12 @@ def test_selection_on_hopper(monkeypatch):
     assert isinstance(chosen, MosaicDistill) and not chosen.interpret
     assert chosen.fallback() is None
   chosen = backends.select_distill("pallas", "gpu")
-  assert isinstance(chosen, pallas_distill.PallasTritonDistill)
+  assert isinstance(chosen, triton_distill.PallasTritonDistill)
   assert backends.select_distill("xla", "gpu") is None
   assert backends.select_distill(None, "cpu") is None
   monkeypatch.setattr(mosaic_gemm, "unavailable_reason", lambda: "compute 8.0")
   chosen = backends.select_distill(None, "gpu")
-  assert isinstance(chosen, pallas_distill.PallasTritonDistill)
+  assert isinstance(chosen, triton_distill.PallasTritonDistill)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

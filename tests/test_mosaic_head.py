@@ -2,7 +2,7 @@
 
 On a Hopper GPU the three products run in ``mst_jax._gemm.mosaic.gemm`` where
 their arrays are whole TMA tiles and in ``lax.dot_general`` otherwise, and
-the cross-entropy in ``_backends.mosaic_ce`` (Triton where it does not take
+the cross-entropy in ``_kernels.mosaic.ce`` (Triton where it does not take
 the logits); each
 case checks the lowered step really calls the Mosaic kernel, then compares
 loss and gradients with the float64 oracle. Elsewhere the option falls back
@@ -26,10 +26,10 @@ from conftest import (
 )
 
 import mst_jax
-from mst_jax import _api, _backends
-from mst_jax._backends.xla import XlaChunkCE
+from mst_jax import _api, _kernels
 from mst_jax._gemm import matmul
 from mst_jax._gemm.mosaic import gemm as mosaic_gemm
+from mst_jax._kernels.xla import XlaChunkCE
 
 
 def _lowered_text(problem, **kwargs) -> str:
@@ -49,7 +49,7 @@ def _lowered_text(problem, **kwargs) -> str:
 )
 def test_falls_back_to_xla_gemms_with_one_warning(rng):
   problem = make_problem(rng, (37,), dim=64, vocab=1031, dtype="bfloat16")
-  _backends._warn_fallback.cache_clear()
+  _kernels._warn_fallback.cache_clear()
   with pytest.warns(RuntimeWarning, match="XLA's GEMMs instead of Mosaic GPU's"):
     loss, grads = value_and_grads(
       mst_jax.linear_cross_entropy, problem, impl="mosaic", chunk_size=16

@@ -1,5 +1,5 @@
 """The cross-entropy's statistics in the Mosaic logits GEMM's epilogue
-(``_backends.mosaic_stats.TileStats``) against the float64 oracle: the tile
+(``_kernels.mosaic.stats.TileStats``) against the float64 oracle: the tile
 math on any host (the epilogue's calls replayed tile by tile in plain JAX),
 the kernel's Python lowering on any host, the compiled kernel on a Hopper GPU
 at real sizes (ragged row and column tiles, both weight layouts).
@@ -24,11 +24,12 @@ from test_backends import (
 )
 
 from mst_jax import reference
-from mst_jax._backends import base, mosaic_stats
-from mst_jax._backends.mosaic_ce import MosaicChunkCE
 from mst_jax._gemm import matmul
 from mst_jax._gemm.mosaic import gemm as mosaic_gemm
 from mst_jax._gemm.mosaic.kernels import gemm
+from mst_jax._kernels import base
+from mst_jax._kernels.mosaic import stats as mosaic_stats
+from mst_jax._kernels.mosaic.ce import MosaicChunkCE
 from mst_jax._math import ce as ce_math
 
 ENTROPY = ce_math.CEOptions(label_smoothing=0.1, entropy=True)

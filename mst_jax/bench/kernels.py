@@ -26,10 +26,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mst_jax import _backends as backends
-from mst_jax._backends.mosaic_ce import MosaicBlocks, MosaicChunkCE
-from mst_jax._backends.pallas_triton import KernelBlocks, PallasTritonChunkCE
+from mst_jax import _kernels as backends
 from mst_jax._gemm.mosaic import gemm as mosaic_gemm
+from mst_jax._kernels.mosaic.ce import MosaicBlocks, MosaicChunkCE
+from mst_jax._kernels.triton.ce import KernelBlocks, PallasTritonChunkCE
 from mst_jax._math import ce as ce_math
 
 

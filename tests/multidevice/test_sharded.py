@@ -640,7 +640,7 @@ def test_a_transposed_dv_weight_on_a_mesh_matches_the_oracle(rng, monkeypatch):
   """The transposition forced on XLA's backend (it runs on any host), vocab
   and data parallel: loss and gradients against the float64 oracle,
   ``dweight`` back in ``[D, V]``."""
-  from mst_jax._backends.xla import XlaChunkCE
+  from mst_jax._kernels.xla import XlaChunkCE
 
   monkeypatch.setattr(XlaChunkCE, "transposes_weight", lambda self, x, head: True)
   problem = make_problem(rng, (N,), dim=D, vocab=V, weight_layout="dv")

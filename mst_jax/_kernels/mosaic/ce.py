@@ -48,11 +48,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mst_jax._backends import base, mosaic_stats
-from mst_jax._backends.mosaic_launch import Grid, MosaicBlocks, Program, launch, takes
-from mst_jax._backends.xla import XlaChunkCE
 from mst_jax._gemm import matmul
 from mst_jax._gemm.mosaic import gemm as mosaic_gemm
+from mst_jax._kernels import base
+from mst_jax._kernels.mosaic import stats as mosaic_stats
+from mst_jax._kernels.mosaic.launch import Grid, MosaicBlocks, Program, launch, takes
+from mst_jax._kernels.xla import XlaChunkCE
 from mst_jax._math import ce as ce_math
 
 

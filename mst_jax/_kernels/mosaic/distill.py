@@ -30,9 +30,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mst_jax._backends import mosaic_launch, mosaic_stats
 from mst_jax._gemm import matmul
 from mst_jax._gemm.mosaic import gemm as mosaic_gemm
+from mst_jax._kernels.mosaic import launch as mosaic_launch
+from mst_jax._kernels.mosaic import stats as mosaic_stats
 from mst_jax._math import ce as ce_math
 from mst_jax._math import distill as distill_math
 

@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from mst_jax._backends import base
+from mst_jax._kernels import base
 from mst_jax._math import ce as ce_math
 
 

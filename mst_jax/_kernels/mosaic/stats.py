@@ -1,6 +1,6 @@
 """The cross-entropy's statistics of tiles of 16-bit logits, on Mosaic GPU.
 
-One definition, run in two places: ``mosaic_ce``'s statistics kernel merges
+One definition, run in two places: ``mosaic.ce``'s statistics kernel merges
 the ``[rows, block_v]`` tiles of each vocabulary part it reads back, and
 ``TileStats`` (a ``RowEpilogue`` of the Mosaic GEMM) merges those of each
 output tile of the logits GEMM in its epilogue, so the logits are not read

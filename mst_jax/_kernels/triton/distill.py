@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from mst_jax._backends.triton_common import (
+from mst_jax._kernels.triton.common import (
   TritonKernels,
   label_logits,
   load_logits,

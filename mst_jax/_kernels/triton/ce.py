@@ -12,7 +12,7 @@ float32; all math is float32 and ``ce_math``'s, as in the XLA backend):
    sweep as the loss: two reads, one write, ``dlogits`` over bfloat16 logits
    in place (each program reads a block before it writes it, and owns its rows).
 
-On a CPU the kernels run in interpret mode (``triton_common``).
+On a CPU the kernels run in interpret mode (``triton.common``).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from mst_jax._backends import base
-from mst_jax._backends.triton_common import (
+from mst_jax._kernels import base
+from mst_jax._kernels.triton.common import (
   DEPRECATION,
   KernelBlocks,  # noqa: F401 -- imported from here by tests and the benchmark
   TritonKernels,

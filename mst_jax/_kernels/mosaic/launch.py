@@ -1,5 +1,5 @@
 """Where the Mosaic GPU cross-entropy and distillation kernels run
-(``mosaic_ce``, ``mosaic_distill``): their tiles, a grid of row blocks by
+(``mosaic.ce``, ``mosaic.distill``): their tiles, a grid of row blocks by
 vocabulary parts over ``[R, V]`` arrays (16-bit or float32), what a program
 reads and writes (``Program``), and ``launch``.
 

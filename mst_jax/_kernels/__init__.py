@@ -11,15 +11,15 @@ import warnings
 
 import jax
 
-from mst_jax._backends.base import (
+from mst_jax._gemm.mosaic import gemm as mosaic_gemm
+from mst_jax._kernels.base import (
   AllColumns,
   ChunkBackend,
   ChunkInputs,
   Columns,
   HeadSpec,
 )
-from mst_jax._backends.xla import XlaChunkCE
-from mst_jax._gemm.mosaic import gemm as mosaic_gemm
+from mst_jax._kernels.xla import XlaChunkCE
 
 __all__ = [
   "AllColumns",
@@ -44,13 +44,13 @@ def pallas_unavailable_reason(platform: str) -> str | None:
   Triton lowering fails here, not in the middle of a user's trace.
   """
   try:
-    from mst_jax._backends import pallas_triton
+    from mst_jax._kernels.triton import ce as triton_ce
   except ImportError as e:
     return f"jax.experimental.pallas.triton is not importable ({e})"
   if platform != "gpu":
     return None  # interpret mode needs no lowering
   try:
-    pallas_triton.smoke_test()
+    triton_ce.smoke_test()
   except Exception as e:  # noqa: BLE001 -- any lowering failure means "unavailable"
     return f"the Pallas Triton lowering failed on this jax ({type(e).__name__}: {e})"
   return None
@@ -94,30 +94,30 @@ def select(
   kernels where ``_use_pallas`` says so, else XLA.
   """
   if impl in (None, "mosaic") and select_gemm(impl, platform) == "mosaic":
-    from mst_jax._backends import mosaic_ce
+    from mst_jax._kernels.mosaic import ce as mosaic_ce
 
     return mosaic_ce.MosaicChunkCE()
   if not _use_pallas(impl, platform, not_on_triton):
     return XlaChunkCE()
-  from mst_jax._backends import pallas_triton
+  from mst_jax._kernels.triton import ce as triton_ce
 
-  return pallas_triton.PallasTritonChunkCE(interpret=platform != "gpu")
+  return triton_ce.PallasTritonChunkCE(interpret=platform != "gpu")
 
 
 def select_distill(impl: str | None, platform: str):
   """The per-chunk distillation kernel for ``impl`` on ``platform``, or None
   for the XLA chunk (``_math.distill.chunk_loss``); chosen as ``select``
-  chooses: ``mosaic_distill.MosaicDistill`` (with XLA's chunk for what it
-  does not take) or ``pallas_distill.PallasTritonDistill``."""
+  chooses: ``mosaic.distill.MosaicDistill`` (with XLA's chunk for what it
+  does not take) or ``triton.distill.PallasTritonDistill``."""
   if impl in (None, "mosaic") and select_gemm(impl, platform) == "mosaic":
-    from mst_jax._backends import mosaic_distill
+    from mst_jax._kernels.mosaic import distill as mosaic_distill
 
     return mosaic_distill.MosaicDistill()
   if not _use_pallas(impl, platform):
     return None
-  from mst_jax._backends import pallas_distill
+  from mst_jax._kernels.triton import distill as triton_distill
 
-  return pallas_distill.PallasTritonDistill(interpret=platform != "gpu")
+  return triton_distill.PallasTritonDistill(interpret=platform != "gpu")
 
 
 def select_gemm(impl: str | None, platform: str) -> str:
