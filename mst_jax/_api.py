@@ -12,7 +12,7 @@ import math
 
 import jax
 
-from mst_jax import _inputs, _kernels, _mesh, _options, _planning
+from mst_jax import _inputs, _kernels, _mesh, _options, _plan
 from mst_jax._driver import Plan, reduced_loss, row_losses
 from mst_jax._inputs import Rows
 from mst_jax._math import full_logits
@@ -22,7 +22,7 @@ from mst_jax._row_chunks import RowChunks
 from mst_jax._rows import SweepConfig, stat_dtype
 from mst_jax._vocab_blocks import VocabBlocks
 
-DEFAULT_MEMORY_BUDGET = _planning.DEFAULT_MEMORY_BUDGET
+DEFAULT_MEMORY_BUDGET = _plan.DEFAULT_MEMORY_BUDGET
 _MESH_ARGNAMES = ("mesh", "batch_axis", "vocab_axis")
 STATIC_ARGNAMES = (
   *_options.OPTION_NAMES,
@@ -156,7 +156,7 @@ def linear_cross_entropy(
       its bytes beyond the output's, whose buffer holds other temporaries
       until the sweep ends); past half of it, ``dweight`` stays in place up
       to 32 groups, with that error, and past 32 the buffer is kept beyond
-      the budget (``_planning.plan_with_accumulator``). A float32 one given
+      the budget (``_plan.plan_with_accumulator``). A float32 one given
       here is counted too: the rows get what it leaves (at least a quarter).
       With ``vocab_block_size``, in place unless given here.
     logits_dtype: the dtype the logits matmul writes (it accumulates in
@@ -309,10 +309,10 @@ def _transposed_perf(rows: Rows, plan: Plan, perf: PerfOptions, layout):
 def _tma_row_padding(n_rows: int, dtype, plan: Plan) -> int:
   """Rows to append to each device's ``n_rows`` so that the Mosaic GPU
   kernels take every block of rows the plan forms
-  (``_planning.tma_row_padding``)."""
+  (``_plan.tma_row_padding``)."""
   order = getattr(plan.order, "inner", plan.order)  # a mesh's: each device's
   blocks = (getattr(order, "rows_per_chunk", 0), getattr(order, "rows_per_group", 0))
-  return _planning.tma_row_padding(n_rows, blocks, plan.config.head.gemm, dtype)
+  return _plan.tma_row_padding(n_rows, blocks, plan.config.head.gemm, dtype)
 
 
 def resolve(
@@ -332,7 +332,7 @@ def resolve(
   logits_dtype = _options.resolve_logits_dtype(perf.logits_dtype, rows.hidden.dtype)
   bias_dtype = rows.weight.dtype if rows.bias is None else rows.bias.dtype
   platform = _platform(layout)
-  tile = _planning.MATMUL_TILE if platform == "cpu" else None
+  tile = _plan.MATMUL_TILE if platform == "cpu" else None
   order, accum = _loop_order(rows, perf, logits_dtype, layout, cpu=platform == "cpu")
   config = SweepConfig(
     backend=_kernels.select(
@@ -369,7 +369,7 @@ def _one_group_in_place(rows: Rows, order, logits_dtype, layout) -> bool:
   return (
     isinstance(order, RowChunks)
     and order.rows_per_group >= rows.hidden.shape[0] // _mesh.row_devices(layout)
-    and _planning.dlogits_in_place(logits_dtype, rows.hidden.dtype)
+    and _plan.dlogits_in_place(logits_dtype, rows.hidden.dtype)
   )
 
 
@@ -407,7 +407,7 @@ def _loop_order(rows: Rows, perf: PerfOptions, logits_dtype, layout, *, cpu: boo
   chunk = perf.chunk_size and min(perf.chunk_size, n_rows)
   if perf.vocab_block_size is not None:
     block = perf.vocab_block_size
-    chunk = chunk or _planning.plan_vocab_blocked_rows(
+    chunk = chunk or _plan.plan_vocab_blocked_rows(
       n_rows,
       rows.hidden.shape[1],
       min(block, vocab),
@@ -417,11 +417,11 @@ def _loop_order(rows: Rows, perf: PerfOptions, logits_dtype, layout, *, cpu: boo
     # dweight stays in place: a float32 [V, D] buffer would be this order's largest.
     return VocabBlocks(chunk, block), perf.accum_dtype
   if chunk is not None:
-    accum = perf.accum_dtype or _planning.default_accum_dtype(
+    accum = perf.accum_dtype or _plan.default_accum_dtype(
       n_rows, chunk, rows.weight.dtype
     )
     return RowChunks(chunk, chunk), accum
-  chunk, group, accum = _planning.plan_with_accumulator(
+  chunk, group, accum = _plan.plan_with_accumulator(
     n_rows,
     vocab,
     rows.hidden.shape[1],

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from mst_jax import _distill_driver, _inputs, _manual_axes, _mesh, _options, _planning
+from mst_jax import _distill_driver, _inputs, _manual_axes, _mesh, _options, _plan
 from mst_jax._distill_driver import Heads
 from mst_jax._gemm import matmul
 from mst_jax._math import full_distill
@@ -217,7 +217,7 @@ def linear_distillation_loss(
   if perf.impl == "reference" or n_rows == 0:
     loss = full_distill.row_losses(*x, options=distill, weight_layout=weight_layout)
   else:
-    _planning.require_concrete(
+    _plan.require_concrete(
       student.hidden, student.weight, teacher.hidden, teacher.weight
     )
     layout = _rows_layout(x, weight_layout)
@@ -233,7 +233,7 @@ def linear_distillation_loss(
         plan = _distill_driver.resolve(x, distill, heads_perf, heads_layout)
       n_rows, dtype = x.hidden.shape[0], x.hidden.dtype
       blocks = (plan.rows_per_chunk,)
-      if pad := _planning.tma_row_padding(n_rows, blocks, plan.gemm, dtype):
+      if pad := _plan.tma_row_padding(n_rows, blocks, plan.gemm, dtype):
         x, weights = _rows_appended(x, pad), _inputs.append_rows(weights, pad)
         appended_perf = _options.with_rows_appended(heads_perf, n_rows, pad)
         plan = _distill_driver.resolve(x, distill, appended_perf, heads_layout)

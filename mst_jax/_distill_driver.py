@@ -31,14 +31,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from mst_jax import _planning
+from mst_jax import _plan
 from mst_jax._gemm import matmul
 from mst_jax._gradient_sweeps import add_bias_gradient, row_products
 from mst_jax._kernels import refuse_second_order, select_distill, select_gemm
 from mst_jax._math.ce import at_least_float32
 from mst_jax._math.distill import DistillOptions, chunk_loss
 from mst_jax._options import PerfOptions, resolve_logits_dtype
-from mst_jax._planning import unit_weights
+from mst_jax._plan import unit_weights
 from mst_jax._rows import (
   Differentiated,
   Permuted,
@@ -325,9 +325,9 @@ def plan_rows(n_rows: int, vocab_size: int, bytes_per_logit: int, budget: int) -
 
 def _chunk_heads(vocab: int, *dtypes) -> list[jax.ShapeDtypeStruct]:
   """The shapes of a chunk's logits of each head (``dtypes``): ``vocab``
-  columns, rows a multiple of ``_planning.TMA_ROWS`` (what the chunks are,
+  columns, rows a multiple of ``_plan.TMA_ROWS`` (what the chunks are,
   rows appended where not)."""
-  return [jax.ShapeDtypeStruct((_planning.TMA_ROWS, vocab), d) for d in dtypes]
+  return [jax.ShapeDtypeStruct((_plan.TMA_ROWS, vocab), d) for d in dtypes]
 
 
 def resolve(x: Heads, options: DistillOptions, perf: PerfOptions, layout: str) -> Plan:
@@ -347,20 +347,18 @@ def resolve(x: Heads, options: DistillOptions, perf: PerfOptions, layout: str) -
     (x.bias, logits_dtype),
     (x.teacher_bias, teacher_logits_dtype),
   ):
-    per_logit += 0 if bias is None else _planning.bias_bytes(head_dtype)
+    per_logit += 0 if bias is None else _plan.bias_bytes(head_dtype)
   if kernel is None:
     per_logit += np.dtype(dtype).itemsize + _WORK_BYTES  # dlogits, XLA's passes
   elif not kernel.in_place(
     *_chunk_heads(vocab, logits_dtype, teacher_logits_dtype), dtype
   ):
     per_logit += np.dtype(dtype).itemsize
-  budget = perf.memory_budget or _planning.DEFAULT_MEMORY_BUDGET
+  budget = perf.memory_budget or _plan.DEFAULT_MEMORY_BUDGET
   chunk = perf.chunk_size and min(perf.chunk_size, n_rows)
   chunk = chunk or plan_rows(n_rows, vocab, per_logit, budget)
   # As linear_cross_entropy's: in place for a few chunks, else float32.
-  accum = perf.accum_dtype or _planning.default_accum_dtype(
-    n_rows, chunk, x.weight.dtype
-  )
+  accum = perf.accum_dtype or _plan.default_accum_dtype(n_rows, chunk, x.weight.dtype)
   bias_dtype = x.weight.dtype if x.bias is None else x.bias.dtype
   return Plan(
     options=options,
@@ -370,7 +368,7 @@ def resolve(x: Heads, options: DistillOptions, perf: PerfOptions, layout: str) -
     teacher_logits_dtype=teacher_logits_dtype,
     dweight_dtype=np.dtype(accum or x.weight.dtype),
     dbias_dtype=np.dtype(accum or at_least_float32(bias_dtype)),
-    matmul_tile=_planning.MATMUL_TILE if platform == "cpu" else None,
+    matmul_tile=_plan.MATMUL_TILE if platform == "cpu" else None,
     gemm=gemm,
     kernel=kernel,
     pad_logits=pad,
@@ -400,7 +398,7 @@ def transposed(x: Heads, plan: Plan, perf: PerfOptions):
     return None
   nbytes = lambda w: w.size * np.dtype(w.dtype).itemsize
   copies = 2 * nbytes(x.weight) + nbytes(x.teacher_weight)
-  budget = perf.memory_budget or _planning.DEFAULT_MEMORY_BUDGET
+  budget = perf.memory_budget or _plan.DEFAULT_MEMORY_BUDGET
   if copies > budget // 2:
     return None
   if perf.chunk_size is None:  # else the rows are given, not planned
@@ -423,7 +421,7 @@ def _pads_logits(x: Heads, layout: str, kernel, gemm: str, *dtypes) -> bool:
     (x.teacher_hidden, x.teacher_weight, x.teacher_bias, dtypes[1]),
   )
   for hidden, weight, bias, dtype in heads:
-    rows = jax.ShapeDtypeStruct((_planning.TMA_ROWS, hidden.shape[1]), hidden.dtype)
+    rows = jax.ShapeDtypeStruct((_plan.TMA_ROWS, hidden.shape[1]), hidden.dtype)
     if not matmul.mosaic_takes_logits(rows, weight, layout, dtype, bias=bias):
       return False
   return True

@@ -18,7 +18,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mst_jax import _manual_axes, _planning
+from mst_jax import _manual_axes, _plan
 from mst_jax._gemm import matmul
 from mst_jax._math.ce import at_least_float32
 from mst_jax._options import LossOptions, check_choice
@@ -93,7 +93,7 @@ class Rows(NamedTuple):
     weight scales its label's term alone, which ``target_weight`` carries
     (``ce_math.backward_rows``): the ``[V]`` weights stay out, and every
     backend takes the rows."""
-    _planning.require_concrete(self.hidden, self.weight)
+    _plan.require_concrete(self.hidden, self.weight)
     if label_smoothing:
       return self
     return self._replace(class_weights=None)
@@ -382,7 +382,7 @@ def with_rows_appended(rows: Rows, count: int, *, groups: int = 1) -> Rows:
   Valid, so that a block of rows holding them still runs whole (the fast
   path of blocks whose rows all count); the caller gives them zero weight in
   the loss and drops their per-row outputs, so no loss or gradient comes
-  from them (``_planning.tma_row_padding`` says when to append). Their loss
+  from them (``_plan.tma_row_padding`` says when to append). Their loss
   is finite, so zero weight makes it exactly nothing (``0 * inf`` is NaN).
   """
   append = lambda x, fill=0: append_rows(x, count, fill, groups=groups)

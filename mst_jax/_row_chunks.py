@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from mst_jax._gradient_sweeps import Sweep, accumulate, gradient_sweep
 from mst_jax._kernels.base import write_into
-from mst_jax._planning import unit_weights
+from mst_jax._plan import unit_weights
 from mst_jax._rows import (
   RowCotangents,
   chunk_of,
@@ -50,7 +50,7 @@ class RowChunks:
     rows_per_chunk: rows whose logits exist at once (outside whole groups),
       ``1 <= rows_per_chunk <= rows_per_group``.
     rows_per_group: rows whose ``dhidden`` and ``dweight`` matmuls run at once
-      when all of them count (``_planning.plan_chunks``), ``<= N``.
+      when all of them count (``_plan.plan_chunks``), ``<= N``.
     compact: move valid rows to the front before chunking.
   """
 

@@ -15,7 +15,7 @@
   copied into compacted order.
 * The gradient accumulators: started, and finished in their inputs' dtypes
   (float16's scaled there where they hold unscaled sums:
-  ``_planning.unit_weights``).
+  ``_plan.unit_weights``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from mst_jax import _manual_axes, _planning
+from mst_jax import _manual_axes, _plan
 from mst_jax._kernels import AllColumns, ChunkBackend, ChunkInputs, Columns, HeadSpec
 from mst_jax._math import ce as ce_math
 
@@ -210,9 +210,9 @@ class RowCotangents(NamedTuple):
     return RowCotangents(*map(chunk.take, self))
 
   def unit(self, valid: jax.Array, dtype) -> tuple[RowCotangents, jax.Array | None]:
-    """``(cotangents, scale)``: the three as ``_planning.unit_weights``."""
+    """``(cotangents, scale)``: the three as ``_plan.unit_weights``."""
     cot = (self.g_loss, self.g_lse, self.g_entropy)
-    (g_loss, g_lse, g_entropy), scale = _planning.unit_weights(cot, valid, dtype)
+    (g_loss, g_lse, g_entropy), scale = _plan.unit_weights(cot, valid, dtype)
     return self._replace(g_loss=g_loss, g_lse=g_lse, g_entropy=g_entropy), scale
 
 
@@ -478,12 +478,12 @@ def gradient_finish(
   grads: Grads, x: RowInputs, scale: jax.Array | None = None
 ) -> Grads:
   """The accumulators in their inputs' dtypes (and ``dhidden`` in row order),
-  times ``scale`` where they hold unscaled sums (``_planning.finished``)."""
+  times ``scale`` where they hold unscaled sums (``_plan.finished``)."""
   (dhidden, dweight, dbias), weight, bias = grads, x.weight, x.bias
   if dhidden is not None:
     dhidden = original_order(dhidden)
   if dweight is not None:
-    dweight = _planning.finished(dweight, weight.dtype, scale)
+    dweight = _plan.finished(dweight, weight.dtype, scale)
   if dbias is not None:
-    dbias = _planning.finished(dbias, bias.dtype, scale)
+    dbias = _plan.finished(dbias, bias.dtype, scale)
   return dhidden, dweight, dbias

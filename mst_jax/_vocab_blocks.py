@@ -25,7 +25,7 @@ compacted (the row-chunked order's compaction gathers rows without copying
 weight's dtype by default, whatever the number of row chunks: a float32
 ``[V, D]`` accumulator would be the largest buffer of a mode meant to be
 small. float16 ``dweight`` blocks are added as float32 products of unit row
-weights, scaled as each sum is rounded (``_planning.add_scaled``).
+weights, scaled as each sum is rounded (``_plan.add_scaled``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from jax import lax
 from mst_jax._gemm import matmul
 from mst_jax._kernels.base import ChunkInputs, relative_labels
 from mst_jax._math import ce as ce_math
-from mst_jax._planning import add_scaled, product_dtype, rounded, unit_weights
+from mst_jax._plan import add_scaled, product_dtype, rounded, unit_weights
 from mst_jax._rows import (
   Chunk,
   Grads,
@@ -60,7 +60,7 @@ class VocabBlocks:
   """The vocabulary-blocked loop order (static, hashable; a ``_driver.LoopOrder``).
 
   Attributes:
-    rows_per_chunk: rows per chunk (``_planning.plan_vocab_blocked_rows``).
+    rows_per_chunk: rows per chunk (``_plan.plan_vocab_blocked_rows``).
     block: vocabulary columns per block; the last block of a weight whose
       width is not a multiple is narrower.
   """

@@ -15,7 +15,7 @@ import pytest
 from jax import lax
 
 import mst_jax
-from mst_jax import _api, _distill_driver, _kernels, _planning
+from mst_jax import _api, _distill_driver, _kernels, _plan
 from mst_jax._gemm.mosaic import gemm as mosaic_gemm
 from mst_jax._kernels.mosaic import ce as mosaic_ce
 from mst_jax._kernels.mosaic import distill as mosaic_distill
@@ -204,7 +204,7 @@ def xla_gemm(
 @pytest.fixture
 def appended(monkeypatch):
   """Appends 5 rows wherever the Mosaic GPU kernels' rule is asked
-  (``_planning.tma_row_padding``; it asks for none on a CPU), so CPU tests
+  (``_plan.tma_row_padding``; it asks for none on a CPU), so CPU tests
   exercise the appended rows; yields the row counts it was asked about."""
   asked = []
 
@@ -212,7 +212,7 @@ def appended(monkeypatch):
     asked.append(n_rows)
     return 5
 
-  monkeypatch.setattr(_planning, "tma_row_padding", always)
+  monkeypatch.setattr(_plan, "tma_row_padding", always)
   jax.clear_caches()  # no program traced without the patch is reused
   yield asked
   jax.clear_caches()

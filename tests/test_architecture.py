@@ -28,7 +28,7 @@ LAYERS = [
     "mst_jax._math",
     "mst_jax._math.ce",
     "mst_jax._math.online",
-    "mst_jax._planning",
+    "mst_jax._plan",
     "mst_jax._math.distill",
     "mst_jax._gemm.mosaic",
     "mst_jax._gemm.mosaic.config",

@@ -285,7 +285,7 @@ def test_dhidden_split_to_fill_the_last_wave(rng):
 # weight read as zero-extended to Vp rows for dhidden, dweight only V rows.
 RAGGED = [(1000, 512, 1001), (264, 768, 50257), (1001, 256, 1001)]
 # dweight contracts over the rows, which must be whole tiles of 8 (the
-# driver appends rows to an unaligned N: ``_planning.tma_row_padding``).
+# driver appends rows to an unaligned N: ``_plan.tma_row_padding``).
 RAGGED_CASES = [
   (product, shape)
   for product in ("logits", "dhidden", "dweight")

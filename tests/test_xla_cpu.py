@@ -3,7 +3,7 @@
 XLA:CPU computes 16-bit matmuls and elementwise updates in float32 and
 converts their operands whole, so on the CPU the matmuls go tile by tile
 (``_gemm.matmul``, ``HeadSpec.matmul_tile``) and the planner counts what the CPU
-holds besides (``_planning.cpu_fixed_bytes``, ``CPU_COPY_BYTES``).
+holds besides (``_plan.cpu_fixed_bytes``, ``CPU_COPY_BYTES``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from conftest import ON_GPU, check_against_oracle, make_problem
 
 import mst_jax
-from mst_jax import _planning
+from mst_jax import _plan
 from mst_jax._gemm import matmul
 
 pytestmark = pytest.mark.skipif(ON_GPU, reason="XLA:CPU programs")
@@ -71,7 +71,7 @@ def small_tiles(monkeypatch):
   """Tiles of 96 columns. The plan reads the constant at trace time, and the
   constant is not part of jax.jit's cache key, so the tests using it have
   shapes of their own (D=13, 3 x 41 tokens: no other test traces them)."""
-  monkeypatch.setattr(_planning, "MATMUL_TILE", 96)
+  monkeypatch.setattr(_plan, "MATMUL_TILE", 96)
 
 
 @pytest.mark.parametrize(
@@ -131,7 +131,7 @@ def test_llama_head_temporaries_within_budget(n_rows, dtype, budget):
     dtype,
     lambda h, w, y: mst_jax.linear_cross_entropy(h, w, y, **options),
   )
-  limit = 1.15 * (budget or _planning.DEFAULT_MEMORY_BUDGET)
+  limit = 1.15 * (budget or _plan.DEFAULT_MEMORY_BUDGET)
   assert temps <= limit, (temps / 2**20, limit / 2**20)
 
 
@@ -143,7 +143,7 @@ def test_a_float32_accumulator_asked_for_counts_in_the_budget():
     jnp.bfloat16,
     lambda h, w, y: mst_jax.linear_cross_entropy(h, w, y, accum_dtype=jnp.float32),
   )
-  limit = 1.15 * _planning.DEFAULT_MEMORY_BUDGET
+  limit = 1.15 * _plan.DEFAULT_MEMORY_BUDGET
   assert temps <= limit, (temps / 2**20, limit / 2**20)
 
 
