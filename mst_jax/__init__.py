@@ -10,11 +10,11 @@ import importlib
 
 from mst_jax import reference
 from mst_jax._api import linear_cross_entropy
+from mst_jax._args.inputs import LossAux
+from mst_jax._args.options import HeadLossOptions, LossOptions, PerfOptions
 from mst_jax._distill import linear_distillation_loss
-from mst_jax._inputs import LossAux
 from mst_jax._log_probs import linear_log_probs
 from mst_jax._math.ce import CEOptions
-from mst_jax._options import HeadLossOptions, LossOptions, PerfOptions
 
 __version__ = "0.1.0"
 

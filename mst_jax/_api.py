@@ -12,12 +12,14 @@ import math
 
 import jax
 
-from mst_jax import _inputs, _kernels, _mesh, _options, _plan
+from mst_jax import _kernels, _mesh, _plan
+from mst_jax._args import inputs as _inputs
+from mst_jax._args import options as _options
+from mst_jax._args.inputs import Rows
+from mst_jax._args.options import LossOptions, PerfOptions
 from mst_jax._driver import Plan, reduced_loss, row_losses
-from mst_jax._inputs import Rows
 from mst_jax._math import full_logits
 from mst_jax._math.ce import at_least_float32
-from mst_jax._options import LossOptions, PerfOptions
 from mst_jax._row_chunks import RowChunks
 from mst_jax._rows import SweepConfig, stat_dtype
 from mst_jax._vocab_blocks import VocabBlocks

@@ -1,7 +1,7 @@
 """``linear_distillation_loss``: a KL / JSD loss between a student and a teacher head.
 
 The public function validates its arguments at trace time, turns both heads
-into rows (``_inputs.prepare``) and dispatches: to the chunked sweep
+into rows (``_args.inputs.prepare``) and dispatches: to the chunked sweep
 (``_distill_driver``: neither head's ``[N, V]`` logits exist) or, with
 ``impl="reference"``, to the full-logits oracle (``_math.full_distill``).
 """
@@ -16,7 +16,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from mst_jax import _distill_driver, _inputs, _manual_axes, _mesh, _options, _plan
+from mst_jax import _distill_driver, _manual_axes, _mesh, _plan
+from mst_jax._args import inputs as _inputs
+from mst_jax._args import options as _options
 from mst_jax._distill_driver import Heads
 from mst_jax._gemm import matmul
 from mst_jax._math import full_distill
@@ -251,7 +253,7 @@ def linear_distillation_loss(
 
 
 def _rows_appended(x: Heads, count: int) -> Heads:
-  """``x`` and ``count`` more rows, as ``_inputs.with_rows_appended`` appends
+  """``x`` and ``count`` more rows, as ``_args.inputs.with_rows_appended`` appends
   them (zero hidden states in both heads, a label of finite score in the
   student's, valid)."""
   append = functools.partial(_inputs.append_rows, count=count)
@@ -336,7 +338,7 @@ def _grad_mode(perf: _options.PerfOptions, reduction: str, shape) -> str:
 
 
 def _prepare_head(head: str, hidden, weight, bias, labels, where, options, layout):
-  """``_inputs.prepare`` for one head, its errors naming the head."""
+  """``_args.inputs.prepare`` for one head, its errors naming the head."""
   try:
     return _inputs.prepare(hidden, weight, labels, bias, where, options, layout)
   except (TypeError, ValueError) as error:

@@ -32,12 +32,12 @@ import numpy as np
 from jax import lax
 
 from mst_jax import _plan
+from mst_jax._args.options import PerfOptions, resolve_logits_dtype
 from mst_jax._gemm import matmul
 from mst_jax._gradient_sweeps import add_bias_gradient, row_products
 from mst_jax._kernels import refuse_second_order, select_distill, select_gemm
 from mst_jax._math.ce import at_least_float32
 from mst_jax._math.distill import DistillOptions, chunk_loss
-from mst_jax._options import PerfOptions, resolve_logits_dtype
 from mst_jax._plan import unit_weights
 from mst_jax._rows import (
   Differentiated,

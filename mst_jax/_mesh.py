@@ -34,10 +34,10 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mst_jax import _inputs
+from mst_jax._args import inputs as _inputs
+from mst_jax._args.inputs import Rows
 from mst_jax._driver import LoopOrder
 from mst_jax._gemm import matmul
-from mst_jax._inputs import Rows
 from mst_jax._math import ce as ce_math
 from mst_jax._rows import (
   Differentiated,
@@ -341,7 +341,7 @@ def _auto(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
 
 
 def _from_inputs(rows: Rows, weight_layout: str) -> Layout | None:
-  """The layout of rows on an Explicit mesh (``_inputs.prepare`` resharded
+  """The layout of rows on an Explicit mesh (``_args.inputs.prepare`` resharded
   them to one this module runs), or None off such a mesh.
 
   An axis that does not split its dimension evenly is dropped (that

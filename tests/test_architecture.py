@@ -38,13 +38,14 @@ LAYERS = [
   ["mst_jax._gemm.mosaic.kernels"],  # the Mosaic GPU GEMM kernels
   ["mst_jax._gemm.mosaic.gemm"],  # their arguments and config
   [
-    "mst_jax._options",
+    "mst_jax._args",
+    "mst_jax._args.options",
     "mst_jax._gemm",
     "mst_jax._gemm.matmul",
     "mst_jax._math.full_logits",
     "mst_jax._math.full_distill",
   ],
-  ["mst_jax._inputs"],
+  ["mst_jax._args.inputs"],
   ["mst_jax._kernels*"],  # per-chunk backends
   ["mst_jax._rows"],  # shared row helpers
   ["mst_jax._gradient_sweeps"],  # row-chunked gradient strategies

@@ -24,7 +24,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mst_jax
-from mst_jax import _distill_driver, _inputs, _options, _plan
+from mst_jax import _distill_driver, _plan
+from mst_jax._args import inputs as _inputs
+from mst_jax._args import options as _options
 
 BF16 = np.dtype(jnp.bfloat16)
 

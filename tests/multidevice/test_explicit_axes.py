@@ -115,7 +115,7 @@ def test_rows_appended_on_explicit_inputs(
   axis: 5 rows appended to each device's (forced: the rule appends none on
   a CPU) count for nothing, each gradient keeps its input's type, and the
   appending gathers nothing (the one gather finds the bias's largest entry
-  across its shards, ``_inputs.finite_label``)."""
+  across its shards, ``_args.inputs.finite_label``)."""
   problem = make_problem(rng, (4, 13), dim=D, vocab=V, bias=True, mask="scattered")
   mesh = _mesh(mesh_shape)
   specs = ((row_axis, None, None), ("model", None), (row_axis, None), ("model",))

@@ -19,9 +19,9 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mst_jax import _manual_axes, _plan
+from mst_jax._args.options import LossOptions, check_choice
 from mst_jax._gemm import matmul
 from mst_jax._math.ce import at_least_float32
-from mst_jax._options import LossOptions, check_choice
 
 
 class LossAux(NamedTuple):
