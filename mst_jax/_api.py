@@ -12,17 +12,18 @@ import math
 
 import jax
 
-from mst_jax import _kernels, _mesh, _plan
+from mst_jax import _kernels, _plan
 from mst_jax._args import inputs as _inputs
 from mst_jax._args import options as _options
 from mst_jax._args.inputs import Rows
 from mst_jax._args.options import LossOptions, PerfOptions
-from mst_jax._driver import Plan, reduced_loss, row_losses
 from mst_jax._math import full_logits
 from mst_jax._math.ce import at_least_float32
-from mst_jax._row_chunks import RowChunks
-from mst_jax._rows import SweepConfig, stat_dtype
-from mst_jax._vocab_blocks import VocabBlocks
+from mst_jax._sweep import mesh as _mesh
+from mst_jax._sweep.driver import Plan, reduced_loss, row_losses
+from mst_jax._sweep.row_chunks import RowChunks
+from mst_jax._sweep.rows import SweepConfig, stat_dtype
+from mst_jax._sweep.vocab_blocks import VocabBlocks
 
 DEFAULT_MEMORY_BUDGET = _plan.DEFAULT_MEMORY_BUDGET
 _MESH_ARGNAMES = ("mesh", "batch_axis", "vocab_axis")

@@ -2,7 +2,7 @@
 
 The public function validates its arguments at trace time, turns both heads
 into rows (``_args.inputs.prepare``) and dispatches: to the chunked sweep
-(``_distill_driver``: neither head's ``[N, V]`` logits exist) or, with
+(``_sweep.distill_driver``: neither head's ``[N, V]`` logits exist) or, with
 ``impl="reference"``, to the full-logits oracle (``_math.full_distill``).
 """
 
@@ -16,14 +16,16 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from mst_jax import _distill_driver, _manual_axes, _mesh, _plan
+from mst_jax import _manual_axes, _plan
 from mst_jax._args import inputs as _inputs
 from mst_jax._args import options as _options
-from mst_jax._distill_driver import Heads
 from mst_jax._gemm import matmul
 from mst_jax._math import full_distill
 from mst_jax._math.distill import DistillOptions
-from mst_jax._rows import stat_dtype
+from mst_jax._sweep import distill_driver as _distill_driver
+from mst_jax._sweep import mesh as _mesh
+from mst_jax._sweep.distill_driver import Heads
+from mst_jax._sweep.rows import stat_dtype
 
 # The cross-entropy options that do not apply to a distillation loss.
 _CE_ONLY = {"label_smoothing": 0.0, "z_loss": 0.0}

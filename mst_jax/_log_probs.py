@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import jax
 
-from mst_jax import _api, _mesh
+from mst_jax import _api
 from mst_jax._args import inputs as _inputs
 from mst_jax._args import options as _options
+from mst_jax._sweep import mesh as _mesh
 
 # The loss options that do not apply to log-probabilities.
 LOG_PROBS_FIXED = {"reduction": "none", "label_smoothing": 0.0, "z_loss": 0.0}

@@ -15,11 +15,12 @@ import pytest
 from jax import lax
 
 import mst_jax
-from mst_jax import _api, _distill_driver, _kernels, _plan
+from mst_jax import _api, _kernels, _plan
 from mst_jax._gemm.mosaic import gemm as mosaic_gemm
 from mst_jax._kernels.mosaic import ce as mosaic_ce
 from mst_jax._kernels.mosaic import distill as mosaic_distill
 from mst_jax._kernels.xla import XlaChunkCE
+from mst_jax._sweep import distill_driver as _distill_driver
 
 
 def has_gpu() -> bool:

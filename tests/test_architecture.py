@@ -47,11 +47,11 @@ LAYERS = [
   ],
   ["mst_jax._args.inputs"],
   ["mst_jax._kernels*"],  # per-chunk backends
-  ["mst_jax._rows"],  # shared row helpers
-  ["mst_jax._gradient_sweeps"],  # row-chunked gradient strategies
-  ["mst_jax._row_chunks", "mst_jax._vocab_blocks"],  # loop orders, peers
-  ["mst_jax._driver", "mst_jax._distill_driver"],  # custom VJPs
-  ["mst_jax._mesh"],
+  ["mst_jax._sweep", "mst_jax._sweep.rows"],  # shared row helpers
+  ["mst_jax._sweep.gradients"],  # row-chunked gradient strategies
+  ["mst_jax._sweep.row_chunks", "mst_jax._sweep.vocab_blocks"],  # loop orders, peers
+  ["mst_jax._sweep.driver", "mst_jax._sweep.distill_driver"],  # custom VJPs
+  ["mst_jax._sweep.mesh"],
   ["mst_jax._api"],
   ["mst_jax._log_probs"],  # a second public function on the same machinery
   ["mst_jax._distill"],  # the distillation loss

@@ -26,7 +26,7 @@ import pytest
 from conftest import NAIVE_FACTOR, NAIVE_FLOOR, assert_close, to64
 
 import mst_jax
-from mst_jax import _distill_driver
+from mst_jax._sweep import distill_driver as _distill_driver
 
 D_S, D_T, V = 24, 40, 203
 CHUNK = 8

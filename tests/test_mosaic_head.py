@@ -141,7 +141,7 @@ def test_the_default_on_hopper_is_the_mosaic_program(as_if_on_hopper, kwargs):
   keeps XLA's GEMMs and the Triton kernels. By default the 1000 rows are one
   group of 8 chunks of 128: besides the whole group, the group where masked
   tokens leave chunks empty runs a window of 1 to 8 chunks
-  (``_gradient_sweeps._by_window``), each count its own Mosaic products."""
+  (``_sweep.gradients._by_window``), each count its own Mosaic products."""
   h = jax.ShapeDtypeStruct((1000, 320), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((32000, 320), jnp.bfloat16)
   y = jax.ShapeDtypeStruct((1000,), jnp.int32)

@@ -24,9 +24,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mst_jax
-from mst_jax import _distill_driver, _plan
+from mst_jax import _plan
 from mst_jax._args import inputs as _inputs
 from mst_jax._args import options as _options
+from mst_jax._sweep import distill_driver as _distill_driver
 
 BF16 = np.dtype(jnp.bfloat16)
 

@@ -82,7 +82,7 @@ class Rows(NamedTuple):
   def arrays(self) -> tuple:
     """``(hidden, weight, bias, labels, valid)``, then ``(class_weights,
     target_weight, mean_weight)`` when there are class weights: the
-    ``_rows.RowInputs`` fields."""
+    ``_sweep.rows.RowInputs`` fields."""
     arrays = (self.hidden, self.weight, self.bias, self.labels, self.valid)
     if self.target_weight is None:
       return arrays

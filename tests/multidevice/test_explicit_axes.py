@@ -22,7 +22,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mst_jax
-from mst_jax import _distill_driver
+from mst_jax._sweep import distill_driver as _distill_driver
 
 B, T, D, V = 8, 12, 16, 1032
 OPTIONS = dict(label_smoothing=0.1, z_loss=1e-3, logit_softcap=4.0)

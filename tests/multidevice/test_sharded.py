@@ -63,7 +63,7 @@ def test_dhidden_summed_over_shards_in_row_pieces(rng, monkeypatch, shape, grad_
   Pieces of 5 rows: each chunk of 23 rows (on 1 or 2 row shards) is 4 whole
   pieces and a tail of 3, every one summed once.
   """
-  monkeypatch.setattr(mst_jax._mesh, "_SUM_PIECE_BYTES", 5 * D * 4)
+  monkeypatch.setattr(mst_jax._sweep.mesh, "_SUM_PIECE_BYTES", 5 * D * 4)
   problem = make_problem(rng, (N,), dim=D, vocab=V, bias=True, mask="scattered")
   kwargs = dict(mesh=_mesh(shape), batch_axis="data", vocab_axis="model")
   kwargs.update(impl="xla", chunk_size=23, grad_mode=grad_mode, **OPTIONS)

@@ -10,7 +10,7 @@ group sizes and the logits' dtype:
   ``dlogits`` are gathered into one group buffer.
 
 ``Sweep`` holds what they share: the loop order, the configuration, the
-rows, how a chunk's ``dlogits`` are formed (``_row_chunks``' backward
+rows, how a chunk's ``dlogits`` are formed (``_sweep.row_chunks``' backward
 recomputes them; its fused sweep forms them with the loss) and, for float16,
 the scale of their unit row weights (``_plan.unit_weights``), applied
 where each product is rounded (``row_products``).
@@ -29,7 +29,7 @@ from jax import lax
 
 from mst_jax._gemm import matmul
 from mst_jax._plan import add_scaled, dlogits_in_place, product_dtype, rounded
-from mst_jax._rows import (
+from mst_jax._sweep.rows import (
   Chunk,
   Differentiated,
   Grads,

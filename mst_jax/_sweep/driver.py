@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from mst_jax._kernels import XlaChunkCE, refuse_second_order
-from mst_jax._rows import (
+from mst_jax._sweep.rows import (
   Differentiated,
   Grads,
   Outputs,
@@ -41,7 +41,7 @@ from mst_jax._rows import (
 
 class LoopOrder(Protocol):
   """How the rows (and columns) are walked: ``RowChunks``, ``VocabBlocks``,
-  or either of them mapped over a mesh (``mst_jax._mesh.Sharded``)."""
+  or either of them mapped over a mesh (``mst_jax._sweep.mesh.Sharded``)."""
 
   def forward(self, config: SweepConfig, x: RowInputs) -> Outputs:
     """Per-row ``(loss, lse, correct, entropy)``."""

@@ -16,7 +16,7 @@ runs a loop order on every device inside ``jax.shard_map`` (``Sharded``):
   ``dweight`` stays sharded. No weight all-gather and no ``[N, V]`` array
   anywhere.
 
-The custom VJPs are the single-device ones (``_driver``) with a loop order
+The custom VJPs are the single-device ones (``_sweep.driver``) with a loop order
 whose three computations are ``shard_map``-ped, so ``shard_map`` itself is
 never differentiated.
 """
@@ -36,15 +36,10 @@ from jax.sharding import PartitionSpec as P
 
 from mst_jax._args import inputs as _inputs
 from mst_jax._args.inputs import Rows
-from mst_jax._driver import LoopOrder
 from mst_jax._gemm import matmul
 from mst_jax._math import ce as ce_math
-from mst_jax._rows import (
-  Differentiated,
-  Grads,
-  RowCotangents,
-  RowInputs,
-)
+from mst_jax._sweep.driver import LoopOrder
+from mst_jax._sweep.rows import Differentiated, Grads, RowCotangents, RowInputs
 
 # Rows of a vocab-parallel partial sum all-reduced at a time (``sum_partial``).
 _SUM_PIECE_BYTES = 8 << 20
@@ -236,7 +231,7 @@ class Layout:
 
 @dataclasses.dataclass(frozen=True)
 class Sharded:
-  """A loop order run per device on ``layout.mesh`` (a ``_driver.LoopOrder`` itself)."""
+  """A loop order run per device on ``layout.mesh`` (a ``driver.LoopOrder`` itself)."""
 
   inner: LoopOrder
   layout: Layout

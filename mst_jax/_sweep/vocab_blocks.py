@@ -42,7 +42,7 @@ from mst_jax._gemm import matmul
 from mst_jax._kernels.base import ChunkInputs, relative_labels
 from mst_jax._math import ce as ce_math
 from mst_jax._plan import add_scaled, product_dtype, rounded, unit_weights
-from mst_jax._rows import (
+from mst_jax._sweep.rows import (
   Chunk,
   Grads,
   RowCotangents,
@@ -57,7 +57,7 @@ from mst_jax._rows import (
 
 @dataclasses.dataclass(frozen=True)
 class VocabBlocks:
-  """The vocabulary-blocked loop order (static, hashable; a ``_driver.LoopOrder``).
+  """The vocabulary-blocked loop order (static, hashable; a ``driver.LoopOrder``).
 
   Attributes:
     rows_per_chunk: rows per chunk (``_plan.plan_vocab_blocked_rows``).

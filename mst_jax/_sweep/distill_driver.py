@@ -1,6 +1,6 @@
 """The chunked sweep of both heads behind ``linear_distillation_loss``, and its VJPs.
 
-Rows are walked in chunks (``_rows.sweep_chunks``, valid rows compacted to the
+Rows are walked in chunks (``_sweep.rows.sweep_chunks``, valid rows compacted to the
 front, chunks without a valid row skipped by ``lax.cond``); per chunk both
 heads' logits are formed (``_gemm.matmul.logits_matmul``, the teacher's under
 ``lax.stop_gradient``), ``_math.distill.chunk_loss`` (XLA) or the Pallas
@@ -34,12 +34,12 @@ from jax import lax
 from mst_jax import _plan
 from mst_jax._args.options import PerfOptions, resolve_logits_dtype
 from mst_jax._gemm import matmul
-from mst_jax._gradient_sweeps import add_bias_gradient, row_products
 from mst_jax._kernels import refuse_second_order, select_distill, select_gemm
 from mst_jax._math.ce import at_least_float32
 from mst_jax._math.distill import DistillOptions, chunk_loss
 from mst_jax._plan import unit_weights
-from mst_jax._rows import (
+from mst_jax._sweep.gradients import add_bias_gradient, row_products
+from mst_jax._sweep.rows import (
   Differentiated,
   Permuted,
   compaction,

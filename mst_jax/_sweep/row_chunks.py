@@ -1,6 +1,6 @@
 """The row-chunked loop order: each chunk's logits over the whole vocabulary.
 
-Rows are walked in chunks (``_rows.sweep_chunks``, valid rows compacted to
+Rows are walked in chunks (``_sweep.rows.sweep_chunks``, valid rows compacted to
 the front). Each chunk's ``[rows, V]`` logits are formed by the backend (in
 ``HeadSpec.logits_dtype``), reduced, and dropped:
 
@@ -17,7 +17,7 @@ the front). Each chunk's ``[rows, V]`` logits are formed by the backend (in
   the gradients with them: 6 N·D·V FLOPs, like full-logits autodiff.
 
 How a sweep turns ``dlogits`` into gradients is one of three strategies
-in ``_gradient_sweeps``, chosen from the plan's chunk and group sizes and the
+in ``_sweep.gradients``, chosen from the plan's chunk and group sizes and the
 logits' dtype.
 """
 
@@ -28,10 +28,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from mst_jax._gradient_sweeps import Sweep, accumulate, gradient_sweep
 from mst_jax._kernels.base import write_into
 from mst_jax._plan import unit_weights
-from mst_jax._rows import (
+from mst_jax._sweep.gradients import Sweep, accumulate, gradient_sweep
+from mst_jax._sweep.rows import (
   RowCotangents,
   chunk_of,
   gradient_finish,
@@ -44,7 +44,7 @@ from mst_jax._rows import (
 
 @dataclasses.dataclass(frozen=True)
 class RowChunks:
-  """The row-chunked loop order (static, hashable; a ``_driver.LoopOrder``).
+  """The row-chunked loop order (static, hashable; a ``driver.LoopOrder``).
 
   Attributes:
     rows_per_chunk: rows whose logits exist at once (outside whole groups),
