@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 from flax.nnx.nn import dtypes
 
-from mst_jax._api import linear_cross_entropy
 from mst_jax._args.options import HeadLossOptions
-from mst_jax._log_probs import LOG_PROBS_FIXED, linear_log_probs
+from mst_jax._losses.cross_entropy import linear_cross_entropy
+from mst_jax._losses.log_probs import LOG_PROBS_FIXED, linear_log_probs
 from mst_jax._math import ce as ce_math
 
 

@@ -15,11 +15,12 @@ import pytest
 from jax import lax
 
 import mst_jax
-from mst_jax import _api, _kernels, _plan
+from mst_jax import _kernels, _plan
 from mst_jax._gemm.mosaic import gemm as mosaic_gemm
 from mst_jax._kernels.mosaic import ce as mosaic_ce
 from mst_jax._kernels.mosaic import distill as mosaic_distill
 from mst_jax._kernels.xla import XlaChunkCE
+from mst_jax._losses import cross_entropy as _cross_entropy
 from mst_jax._sweep import distill_driver as _distill_driver
 
 
@@ -143,7 +144,7 @@ def as_if_on_hopper(monkeypatch):
   program traced under these patches."""
   monkeypatch.setattr(mosaic_gemm, "unavailable_reason", lambda: None)
   monkeypatch.setattr(_kernels, "pallas_unavailable_reason", lambda platform: None)
-  monkeypatch.setattr(_api, "_platform", lambda layout: "gpu")
+  monkeypatch.setattr(_cross_entropy, "_platform", lambda layout: "gpu")
   yield
   jax.clear_caches()
 

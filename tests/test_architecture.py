@@ -52,9 +52,9 @@ LAYERS = [
   ["mst_jax._sweep.row_chunks", "mst_jax._sweep.vocab_blocks"],  # loop orders, peers
   ["mst_jax._sweep.driver", "mst_jax._sweep.distill_driver"],  # custom VJPs
   ["mst_jax._sweep.mesh"],
-  ["mst_jax._api"],
-  ["mst_jax._log_probs"],  # a second public function on the same machinery
-  ["mst_jax._distill"],  # the distillation loss
+  ["mst_jax._losses", "mst_jax._losses.cross_entropy"],
+  ["mst_jax._losses.log_probs"],  # a second public function on the same machinery
+  ["mst_jax._losses.distillation"],  # the distillation loss
   ["mst_jax.reference"],
   ["mst_jax._flax_head"],
   ["mst_jax.linen", "mst_jax.nnx"],

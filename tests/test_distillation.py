@@ -795,7 +795,7 @@ def test_temporaries_grow_with_the_chunk_not_with_tokens(rng):
 
 
 def test_docstring_example_runs():
-  result = doctest.testmod(importlib.import_module("mst_jax._distill"))
+  result = doctest.testmod(importlib.import_module("mst_jax._losses.distillation"))
   assert result.attempted > 0 and result.failed == 0
 
 

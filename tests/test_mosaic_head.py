@@ -26,10 +26,11 @@ from conftest import (
 )
 
 import mst_jax
-from mst_jax import _api, _kernels
+from mst_jax import _kernels
 from mst_jax._gemm import matmul
 from mst_jax._gemm.mosaic import gemm as mosaic_gemm
 from mst_jax._kernels.xla import XlaChunkCE
+from mst_jax._losses import cross_entropy as _cross_entropy
 
 
 def _lowered_text(problem, **kwargs) -> str:
@@ -219,13 +220,13 @@ def test_a_weight_copy_comes_out_of_the_memory_budget(as_if_on_hopper, monkeypat
   w = jax.ShapeDtypeStruct((d, vocab), jnp.bfloat16)
   y = jax.ShapeDtypeStruct((n,), jnp.int32)
   planned = []  # (weight layout, memory budget) of each plan
-  resolve = _api.resolve
+  resolve = _cross_entropy.resolve
 
   def recording_resolve(rows, options, perf, weight_layout, *args, **kwargs):
     planned.append((weight_layout, perf.memory_budget))
     return resolve(rows, options, perf, weight_layout, *args, **kwargs)
 
-  monkeypatch.setattr(_api, "resolve", recording_resolve)
+  monkeypatch.setattr(_cross_entropy, "resolve", recording_resolve)
 
   def lowered(budget):
     planned.clear()

@@ -195,7 +195,7 @@ class PerfOptions:
   """How the loss is computed: chunking, backend, dtypes, gradient mode.
 
   See ``mst_jax.linear_cross_entropy`` for each. None means "choose"
-  (``mst_jax._api.resolve`` decides, in one place).
+  (``mst_jax._losses.cross_entropy.resolve`` decides, in one place).
   """
 
   chunk_size: int | None = None

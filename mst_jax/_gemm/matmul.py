@@ -4,8 +4,9 @@ The weight is ``[V, D]`` (``"vd"``: an embedding table, a torch
 ``lm_head.weight``) or ``[D, V]`` (``"dv"``: a Flax Dense kernel). Everything
 that depends on the layout is here, so the loop orders never transpose (or
 copy) the weight. (One caller does: a ``[D, V]`` weight whose rows TMA cannot
-copy is transposed once per step for the Mosaic kernels, by ``_api``, where
-``transposes_weight`` of the backend asks for it.)
+copy is transposed once per step for the Mosaic kernels, by
+``_losses.cross_entropy``, where ``transposes_weight`` of the backend asks for
+it.)
 
 ``gemm`` says what runs a product: ``"xla"`` (``lax.dot_general``) or
 ``"mosaic"``: the Mosaic GPU kernel (``_gemm.mosaic.gemm``, Hopper), for the

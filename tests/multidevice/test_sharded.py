@@ -603,7 +603,7 @@ def test_vocab_blocks_plan_a_transposed_weight_with_the_undivided_budget(
   """Vocabulary blocks plan with the whole default budget on a vocab-sharded
   mesh (a row's cost does not depend on V): so does the transposed copy of
   a ``[D, V]`` weight, less the copies."""
-  from mst_jax import _api
+  from mst_jax._losses import cross_entropy as _cross_entropy
 
   mesh = _mesh((1, 8))
   d, local = 1024, 50257
@@ -611,13 +611,13 @@ def test_vocab_blocks_plan_a_transposed_weight_with_the_undivided_budget(
   w = jax.ShapeDtypeStruct((d, 8 * local), jnp.bfloat16)
   y = jax.ShapeDtypeStruct((4096,), jnp.int32)
   planned = []
-  resolve = _api.resolve
+  resolve = _cross_entropy.resolve
 
   def recording_resolve(rows, options, perf, weight_layout, *args, **kwargs):
     planned.append((weight_layout, perf.memory_budget))
     return resolve(rows, options, perf, weight_layout, *args, **kwargs)
 
-  monkeypatch.setattr(_api, "resolve", recording_resolve)
+  monkeypatch.setattr(_cross_entropy, "resolve", recording_resolve)
 
   def loss(hidden, weight, labels):
     return mst_jax.linear_cross_entropy(
@@ -633,7 +633,7 @@ def test_vocab_blocks_plan_a_transposed_weight_with_the_undivided_budget(
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
   step.trace(h, w, y).lower(lowering_platforms=("cuda",))
   copies = 2 * d * local * 2
-  assert planned[-1] == ("vd", _api.DEFAULT_MEMORY_BUDGET - copies)
+  assert planned[-1] == ("vd", _cross_entropy.DEFAULT_MEMORY_BUDGET - copies)
 
 
 def test_a_transposed_dv_weight_on_a_mesh_matches_the_oracle(rng, monkeypatch):

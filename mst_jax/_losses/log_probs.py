@@ -1,17 +1,18 @@
 """``linear_log_probs``: per-token log-probabilities and entropies (RL).
 
-The same chunked machinery as ``linear_cross_entropy`` (``_api``), asked for
-per-row outputs: the log-probability of the label is minus the unsmoothed
-cross-entropy, and the entropy a fourth per-row output of the loop orders.
+The same chunked machinery as ``linear_cross_entropy``
+(``_losses.cross_entropy``), asked for per-row outputs: the log-probability of
+the label is minus the unsmoothed cross-entropy, and the entropy a fourth
+per-row output of the loop orders.
 """
 
 from __future__ import annotations
 
 import jax
 
-from mst_jax import _api
 from mst_jax._args import inputs as _inputs
 from mst_jax._args import options as _options
+from mst_jax._losses import cross_entropy as _cross_entropy
 from mst_jax._sweep import mesh as _mesh
 
 # The loss options that do not apply to log-probabilities.
@@ -111,7 +112,7 @@ def linear_log_probs(
   rows = _inputs.prepare(hidden, weight, labels, bias, where, options, weight_layout)
   n_rows = rows.hidden.shape[0]
   layout = _mesh.layout_for(mesh, batch_axis, vocab_axis, weight_layout, rows)
-  loss, _, _, entropy = _api.per_row_outputs(
+  loss, _, _, entropy = _cross_entropy.per_row_outputs(
     rows, options, perf, weight_layout, layout, None, entropy=return_entropy
   )
   log_probs = (0.0 - loss).reshape(rows.batch_shape)  # +0.0 at excluded tokens

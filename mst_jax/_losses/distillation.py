@@ -129,9 +129,10 @@ def linear_distillation_loss(
     memory_budget: bytes for a chunk's temporaries, per logit: both heads'
       logits; with the Pallas kernels, ``dlogits`` unless they overwrite the
       student's logits (the same dtype); in XLA, ``dlogits`` and two float32
-      work arrays (default 2.25 GiB, ``mst_jax._api.DEFAULT_MEMORY_BUDGET``).
-      Over more than 2 chunks a float32 ``dweight`` accumulator (``4 V D_s``
-      bytes) comes on top, unless ``accum_dtype`` says otherwise.
+      work arrays (default 2.25 GiB,
+      ``mst_jax._losses.cross_entropy.DEFAULT_MEMORY_BUDGET``). Over more than
+      2 chunks a float32 ``dweight`` accumulator (``4 V D_s`` bytes) comes on
+      top, unless ``accum_dtype`` says otherwise.
     vocab_block_size: not supported (raises ``NotImplementedError``): use
       ``chunk_size`` or ``memory_budget`` to bound the memory.
     impl: None (chunked; on a Hopper GPU the GEMMs and each chunk's loss and

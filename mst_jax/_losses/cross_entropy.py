@@ -118,7 +118,7 @@ def linear_cross_entropy(
       ``dweight`` matmuls also run per chunk). None plans chunks (and, for
       float32 logits, groups of chunks) from ``memory_budget``.
     memory_budget: bytes for the chunk temporaries (default 2.25 GiB,
-      ``mst_jax._api.DEFAULT_MEMORY_BUDGET``): with logits in
+      ``mst_jax._losses.cross_entropy.DEFAULT_MEMORY_BUDGET``): with logits in
       the compute dtype, one chunk's logits, overwritten in place by its
       ``dlogits``; with float32 logits, one chunk's logits and one group's
       ``dlogits``, whose matmuls run once per group. Peak extra memory is about
