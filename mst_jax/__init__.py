@@ -9,12 +9,12 @@ from __future__ import annotations
 import importlib
 
 from mst_jax import reference
-from mst_jax._api import linear_cross_entropy
-from mst_jax._ce_math import CEOptions
-from mst_jax._distill import linear_distillation_loss
-from mst_jax._inputs import LossAux
-from mst_jax._log_probs import linear_log_probs
-from mst_jax._options import HeadLossOptions, LossOptions, PerfOptions
+from mst_jax._args.inputs import LossAux
+from mst_jax._args.options import HeadLossOptions, LossOptions, PerfOptions
+from mst_jax._losses.cross_entropy import linear_cross_entropy
+from mst_jax._losses.distillation import linear_distillation_loss
+from mst_jax._losses.log_probs import linear_log_probs
+from mst_jax._math.ce import CEOptions
 
 __version__ = "0.1.0"
 

@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 from flax.nnx.nn import dtypes
 
-from mst_jax import _ce_math
-from mst_jax._api import linear_cross_entropy
-from mst_jax._log_probs import LOG_PROBS_FIXED, linear_log_probs
-from mst_jax._options import HeadLossOptions
+from mst_jax._args.options import HeadLossOptions
+from mst_jax._losses.cross_entropy import linear_cross_entropy
+from mst_jax._losses.log_probs import LOG_PROBS_FIXED, linear_log_probs
+from mst_jax._math import ce as ce_math
 
 
 class HeadParams(NamedTuple):
@@ -120,4 +120,4 @@ def head_logits(
   logits = jnp.dot(hidden, kernel)
   if bias is not None:
     logits = logits + jnp.expand_dims(bias, tuple(range(logits.ndim - 1)))
-  return _ce_math.scores(logits, options.ce)
+  return ce_math.scores(logits, options.ce)

@@ -14,7 +14,7 @@ except ModuleNotFoundError as error:
   raise ImportError("mst_jax.linen needs Flax: pip install 'mst_jax[flax]'") from error
 
 from mst_jax import _flax_head as head
-from mst_jax._options import HeadLossOptions, head_options
+from mst_jax._args.options import HeadLossOptions, head_options
 
 
 class LMHeadLoss(nn.Module):

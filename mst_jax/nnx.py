@@ -12,7 +12,7 @@ except ModuleNotFoundError as error:
   raise ImportError("mst_jax.nnx needs Flax: pip install 'mst_jax[flax]'") from error
 
 from mst_jax import _flax_head as head
-from mst_jax._options import head_options
+from mst_jax._args.options import head_options
 
 
 class LMHeadLoss(nnx.Module):

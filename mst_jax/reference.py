@@ -10,8 +10,10 @@ their per-row math.
 
 from __future__ import annotations
 
-from mst_jax import _api, _distill, _log_probs
-from mst_jax._full_logits import losses_from_logits, row_losses
+from mst_jax._losses import cross_entropy as _cross_entropy
+from mst_jax._losses import distillation as _distillation
+from mst_jax._losses import log_probs as _log_probs
+from mst_jax._math.full_logits import losses_from_logits, row_losses
 
 __all__ = [
   "linear_cross_entropy",
@@ -30,7 +32,7 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, **kwargs):
   gradient mode) and the mesh, which do not apply, and returns the same
   values. Memory is ``O(N x V)``: for tests and small problems.
   """
-  return _api.linear_cross_entropy(
+  return _cross_entropy.linear_cross_entropy(
     hidden, weight, labels, bias, impl="reference", **kwargs
   )
 
@@ -46,8 +48,8 @@ def linear_distillation_loss(
   student_hidden, student_weight, teacher_hidden, teacher_weight, labels=None, **kwargs
 ):
   """``mst_jax.linear_distillation_loss`` from both heads' full logits,
-  differentiated by autodiff (likewise; ``_full_distill`` has the math)."""
-  return _distill.linear_distillation_loss(
+  differentiated by autodiff (likewise; ``_math.full_distill`` has the math)."""
+  return _distillation.linear_distillation_loss(
     student_hidden,
     student_weight,
     teacher_hidden,

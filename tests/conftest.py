@@ -15,9 +15,13 @@ import pytest
 from jax import lax
 
 import mst_jax
-from mst_jax import _api, _backends, _distill_driver, _mosaic_gemm, _planning
-from mst_jax._backends import mosaic_ce, mosaic_distill
-from mst_jax._backends.xla import XlaChunkCE
+from mst_jax import _kernels, _plan
+from mst_jax._gemm.mosaic import gemm as mosaic_gemm
+from mst_jax._kernels.mosaic import ce as mosaic_ce
+from mst_jax._kernels.mosaic import distill as mosaic_distill
+from mst_jax._kernels.xla import XlaChunkCE
+from mst_jax._losses import cross_entropy as _cross_entropy
+from mst_jax._sweep import distill_driver as _distill_driver
 
 
 def has_gpu() -> bool:
@@ -138,9 +142,9 @@ def as_if_on_hopper(monkeypatch):
   without a GPU can check of the GPU program (the Mosaic and Triton kernels'
   Python lowering). Clears JAX's caches after, so no other test meets a
   program traced under these patches."""
-  monkeypatch.setattr(_mosaic_gemm, "unavailable_reason", lambda: None)
-  monkeypatch.setattr(_backends, "pallas_unavailable_reason", lambda platform: None)
-  monkeypatch.setattr(_api, "_platform", lambda layout: "gpu")
+  monkeypatch.setattr(mosaic_gemm, "unavailable_reason", lambda: None)
+  monkeypatch.setattr(_kernels, "pallas_unavailable_reason", lambda platform: None)
+  monkeypatch.setattr(_cross_entropy, "_platform", lambda layout: "gpu")
   yield
   jax.clear_caches()
 
@@ -157,10 +161,10 @@ def mosaic_on_cpu(as_if_on_hopper, monkeypatch):
     widths.append(out.shape[1])
     return out
 
-  monkeypatch.setattr(_mosaic_gemm, "matmul", gemm)
+  monkeypatch.setattr(mosaic_gemm, "matmul", gemm)
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # distillation's
   backend = mosaic_ce.MosaicChunkCE(fallback=XlaChunkCE, interpret=True)
-  monkeypatch.setattr(_backends, "select", lambda *args, **kwargs: backend)
+  monkeypatch.setattr(_kernels, "select", lambda *args, **kwargs: backend)
   kernel = mosaic_distill.MosaicDistill(interpret=True)
   monkeypatch.setattr(_distill_driver, "select_distill", lambda *args: kernel)
   yield widths
@@ -179,7 +183,7 @@ def xla_gemm(
   out_shape=None,
   zero_extend=False,
 ):
-  """``_mosaic_gemm.matmul``'s contract as an XLA product: float32
+  """``_gemm.mosaic.gemm.matmul``'s contract as an XLA product: float32
   accumulation rounded once, operands zero-extended, the output trimmed or
   zero-padded to ``out_shape``, ``accumulate`` added."""
   del config, row_inputs
@@ -202,7 +206,7 @@ def xla_gemm(
 @pytest.fixture
 def appended(monkeypatch):
   """Appends 5 rows wherever the Mosaic GPU kernels' rule is asked
-  (``_planning.tma_row_padding``; it asks for none on a CPU), so CPU tests
+  (``_plan.tma_row_padding``; it asks for none on a CPU), so CPU tests
   exercise the appended rows; yields the row counts it was asked about."""
   asked = []
 
@@ -210,7 +214,7 @@ def appended(monkeypatch):
     asked.append(n_rows)
     return 5
 
-  monkeypatch.setattr(_planning, "tma_row_padding", always)
+  monkeypatch.setattr(_plan, "tma_row_padding", always)
   jax.clear_caches()  # no program traced without the patch is reused
   yield asked
   jax.clear_caches()

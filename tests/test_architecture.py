@@ -1,9 +1,10 @@
 """The package's structure: layers, no import cycles, options declared once.
 
-docs/architecture.md describes the layers; ``LAYERS`` below is the same list.
-A module may import only modules of earlier layers (or, inside a package
-layer such as ``_backends``, its own package's modules), counting imports
-inside functions.
+``LAYERS`` lists ``mst_jax``'s top-level folders and modules from the ground
+up, as docs/architecture.md's picture does (a test holds the two together). A
+module may import modules of earlier layers and of its own folder, never a
+later layer or a peer of its own layer, counting imports inside functions; no
+imports go in a circle.
 """
 
 from __future__ import annotations
@@ -23,38 +24,20 @@ import mst_jax
 PACKAGE = pathlib.Path(mst_jax.__file__).resolve().parent
 ROOT = PACKAGE.parent
 
+# The top-level folders and modules of mst_jax, from the ground up; peers
+# share a layer. "__init__" is mst_jax/__init__.py.
 LAYERS = [
-  [
-    "mst_jax._ce_math",
-    "mst_jax._planning",
-    "mst_jax._distill_math",
-    "mst_jax._mosaic_gemm_config",
-    "mst_jax._manual_axes",
-  ],  # math, heuristics, manual mesh axes
-  ["mst_jax._mosaic_gemm_epilogue"],  # the Mosaic GPU GEMM's epilogues
-  ["mst_jax._mosaic_gemm_kernels"],  # the Mosaic GPU GEMM kernels
-  ["mst_jax._mosaic_gemm"],  # their arguments and config
-  [
-    "mst_jax._options",
-    "mst_jax._matmul",
-    "mst_jax._full_logits",
-    "mst_jax._full_distill",
-  ],
-  ["mst_jax._inputs"],
-  ["mst_jax._backends*"],  # per-chunk backends
-  ["mst_jax._rows"],  # shared row helpers
-  ["mst_jax._gradient_sweeps"],  # row-chunked gradient strategies
-  ["mst_jax._row_chunks", "mst_jax._vocab_blocks"],  # loop orders, peers
-  ["mst_jax._driver", "mst_jax._distill_driver"],  # custom VJPs
-  ["mst_jax._mesh"],
-  ["mst_jax._api"],
-  ["mst_jax._log_probs"],  # a second public function on the same machinery
-  ["mst_jax._distill"],  # the distillation loss
-  ["mst_jax.reference"],
-  ["mst_jax._flax_head"],
-  ["mst_jax.linen", "mst_jax.nnx"],
-  ["mst_jax"],  # the public surface
-  ["mst_jax.bench*"],
+  ["_math", "_manual_axes"],  # per-row math; values in a caller's shard_map
+  ["_gemm"],  # the head's three products (XLA, the Mosaic GPU GEMM)
+  ["_kernels"],  # one chunk's scores, behind one interface; the selection
+  ["_plan"],  # rows per chunk for a memory budget
+  ["_args"],  # the options, declared once; inputs in, outputs out
+  ["_sweep"],  # the loop orders, their custom VJPs, the mesh
+  ["_losses"],  # the public functions' implementations
+  ["reference", "_flax_head"],  # the oracle; what the Flax modules share
+  ["linen", "nnx"],  # the Flax modules
+  ["__init__"],  # the public surface
+  ["bench"],  # the benchmark CLI
 ]
 
 
@@ -82,14 +65,26 @@ def _imports(path: pathlib.Path) -> set[str]:
 GRAPH = {name: _imports(path) for name, path in MODULES.items()}
 
 
+def _unit(module: str) -> str:
+  """The top-level folder or module of mst_jax that ``module`` is in."""
+  parts = module.split(".")
+  return parts[1] if len(parts) > 1 else "__init__"
+
+
 def _layer(module: str) -> int:
+  unit = _unit(module)
   for index, group in enumerate(LAYERS):
-    for pattern in group:
-      if module == pattern or (
-        pattern.endswith("*") and module.startswith(pattern[:-1])
-      ):
-        return index
-  raise AssertionError(f"{module} is in no layer of LAYERS (add it)")
+    if unit in group:
+      return index
+  raise AssertionError(f"{unit} ({module}) is in no layer of LAYERS (add it)")
+
+
+def _unit_graph() -> dict[str, set[str]]:
+  """Which top-level folders and modules import which."""
+  graph = {_unit(module): set() for module in MODULES}
+  for module, targets in GRAPH.items():
+    graph[_unit(module)] |= {_unit(t) for t in targets} - {_unit(module)}
+  return graph
 
 
 def test_every_module_has_a_layer():
@@ -116,14 +111,74 @@ def test_no_import_cycles():
 
 
 def test_no_module_imports_a_higher_layer():
-  upward = []
-  for module, targets in GRAPH.items():
-    for target in targets:
-      same_package = target.startswith(module.rsplit(".", 1)[0] + ".")
-      lower = _layer(target) < _layer(module)
-      if not lower and not (_layer(target) == _layer(module) and same_package):
-        upward.append(f"{module} imports {target}")
+  """Earlier layers only, or the module's own folder; not a peer."""
+  upward = [
+    f"{module} imports {target}"
+    for module, targets in GRAPH.items()
+    for target in targets
+    if _unit(target) != _unit(module) and _layer(target) >= _layer(module)
+  ]
   assert not upward, upward
+
+
+# docs/architecture.md's picture: one line a layer, the top layer first, each
+# "units [-> the units they import | -> all below]"; a subfolder (a path with
+# its folder, like _kernels/mosaic/) on a line of its own under its folder.
+_PICTURE = re.compile(r"^## The layers\n.*?```text\n(.*?)```", re.M | re.S)
+_TOKEN = re.compile(r"(?<![\w/.])([\w/]+/|\w+\.py)(?![\w/])")
+
+
+def _unit_of(token: str) -> str:
+  return token.removesuffix("/").removesuffix(".py")
+
+
+def _picture() -> list[tuple[list[str], str]]:
+  """The picture's lines, top first: ``(tokens, what they import)``."""
+  text = (ROOT / "docs" / "architecture.md").read_text()
+  match = _PICTURE.search(text)
+  assert match, "docs/architecture.md has no ```text picture under '## The layers'"
+  rows = []
+  for line in match.group(1).splitlines():
+    units, _, imports = line.partition("->")
+    if units.strip():
+      tokens = _TOKEN.findall(units)
+      assert tokens, f"no folder or module on the picture's line {line!r}"
+      rows.append((tokens, imports.strip()))
+  return rows
+
+
+def test_the_picture_names_every_folder():
+  """Each folder the picture names exists, and it names each folder of mst_jax."""
+  named = {t.removesuffix("/") for tokens, _ in _picture() for t in tokens}
+  folders = {
+    p.relative_to(PACKAGE).as_posix()
+    for p in PACKAGE.rglob("*")
+    if p.is_dir() and "__pycache__" not in p.parts
+  }
+  modules = {p.name for p in PACKAGE.glob("*.py")}
+  missing = named - folders - modules
+  assert not missing, f"the picture names what mst_jax does not hold: {missing}"
+  unnamed = folders - named
+  assert not unnamed, f"docs/architecture.md's picture leaves out {unnamed}"
+
+
+def test_the_picture_draws_the_layers_and_their_imports():
+  """The picture's layers are ``LAYERS``, and the imports it draws for each
+  line are the code's (an import between folders is drawn there too)."""
+  rows = [
+    ([_unit_of(t) for t in tokens], imports)
+    for tokens, imports in _picture()
+    if not any("/" in t.removesuffix("/") for t in tokens)
+  ]
+  drawn_layers = [sorted(units) for units, _ in reversed(rows)]
+  assert drawn_layers == [sorted(group) for group in LAYERS], drawn_layers
+  graph = _unit_graph()
+  for depth, (units, imports) in enumerate(reversed(rows)):
+    drawn = set(map(_unit_of, _TOKEN.findall(imports)))
+    if imports == "all below":
+      drawn = {u for group in LAYERS[:depth] for u in group}
+    actual = set().union(*(graph[u] for u in units))
+    assert drawn == actual, f"{units} import {sorted(actual)}; drawn: {sorted(drawn)}"
 
 
 def test_private_modules_are_prefixed():

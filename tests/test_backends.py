@@ -18,12 +18,13 @@ import numpy as np
 import pytest
 from conftest import assert_close, has_gpu
 
-from mst_jax import _backends as backends
-from mst_jax import _ce_math as ce_math
-from mst_jax import _mosaic_gemm, reference
-from mst_jax._backends import pallas_triton
-from mst_jax._backends.mosaic_ce import MosaicChunkCE
-from mst_jax._backends.pallas_triton import KernelBlocks, PallasTritonChunkCE
+from mst_jax import _kernels as backends
+from mst_jax import reference
+from mst_jax._gemm.mosaic import gemm as mosaic_gemm
+from mst_jax._kernels.mosaic.ce import MosaicChunkCE
+from mst_jax._kernels.triton import ce as triton_ce
+from mst_jax._kernels.triton.ce import KernelBlocks, PallasTritonChunkCE
+from mst_jax._math import ce as ce_math
 
 ALL_OPTIONS = ce_math.CEOptions(label_smoothing=0.1, z_loss=1e-3, logit_softcap=30.0)
 SCALED = ce_math.CEOptions(label_smoothing=0.1, logit_softcap=30.0, logit_scale=0.4)
@@ -263,7 +264,7 @@ def test_select_on_gpu():
   them), the Triton ones on other GPUs."""
   assert backends.pallas_unavailable_reason("gpu") is None
   chosen = backends.select(None, "gpu")
-  if _mosaic_gemm.unavailable_reason() is None:
+  if mosaic_gemm.unavailable_reason() is None:
     assert isinstance(chosen, MosaicChunkCE)
     assert isinstance(chosen.fallback(), backends.XlaChunkCE)
   else:
@@ -275,7 +276,7 @@ def test_the_mosaic_kernels_never_ask_for_triton(monkeypatch):
   weights) on XLA: neither selecting them nor their fallbacks compiles a
   Triton kernel (Pallas's Triton lowering is deprecated)."""
   asked = []
-  monkeypatch.setattr(_mosaic_gemm, "unavailable_reason", lambda: None)
+  monkeypatch.setattr(mosaic_gemm, "unavailable_reason", lambda: None)
   monkeypatch.setattr(
     backends, "pallas_unavailable_reason", lambda platform: asked.append(platform)
   )
@@ -288,13 +289,13 @@ def test_the_mosaic_kernels_never_ask_for_triton(monkeypatch):
 
 
 def test_unavailable_triton_falls_back_to_xla_with_one_warning(monkeypatch):
-  from mst_jax._backends import pallas_triton
+  from mst_jax._kernels.triton import ce as triton_ce
 
   def broken():
     raise NotImplementedError("no Triton lowering in this jax")
 
-  monkeypatch.setattr(pallas_triton, "smoke_test", broken)
-  monkeypatch.setattr(_mosaic_gemm, "unavailable_reason", lambda: "not a Hopper GPU")
+  monkeypatch.setattr(triton_ce, "smoke_test", broken)
+  monkeypatch.setattr(mosaic_gemm, "unavailable_reason", lambda: "not a Hopper GPU")
   backends.pallas_unavailable_reason.cache_clear()
   backends._warn_fallback.cache_clear()
   try:
@@ -327,7 +328,7 @@ def test_a_step_the_mosaic_kernels_run_whole_warns_nothing():
   planner's probe of one keeps quiet), also where the Mosaic kernels do not
   take the inputs: float32, and distillation with ``[D, V]`` weights at
   GPT-2's vocabulary, which the planner first sees untransposed."""
-  if _mosaic_gemm.unavailable_reason() is not None:
+  if mosaic_gemm.unavailable_reason() is not None:
     pytest.skip("needs the Mosaic GPU kernels (a Hopper GPU)")
   code = (
     "import jax, jax.numpy as jnp, mst_jax\n"
@@ -376,8 +377,8 @@ def test_the_triton_probe_keeps_quiet(monkeypatch):
     ("something else is deprecated", False),
   ):
     patched = functools.partialmethod(forward, message=message)
-    monkeypatch.setattr(pallas_triton.PallasTritonChunkCE, "forward", patched)
+    monkeypatch.setattr(triton_ce.PallasTritonChunkCE, "forward", patched)
     with warnings.catch_warnings(record=True) as caught:
       warnings.simplefilter("always")
-      pallas_triton.smoke_test()
+      triton_ce.smoke_test()
     assert (not caught) == hidden, [str(w.message) for w in caught]

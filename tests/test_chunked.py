@@ -12,11 +12,11 @@ import pytest
 from conftest import GRAD_RTOL, LOSS_RTOL, assert_close, make_problem, oracle
 
 import mst_jax
-from mst_jax import _backends as backends
-from mst_jax import _ce_math as ce_math
-from mst_jax._driver import Plan, reduced_loss, row_losses
-from mst_jax._row_chunks import RowChunks
-from mst_jax._rows import SweepConfig
+from mst_jax import _kernels as backends
+from mst_jax._math import ce as ce_math
+from mst_jax._sweep.driver import Plan, reduced_loss, row_losses
+from mst_jax._sweep.row_chunks import RowChunks
+from mst_jax._sweep.rows import SweepConfig
 
 
 def _plan(

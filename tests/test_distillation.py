@@ -3,7 +3,7 @@
 The oracle is tests/oracle.py's ``distillation`` on float64 inputs: both
 heads' whole logits, the loss written from the definitions, gradients by
 autodiff. It shares nothing with the library (neither the chunked path's
-hand-written gradient, ``_distill_math``, nor its argument handling); a numpy
+hand-written gradient, ``_math.distill``, nor its argument handling); a numpy
 check pins its values to the formulas. Sizes are unaligned on purpose (N=37,
 D_s=24, D_t=40, V=203) and chunks small (8 rows), so every problem has
 several chunks, a clamped last one, and (valid rows compacted to the front)
@@ -26,7 +26,7 @@ import pytest
 from conftest import NAIVE_FACTOR, NAIVE_FLOOR, assert_close, to64
 
 import mst_jax
-from mst_jax import _distill_driver
+from mst_jax._sweep import distill_driver as _distill_driver
 
 D_S, D_T, V = 24, 40, 203
 CHUNK = 8
@@ -795,7 +795,7 @@ def test_temporaries_grow_with_the_chunk_not_with_tokens(rng):
 
 
 def test_docstring_example_runs():
-  result = doctest.testmod(importlib.import_module("mst_jax._distill"))
+  result = doctest.testmod(importlib.import_module("mst_jax._losses.distillation"))
   assert result.attempted > 0 and result.failed == 0
 
 
@@ -811,8 +811,8 @@ KERNEL_OPTIONS = [
 
 def kernel_options(options: dict):
   """``KERNEL_OPTIONS``' dict as ``DistillOptions``."""
-  from mst_jax._ce_math import CEOptions
-  from mst_jax._distill_math import DistillOptions
+  from mst_jax._math.ce import CEOptions
+  from mst_jax._math.distill import DistillOptions
 
   scores = {k: options[k] for k in ("logit_softcap", "logit_scale") if k in options}
   distill = {k: v for k, v in options.items() if k not in scores}
@@ -866,8 +866,8 @@ def test_kernel_blocks_merge_like_whole_rows(rng, options, offset):
   full-logits reference (``losses_from_logits`` and its autodiff gradient).
   ``offset`` adds 1e3 to every logit of both heads (without a softcap the
   loss does not change)."""
-  from mst_jax._backends.pallas_distill import PallasTritonDistill
-  from mst_jax._backends.triton_common import KernelBlocks
+  from mst_jax._kernels.triton.common import KernelBlocks
+  from mst_jax._kernels.triton.distill import PallasTritonDistill
 
   rows, vocab = 7, V
   student = rng.standard_normal((rows, vocab)) * 3.0

@@ -42,7 +42,7 @@ def test_a_keyword_far_from_every_option_gets_no_guess():
 
 def test_the_flax_head_names_the_nearest_option():
   pytest.importorskip("flax")
-  from mst_jax import _options
+  from mst_jax._args import options as _options
 
   with pytest.raises(TypeError, match="'ignore_idx': did you mean 'ignore_index'"):
     _options.head_options("LMHeadLoss", {"ignore_idx": 1})

@@ -3,7 +3,7 @@
 A mean over N tokens weights each row's gradient by ``1 / N``, and float16
 ends at 6e-8: ``dlogits`` of ``p / N`` in float16 would flush to zero or keep
 a few bits. The chunked paths form ``dlogits`` of unit row weights and apply
-the scale in float32 where each product is rounded (``_planning.unit_weights``).
+the scale in float32 where each product is rounded (``_plan.unit_weights``).
 
 The oracle is written here from the definitions (``logits = h @ w.T + b``;
 the mean over valid tokens of ``lse - logit[label]``; the mean log-probability
@@ -23,7 +23,8 @@ import pytest
 from conftest import ALL_OPTIONS, make_problem, rel_err
 
 import mst_jax
-from mst_jax import _mosaic_gemm, _planning
+from mst_jax import _plan
+from mst_jax._gemm.mosaic import gemm as mosaic_gemm
 
 # A gradient's error against float64, at most this times the naive head's.
 NAIVE_FACTOR = {"cross_entropy": 2.0, "log_probs": 2.0, "distillation": 2.0}
@@ -239,13 +240,13 @@ def test_the_hopper_program(rng, mosaic_on_cpu, monkeypatch, kind, perf, vocab):
   write float32 products, which are scaled as they are rounded; the
   ``dweight`` accumulator is float32."""
   products = []
-  gemm = _mosaic_gemm.matmul
+  gemm = mosaic_gemm.matmul
 
   def recorded(lhs, rhs, dims, out_dtype=None, **kwargs):
     products.append((jnp.dtype(lhs.dtype), jnp.dtype(out_dtype)))
     return gemm(lhs, rhs, dims, out_dtype, **kwargs)
 
-  monkeypatch.setattr(_mosaic_gemm, "matmul", recorded)
+  monkeypatch.setattr(mosaic_gemm, "matmul", recorded)
   problem = _problem(rng, "vd", "scattered", n_rows=1000, vocab=vocab, dim=128)
   teacher = _teacher(rng, "vd", n_rows=1000, vocab=vocab, dim=64)
   check_float16(kind, problem, "vd", teacher=teacher, impl="mosaic", **perf)
@@ -289,10 +290,10 @@ def test_only_float16_is_scaled():
   weights = (jnp.array([0.5, -4.0, 2.0]),)
   valid = jnp.array([True, False, True])
   for dtype in (jnp.bfloat16, jnp.float32, jnp.float64):
-    assert not _planning.scales_gradients(dtype)
-    assert _planning.unit_weights(weights, valid, dtype) == (weights, None)
-  assert _planning.scales_gradients(jnp.float16)
-  (unit,), scale = _planning.unit_weights(weights, valid, jnp.float16)
+    assert not _plan.scales_gradients(dtype)
+    assert _plan.unit_weights(weights, valid, dtype) == (weights, None)
+  assert _plan.scales_gradients(jnp.float16)
+  (unit,), scale = _plan.unit_weights(weights, valid, jnp.float16)
   # The largest magnitude at a valid row (the excluded -4 does not count).
   assert scale.dtype == jnp.float32 and float(scale) == 2.0
   np.testing.assert_array_equal(unit, [0.25, -2.0, 1.0])
@@ -300,7 +301,7 @@ def test_only_float16_is_scaled():
 
 def test_the_scale_of_no_weight_is_one():
   zeros = (jnp.zeros(4), jnp.zeros(4))
-  units, scale = _planning.unit_weights(zeros, jnp.ones(4, bool), jnp.float16)
+  units, scale = _plan.unit_weights(zeros, jnp.ones(4, bool), jnp.float16)
   assert float(scale) == 1.0
   assert all(not np.any(u) for u in units)
 
@@ -309,14 +310,14 @@ def test_float16_weights_plan_a_float32_accumulator():
   """Counted in the budget like one asked for: the rows get what it leaves."""
   n, v, d = 8192, 32000, 4096
   f16 = np.dtype(np.float16)
-  assert _planning.default_accum_dtype(n, n, f16) == np.float32
-  assert _planning.default_accum_dtype(n, n, np.dtype(jnp.bfloat16)) is None
+  assert _plan.default_accum_dtype(n, n, f16) == np.float32
+  assert _plan.default_accum_dtype(n, n, np.dtype(jnp.bfloat16)) is None
   budget = 2 << 30
   kwargs = dict(memory_budget=budget, logits_dtype=np.dtype(np.float32))
-  chunk, group, accum = _planning.plan_with_accumulator(n, v, d, f16, f16, **kwargs)
+  chunk, group, accum = _plan.plan_with_accumulator(n, v, d, f16, f16, **kwargs)
   assert accum == np.float32
   rest = budget - (4 - 2) * v * d
-  assert (chunk, group) == _planning.plan_chunks(
+  assert (chunk, group) == _plan.plan_chunks(
     n, v, f16, memory_budget=rest, logits_dtype=np.dtype(np.float32)
   )
 

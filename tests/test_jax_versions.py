@@ -11,12 +11,9 @@ import jaxlib
 import numpy as np
 import pytest
 
-from mst_jax import _backends, _mosaic_gemm
-from mst_jax._mosaic_gemm_config import (
-  SMEM_BYTES,
-  accumulator_limit,
-  default_config,
-)
+from mst_jax import _kernels
+from mst_jax._gemm.mosaic import gemm as mosaic_gemm
+from mst_jax._gemm.mosaic.config import SMEM_BYTES, accumulator_limit, default_config
 
 
 @pytest.mark.parametrize(
@@ -44,32 +41,30 @@ def test_accumulator_limit_from_jaxlib_0_12(version, limit):
   ],
 )
 def test_mosaic_is_slow_from_jaxlib_0_12(version, slow):
-  assert _backends.mosaic_is_slow(version) is slow
+  assert _kernels.mosaic_is_slow(version) is slow
 
 
 @pytest.mark.parametrize("version", ["0.11.2", "0.12.0.1"])
 def test_the_default_on_hopper_follows_the_jaxlib_version(monkeypatch, version):
   """impl=None: the Mosaic kernels, or from jaxlib 0.12 the Triton ones;
   impl="mosaic": the Mosaic kernels on either."""
-  monkeypatch.setattr(_mosaic_gemm, "unavailable_reason", lambda: None)
-  monkeypatch.setattr(_backends, "pallas_unavailable_reason", lambda platform: None)
+  monkeypatch.setattr(mosaic_gemm, "unavailable_reason", lambda: None)
+  monkeypatch.setattr(_kernels, "pallas_unavailable_reason", lambda platform: None)
   monkeypatch.setattr(jaxlib, "__version__", version)
-  if _backends.mosaic_is_slow(version):
-    assert _backends.select_gemm(None, "gpu") == "xla"
-    assert type(_backends.select(None, "gpu")).__name__ == "PallasTritonChunkCE"
-    assert type(_backends.select_distill(None, "gpu")).__name__ == "PallasTritonDistill"
-  for impl in (
-    (None, "mosaic") if not _backends.mosaic_is_slow(version) else ("mosaic",)
-  ):
-    assert _backends.select_gemm(impl, "gpu") == "mosaic"
-    ce = _backends.select(impl, "gpu")
+  if _kernels.mosaic_is_slow(version):
+    assert _kernels.select_gemm(None, "gpu") == "xla"
+    assert type(_kernels.select(None, "gpu")).__name__ == "PallasTritonChunkCE"
+    assert type(_kernels.select_distill(None, "gpu")).__name__ == "PallasTritonDistill"
+  for impl in (None, "mosaic") if not _kernels.mosaic_is_slow(version) else ("mosaic",):
+    assert _kernels.select_gemm(impl, "gpu") == "mosaic"
+    ce = _kernels.select(impl, "gpu")
     assert type(ce).__name__ == "MosaicChunkCE"
     # What the Mosaic kernels do not take runs on XLA, not Triton.
     assert type(ce.fallback()).__name__ == "XlaChunkCE"
-    distill = _backends.select_distill(impl, "gpu")
+    distill = _kernels.select_distill(impl, "gpu")
     assert type(distill).__name__ == "MosaicDistill"
     assert distill.fallback() is None  # XLA's chunk
-  assert type(_backends.select("pallas", "gpu")).__name__ == "PallasTritonChunkCE"
+  assert type(_kernels.select("pallas", "gpu")).__name__ == "PallasTritonChunkCE"
 
 
 def _shapes(rng: np.random.Generator, count: int):
@@ -88,7 +83,7 @@ def test_every_default_tile_fits_the_jaxlib_registers(monkeypatch, rng, version)
   at most the jaxlib's accumulator limit a warpgroup, and fits shared
   memory."""
   monkeypatch.setattr(jaxlib, "__version__", version)
-  limit = _mosaic_gemm._accumulator()
+  limit = mosaic_gemm._accumulator()
   assert limit == accumulator_limit(version)
   bf16, f32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
   for rows, d, v in _shapes(rng, 40):

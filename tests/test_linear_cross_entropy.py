@@ -23,8 +23,8 @@ from conftest import (
 )
 
 import mst_jax
-from mst_jax import _row_chunks
-from mst_jax._gradient_sweeps import gradient_sweep
+from mst_jax._sweep import row_chunks as _row_chunks
+from mst_jax._sweep.gradients import gradient_sweep
 
 SINGLE_OPTIONS = {
   "plain": {},

@@ -2,10 +2,10 @@
 50257, 1001 here) on the Mosaic kernels.
 
 The Mosaic GEMM writes the chunk's float32 logits padded to whole tiles
-(``_matmul.mosaic_logits``), the bias is added with zeros past its columns,
+(``_gemm.matmul.mosaic_logits``), the bias is added with zeros past its columns,
 the cross-entropy and distillation kernels score the weight's columns, and
 ``dbias`` sums the weight's columns of the padded ``dlogits``
-(``_matmul.bias_gradient``). On a CPU: the step lowered for CUDA has no XLA
+(``_gemm.matmul.bias_gradient``). On a CPU: the step lowered for CUDA has no XLA
 GEMM and no Triton kernel, and the same program run with the GEMM as an XLA
 product of the same contract and the kernels in interpret mode matches the
 float64 oracle. On a Hopper GPU: the real kernels against the oracle.
@@ -21,7 +21,7 @@ import pytest
 from conftest import ALL_OPTIONS, check_against_oracle, make_problem, rel_err
 
 import mst_jax
-from mst_jax import _mosaic_gemm
+from mst_jax._gemm.mosaic import gemm as mosaic_gemm
 
 
 def _biased_problem(rng, batch_shape, dim, vocab, layout, **kwargs):
@@ -184,7 +184,7 @@ def test_distillation_with_biases_lowers_to_mosaic_kernels_only(
 
 
 def _skip_without_hopper():
-  if (reason := _mosaic_gemm.unavailable_reason()) is not None:
+  if (reason := mosaic_gemm.unavailable_reason()) is not None:
     pytest.skip(reason)
 
 

@@ -1,4 +1,4 @@
-"""The Mosaic GPU cross-entropy kernels (``_backends.mosaic_ce``) against the
+"""The Mosaic GPU cross-entropy kernels (``_kernels.mosaic.ce``) against the
 float64 oracle: in interpret mode on any host (the kernel bodies: online
 statistics over tiles and vocabulary parts, ``dlogits``), compiled on a
 Hopper GPU at real sizes (the TMA pipelines, in-place writes, ragged tiles).
@@ -23,11 +23,13 @@ from test_backends import (
   check_backend,
 )
 
-from mst_jax import _backends as backends
-from mst_jax import _ce_math as ce_math
-from mst_jax import _matmul, _mosaic_gemm, reference
-from mst_jax._backends import pallas_triton
-from mst_jax._backends.mosaic_ce import MosaicBlocks, MosaicChunkCE, takes
+from mst_jax import _kernels as backends
+from mst_jax import reference
+from mst_jax._gemm import matmul
+from mst_jax._gemm.mosaic import gemm as mosaic_gemm
+from mst_jax._kernels.mosaic.ce import MosaicBlocks, MosaicChunkCE, takes
+from mst_jax._kernels.triton import ce as triton_ce
+from mst_jax._math import ce as ce_math
 
 # 64 x 128 tiles, 8 programs: 200 rows are 4 row blocks (the last ragged), 1216
 # columns 10 tiles (the last ragged) in 2 parts of 5.
@@ -231,14 +233,14 @@ def test_tiles_are_validated():
 def test_selection_on_hopper(monkeypatch):
   """impl=None and "mosaic": the Mosaic kernels with XLA's behind them;
   "pallas" and "xla" as asked, and a CPU: XLA."""
-  monkeypatch.setattr(_mosaic_gemm, "unavailable_reason", lambda: None)
+  monkeypatch.setattr(mosaic_gemm, "unavailable_reason", lambda: None)
   monkeypatch.setattr(backends, "pallas_unavailable_reason", lambda platform: None)
   for impl in (None, "mosaic"):
     chosen = backends.select(impl, "gpu")
     assert isinstance(chosen, MosaicChunkCE) and not chosen.interpret
     assert isinstance(chosen.fallback(), backends.XlaChunkCE)
     assert backends.select_gemm(impl, "gpu") == "mosaic"
-  assert isinstance(backends.select("pallas", "gpu"), pallas_triton.PallasTritonChunkCE)
+  assert isinstance(backends.select("pallas", "gpu"), triton_ce.PallasTritonChunkCE)
   assert backends.select_gemm("pallas", "gpu") == "xla"
   backends._warn_fallback.cache_clear()
   with pytest.warns(RuntimeWarning, match="XLA's GEMMs instead of Mosaic"):
@@ -267,7 +269,7 @@ def test_selection_on_hopper(monkeypatch):
 
 def test_impl_none_off_hopper_keeps_quiet(monkeypatch):
   """impl=None on another GPU: XLA's GEMMs and no warning; "mosaic" warns."""
-  monkeypatch.setattr(_mosaic_gemm, "unavailable_reason", lambda: "compute 8.0")
+  monkeypatch.setattr(mosaic_gemm, "unavailable_reason", lambda: "compute 8.0")
   monkeypatch.setattr(backends, "pallas_unavailable_reason", lambda platform: None)
   backends._warn_fallback.cache_clear()
   try:
@@ -275,7 +277,7 @@ def test_impl_none_off_hopper_keeps_quiet(monkeypatch):
       warnings.simplefilter("error")
       assert backends.select_gemm(None, "gpu") == "xla"
       chosen = backends.select(None, "gpu")
-      assert isinstance(chosen, pallas_triton.PallasTritonChunkCE)
+      assert isinstance(chosen, triton_ce.PallasTritonChunkCE)
     with pytest.warns(RuntimeWarning, match="XLA's GEMMs instead of Mosaic"):
       assert backends.select_gemm("mosaic", "gpu") == "xla"
   finally:
@@ -287,7 +289,7 @@ def test_impl_none_off_hopper_keeps_quiet(monkeypatch):
 
 def _skip_without_hopper():
   assert has_gpu()
-  if (reason := _mosaic_gemm.unavailable_reason()) is not None:
+  if (reason := mosaic_gemm.unavailable_reason()) is not None:
     pytest.skip(reason)
 
 
@@ -365,7 +367,7 @@ def test_gpu_softcap_scores_to_an_ulp(rng):
   np.testing.assert_allclose(np.asarray(stats.lse), lse, rtol=0, atol=2e-6)
 
 
-# Logits padded past a ragged vocabulary (``_matmul.mosaic_logits``: 1001
+# Logits padded past a ragged vocabulary (``_gemm.matmul.mosaic_logits``: 1001
 # columns padded to 1024). The padding holds values far above the rest, so a
 # statistic that read it would be far off.
 def _padded_case(rng, options_case="normal"):
@@ -528,13 +530,11 @@ def test_padded_dlogits_products_read_the_weights_columns(rng, layout, tile):
   ref_dh = dlogits @ w64
   ref_dw = dlogits.T @ np.asarray(hidden, np.float64)  # [V, D]
   ref_dw = ref_dw if layout == "vd" else ref_dw.T
-  dh = _matmul.dhidden_matmul(padded, weight, layout, jnp.float32, tile=tile)
+  dh = matmul.dhidden_matmul(padded, weight, layout, jnp.float32, tile=tile)
   assert_close(dh, ref_dh, 1e-5, "dhidden")
   start = jnp.asarray(rng.standard_normal(weight.shape), jnp.float32)
-  dw = _matmul.dweight_matmul(
-    padded, hidden, layout, jnp.float32, into=start, tile=tile
-  )
+  dw = matmul.dweight_matmul(padded, hidden, layout, jnp.float32, into=start, tile=tile)
   assert_close(dw, ref_dw + np.asarray(start, np.float64), 1e-5, "dweight +=")
   if tile is None:  # a block's own dweight (vocabulary blocks)
-    dw = _matmul.dweight_matmul(padded, hidden, layout, jnp.float32, width=v)
+    dw = matmul.dweight_matmul(padded, hidden, layout, jnp.float32, width=v)
     assert_close(dw, ref_dw, 1e-5, "dweight")

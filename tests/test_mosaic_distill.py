@@ -1,4 +1,4 @@
-"""The Mosaic GPU distillation kernels (``_backends.mosaic_distill``) against
+"""The Mosaic GPU distillation kernels (``_kernels.mosaic.distill``) against
 the float64 oracle: in interpret mode on any host (the kernel bodies: both
 heads' online statistics over tiles and vocabulary parts, the JSD's second
 pass, ``dlogits``), lowered for a Hopper GPU on any host (what the default
@@ -22,12 +22,13 @@ from test_distillation import (
 )
 
 import mst_jax
-from mst_jax import _backends as backends
-from mst_jax import _distill_math, _mosaic_gemm
-from mst_jax._backends import pallas_distill
-from mst_jax._backends.mosaic_ce import MosaicBlocks
-from mst_jax._backends.mosaic_distill import MosaicDistill, takes
-from mst_jax._backends.triton_common import KernelBlocks
+from mst_jax import _kernels as backends
+from mst_jax._gemm.mosaic import gemm as mosaic_gemm
+from mst_jax._kernels.mosaic.ce import MosaicBlocks
+from mst_jax._kernels.mosaic.distill import MosaicDistill, takes
+from mst_jax._kernels.triton import distill as triton_distill
+from mst_jax._kernels.triton.common import KernelBlocks
+from mst_jax._math import distill as distill_math
 
 # 64 x 128 tiles: 200 rows are 4 row blocks (the last ragged), 1216 columns
 # 10 tiles (the last ragged); 12 programs cut them into 3 parts of 4 tiles
@@ -74,7 +75,7 @@ def test_kernels_match_the_oracle(rng, options):
   np.testing.assert_array_equal(np.asarray(loss_only), np.asarray(loss))
 
 
-TRITON = pallas_distill.PallasTritonDistill(
+TRITON = triton_distill.PallasTritonDistill(
   blocks=KernelBlocks(block_rows=32, block_v=512), interpret=True
 )
 
@@ -194,7 +195,7 @@ def test_a_label_outside_the_vocabulary_is_nan_as_in_xla(rng):
   opts = kernel_options(KERNEL_OPTIONS[3])
   g = jnp.asarray(g_loss, jnp.float32)
   loss, dlogits = INTERPRET.chunk_loss(*heads, labels, valid, g, opts, jnp.bfloat16)
-  ref_loss, ref_grad = _distill_math.chunk_loss(*heads, labels, valid, g, opts)
+  ref_loss, ref_grad = distill_math.chunk_loss(*heads, labels, valid, g, opts)
   bad = np.isin(np.arange(ROWS), [3, 4])
   assert np.isnan(to64(loss)[bad]).all() and np.isnan(to64(ref_loss)[bad]).all()
   assert np.isnan(to64(dlogits)[bad]).any(axis=1).all()
@@ -217,7 +218,7 @@ def test_a_label_in_or_past_the_padding_is_nan_as_in_xla(rng):
   loss, dlogits = INTERPRET.chunk_loss(
     *padded, labels, valid, g, opts, jnp.bfloat16, n_cols=n_cols
   )
-  ref_loss, ref_grad = _distill_math.chunk_loss(*heads, labels, valid, g, opts)
+  ref_loss, ref_grad = distill_math.chunk_loss(*heads, labels, valid, g, opts)
   bad = np.isin(np.arange(ROWS), bad_rows)
   assert np.isnan(to64(loss)[bad]).all() and np.isnan(to64(ref_loss)[bad]).all()
   assert np.isnan(to64(dlogits)[bad, :n_cols]).any(axis=1).all()
@@ -235,7 +236,7 @@ def test_in_place_where_the_kernels_or_the_fallback_are():
   compiles a Triton kernel)."""
   head = lambda vocab, dtype=jnp.bfloat16: jax.ShapeDtypeStruct((ROWS, vocab), dtype)
   bf16 = jnp.bfloat16
-  triton = MosaicDistill(fallback=lambda: pallas_distill.PallasTritonDistill())
+  triton = MosaicDistill(fallback=lambda: triton_distill.PallasTritonDistill())
   assert triton.in_place(head(VOCAB - 3), head(VOCAB - 3), bf16)
   assert triton.in_place(head(VOCAB), head(VOCAB, jnp.float32), bf16)
   assert not triton.in_place(head(VOCAB), head(VOCAB), jnp.float32)
@@ -255,19 +256,19 @@ def test_selection_on_hopper(monkeypatch):
   """impl=None and "mosaic": the Mosaic kernels with XLA's chunk behind them;
   "pallas" and "xla" as asked; another GPU: the Triton kernel; a CPU: XLA's
   chunk."""
-  monkeypatch.setattr(_mosaic_gemm, "unavailable_reason", lambda: None)
+  monkeypatch.setattr(mosaic_gemm, "unavailable_reason", lambda: None)
   monkeypatch.setattr(backends, "pallas_unavailable_reason", lambda platform: None)
   for impl in (None, "mosaic"):
     chosen = backends.select_distill(impl, "gpu")
     assert isinstance(chosen, MosaicDistill) and not chosen.interpret
     assert chosen.fallback() is None
   chosen = backends.select_distill("pallas", "gpu")
-  assert isinstance(chosen, pallas_distill.PallasTritonDistill)
+  assert isinstance(chosen, triton_distill.PallasTritonDistill)
   assert backends.select_distill("xla", "gpu") is None
   assert backends.select_distill(None, "cpu") is None
-  monkeypatch.setattr(_mosaic_gemm, "unavailable_reason", lambda: "compute 8.0")
+  monkeypatch.setattr(mosaic_gemm, "unavailable_reason", lambda: "compute 8.0")
   chosen = backends.select_distill(None, "gpu")
-  assert isinstance(chosen, pallas_distill.PallasTritonDistill)
+  assert isinstance(chosen, triton_distill.PallasTritonDistill)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -19,16 +19,16 @@ import numpy as np
 import pytest
 from conftest import has_gpu
 
-from mst_jax import _mosaic_gemm as mosaic_gemm
-from mst_jax._mosaic_gemm import GemmConfig
-from mst_jax._mosaic_gemm_config import (
+from mst_jax._gemm.mosaic import gemm as mosaic_gemm
+from mst_jax._gemm.mosaic.config import (
   SMEM_BYTES,
   _fill,
   epilogue_slots,
   narrow_error,
   ragged_error,
 )
-from mst_jax._mosaic_gemm_kernels import gemm
+from mst_jax._gemm.mosaic.gemm import GemmConfig
+from mst_jax._gemm.mosaic.kernels import gemm
 
 # ||out - ref|| / ||ref|| by output dtype: one rounding of the output (half an
 # ulp: 2^-9 bfloat16, 2^-11 float16) with room for summation order, or float32
@@ -41,7 +41,7 @@ def _dims(lhs_dim: int, rhs_dim: int):
 
 
 # The head's products as (lhs, rhs, contracted dims) of hidden [N, D],
-# dlogits [N, V] and the weight ("vd": [V, D], "dv": [D, V]), as in _matmul.
+# dlogits [N, V] and the weight ("vd": [V, D], "dv": [D, V]), as in _gemm.matmul.
 PRODUCTS = {
   ("logits", "vd"): ("hidden", "weight", _dims(1, 1)),
   ("logits", "dv"): ("hidden", "weight", _dims(1, 0)),
@@ -281,11 +281,11 @@ def test_dhidden_split_to_fill_the_last_wave(rng):
 # Ragged arrays (rows not a multiple of 8: a [V, D] weight with V = 1001 or
 # GPT-2's 50257, or 1001 rows of hidden), with the head's products over a
 # dlogits and logits padded to whole 64-column tiles (``Vp``) as
-# ``mst_jax._matmul`` forms them: the logits written past V as zeros, the
+# ``mst_jax._gemm.matmul`` forms them: the logits written past V as zeros, the
 # weight read as zero-extended to Vp rows for dhidden, dweight only V rows.
 RAGGED = [(1000, 512, 1001), (264, 768, 50257), (1001, 256, 1001)]
 # dweight contracts over the rows, which must be whole tiles of 8 (the
-# driver appends rows to an unaligned N: ``_planning.tma_row_padding``).
+# driver appends rows to an unaligned N: ``_plan.tma_row_padding``).
 RAGGED_CASES = [
   (product, shape)
   for product in ("logits", "dhidden", "dweight")

@@ -1,8 +1,8 @@
 """``impl="mosaic"``: the head as Mosaic GPU kernels (Hopper).
 
-On a Hopper GPU the three products run in ``mst_jax._mosaic_gemm`` where
+On a Hopper GPU the three products run in ``mst_jax._gemm.mosaic.gemm`` where
 their arrays are whole TMA tiles and in ``lax.dot_general`` otherwise, and
-the cross-entropy in ``_backends.mosaic_ce`` (Triton where it does not take
+the cross-entropy in ``_kernels.mosaic.ce`` (Triton where it does not take
 the logits); each
 case checks the lowered step really calls the Mosaic kernel, then compares
 loss and gradients with the float64 oracle. Elsewhere the option falls back
@@ -26,8 +26,11 @@ from conftest import (
 )
 
 import mst_jax
-from mst_jax import _api, _backends, _matmul, _mosaic_gemm
-from mst_jax._backends.xla import XlaChunkCE
+from mst_jax import _kernels
+from mst_jax._gemm import matmul
+from mst_jax._gemm.mosaic import gemm as mosaic_gemm
+from mst_jax._kernels.xla import XlaChunkCE
+from mst_jax._losses import cross_entropy as _cross_entropy
 
 
 def _lowered_text(problem, **kwargs) -> str:
@@ -43,11 +46,11 @@ def _lowered_text(problem, **kwargs) -> str:
 
 
 @pytest.mark.skipif(
-  _mosaic_gemm.unavailable_reason() is None, reason="checks the fallback"
+  mosaic_gemm.unavailable_reason() is None, reason="checks the fallback"
 )
 def test_falls_back_to_xla_gemms_with_one_warning(rng):
   problem = make_problem(rng, (37,), dim=64, vocab=1031, dtype="bfloat16")
-  _backends._warn_fallback.cache_clear()
+  _kernels._warn_fallback.cache_clear()
   with pytest.warns(RuntimeWarning, match="XLA's GEMMs instead of Mosaic GPU's"):
     loss, grads = value_and_grads(
       mst_jax.linear_cross_entropy, problem, impl="mosaic", chunk_size=16
@@ -139,7 +142,7 @@ def test_the_default_on_hopper_is_the_mosaic_program(as_if_on_hopper, kwargs):
   keeps XLA's GEMMs and the Triton kernels. By default the 1000 rows are one
   group of 8 chunks of 128: besides the whole group, the group where masked
   tokens leave chunks empty runs a window of 1 to 8 chunks
-  (``_gradient_sweeps._by_window``), each count its own Mosaic products."""
+  (``_sweep.gradients._by_window``), each count its own Mosaic products."""
   h = jax.ShapeDtypeStruct((1000, 320), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((32000, 320), jnp.bfloat16)
   y = jax.ShapeDtypeStruct((1000,), jnp.int32)
@@ -217,13 +220,13 @@ def test_a_weight_copy_comes_out_of_the_memory_budget(as_if_on_hopper, monkeypat
   w = jax.ShapeDtypeStruct((d, vocab), jnp.bfloat16)
   y = jax.ShapeDtypeStruct((n,), jnp.int32)
   planned = []  # (weight layout, memory budget) of each plan
-  resolve = _api.resolve
+  resolve = _cross_entropy.resolve
 
   def recording_resolve(rows, options, perf, weight_layout, *args, **kwargs):
     planned.append((weight_layout, perf.memory_budget))
     return resolve(rows, options, perf, weight_layout, *args, **kwargs)
 
-  monkeypatch.setattr(_api, "resolve", recording_resolve)
+  monkeypatch.setattr(_cross_entropy, "resolve", recording_resolve)
 
   def lowered(budget):
     planned.clear()
@@ -296,7 +299,7 @@ def test_a_groups_buffer_is_written_by_mosaic_kernels(
   text = step.trace(h, w, y).lower(lowering_platforms=("cuda",)).as_text()
   assert "mst_ce_dlogits_mosaic" in text and "triton" not in text
   assert "stablehlo.dot_general" not in text
-  width = _matmul.padded_width(vocab)
+  width = matmul.padded_width(vocab)
   assert f"1024x{width}x{jnp.dtype(dtype).name[0]}" in text  # the group's buffer
   assert not re.search(rf"dynamic_update_slice[^\n]*x{width}x", text)  # no copy
 
@@ -306,13 +309,13 @@ def test_a_groups_buffer_is_written_by_mosaic_kernels(
 def test_gpu_whole_groups_of_float32_logits(rng, dtype, vocab, kwargs):
   """The same on the GPU against the float64 oracle: every token counts, so
   every group is whole."""
-  if (reason := _mosaic_gemm.unavailable_reason()) is not None:
+  if (reason := mosaic_gemm.unavailable_reason()) is not None:
     pytest.skip(reason)
   problem = make_problem(rng, (2, 1024), dim=320, vocab=vocab, dtype=dtype, mask="none")
   kwargs = {"impl": "mosaic", "memory_budget": 128 << 20, **kwargs}
   text = _lowered_text(problem, **kwargs)
   assert "triton" not in text and "stablehlo.dot_general" not in text
-  width = _matmul.padded_width(vocab)
+  width = matmul.padded_width(vocab)
   assert not re.search(rf"dynamic_update_slice[^\n]*x{width}x", text)
   check_against_oracle(problem, dtype, **kwargs)
 
@@ -370,7 +373,7 @@ CASES = [
 @pytest.mark.parametrize("dtype, layout, vocab, kwargs", CASES, ids=str)
 def test_mosaic_matches_the_oracle(rng, dtype, layout, vocab, kwargs):
   assert has_gpu()
-  if (reason := _mosaic_gemm.unavailable_reason()) is not None:
+  if (reason := mosaic_gemm.unavailable_reason()) is not None:
     pytest.skip(reason)
   # 1041 rows: a masked prefix per sequence (skipped chunks) and a tail.
   problem = make_problem(
@@ -418,7 +421,7 @@ def test_mosaic_distillation_matches_the_oracle(rng, vocab, options):
   """Also at GPT-2's vocabulary, whose logits the GEMM pads to whole
   64-column tiles (``[D, V]`` weights transposed first), and for float16
   heads."""
-  if (reason := _mosaic_gemm.unavailable_reason()) is not None:
+  if (reason := mosaic_gemm.unavailable_reason()) is not None:
     pytest.skip(reason)
   options = dict(options)
   dtype = options.pop("dtype", jnp.bfloat16)
@@ -465,7 +468,7 @@ def test_gpu_a_64_wide_head(rng, layout, dim, vocab):
   ``dhidden``, ``[V, 64]`` ``dweight``; ``[N, 64]`` logits with their
   statistics in the GEMM's epilogue) on the Mosaic GEMM, against the
   oracle."""
-  if (reason := _mosaic_gemm.unavailable_reason()) is not None:
+  if (reason := mosaic_gemm.unavailable_reason()) is not None:
     pytest.skip(reason)
   problem = make_problem(
     rng, (1000,), dim=dim, vocab=vocab, dtype="bfloat16", weight_layout=layout

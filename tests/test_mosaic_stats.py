@@ -1,5 +1,5 @@
 """The cross-entropy's statistics in the Mosaic logits GEMM's epilogue
-(``_backends.mosaic_stats.TileStats``) against the float64 oracle: the tile
+(``_kernels.mosaic.stats.TileStats``) against the float64 oracle: the tile
 math on any host (the epilogue's calls replayed tile by tile in plain JAX),
 the kernel's Python lowering on any host, the compiled kernel on a Hopper GPU
 at real sizes (ragged row and column tiles, both weight layouts).
@@ -23,11 +23,14 @@ from test_backends import (
   _oracle,
 )
 
-from mst_jax import _ce_math as ce_math
-from mst_jax import _matmul, _mosaic_gemm, reference
-from mst_jax._backends import base, mosaic_stats
-from mst_jax._backends.mosaic_ce import MosaicChunkCE
-from mst_jax._mosaic_gemm_kernels import gemm
+from mst_jax import reference
+from mst_jax._gemm import matmul
+from mst_jax._gemm.mosaic import gemm as mosaic_gemm
+from mst_jax._gemm.mosaic.kernels import gemm
+from mst_jax._kernels import base
+from mst_jax._kernels.mosaic import stats as mosaic_stats
+from mst_jax._kernels.mosaic.ce import MosaicChunkCE
+from mst_jax._math import ce as ce_math
 
 ENTROPY = ce_math.CEOptions(label_smoothing=0.1, entropy=True)
 OPTIONS = {"plain": PLAIN, "all": ALL_OPTIONS, "scaled": SCALED, "entropy": ENTROPY}
@@ -114,10 +117,10 @@ def test_the_fused_gemm_lowers_for_hopper(layout, options, out_dtype):
   lhs = jax.ShapeDtypeStruct((n, d), jnp.bfloat16)
   rhs = jax.ShapeDtypeStruct((v, d) if layout == "vd" else (d, v), jnp.bfloat16)
   labels = jax.ShapeDtypeStruct((n,), jnp.int32)
-  dims = _matmul._LOGITS_DIMS[layout]
+  dims = matmul._LOGITS_DIMS[layout]
   epilogue = mosaic_stats.TileStats(options, v)
-  problem = _mosaic_gemm._check(lhs, rhs, dims, out_dtype, None)
-  config = _mosaic_gemm._config(problem, epilogue)
+  problem = mosaic_gemm._check(lhs, rhs, dims, out_dtype, None)
+  config = mosaic_gemm._config(problem, epilogue)
   assert config.split == "tiles" and config.k_splits == 1
 
   def fused(a, b, y):
@@ -128,7 +131,7 @@ def test_the_fused_gemm_lowers_for_hopper(layout, options, out_dtype):
 
 
 def test_row_epilogues_take_unsplit_ping_pong_products_only():
-  problem = _mosaic_gemm._check(
+  problem = mosaic_gemm._check(
     jnp.zeros((64, 64), jnp.bfloat16),
     jnp.zeros((64, 128), jnp.bfloat16),
     (((1,), (0,)), ((), ())),
@@ -136,22 +139,22 @@ def test_row_epilogues_take_unsplit_ping_pong_products_only():
     None,
   )
   rows = (mosaic_stats.TileStats(PLAIN, 128), [jnp.zeros(64, jnp.int32)])
-  cooperative = _mosaic_gemm.GemmConfig()
+  cooperative = mosaic_gemm.GemmConfig()
   with pytest.raises(ValueError, match="unsplit ping-pong"):
     gemm(None, None, None, problem, cooperative, 132, rows=rows)
 
 
 def test_matmul_checks_the_row_inputs(monkeypatch):
-  monkeypatch.setattr(_mosaic_gemm, "unavailable_reason", lambda: None)
+  monkeypatch.setattr(mosaic_gemm, "unavailable_reason", lambda: None)
   a, b = jnp.zeros((64, 64), jnp.bfloat16), jnp.zeros((128, 64), jnp.bfloat16)
-  dims = _matmul._LOGITS_DIMS["vd"]
+  dims = matmul._LOGITS_DIMS["vd"]
   epilogue = mosaic_stats.TileStats(PLAIN, 128)
   with pytest.raises(ValueError, match=r"1 arrays of shape \(64,\), got \[\(63,\)\]"):
-    _mosaic_gemm.matmul(
+    mosaic_gemm.matmul(
       a, b, dims, row_epilogue=epilogue, row_inputs=(jnp.zeros(63, jnp.int32),)
     )
   with pytest.raises(ValueError, match="does not run with accumulate"):
-    _mosaic_gemm.matmul(
+    mosaic_gemm.matmul(
       a,
       b,
       dims,
@@ -203,7 +206,7 @@ def test_gpu_statistics_in_the_epilogue_match_the_oracle(rng, n, d, v, layout, o
   against the float64 oracle of those logits and against the statistics
   kernel's; labels in the ragged last column tile, out-of-range labels."""
   assert has_gpu()
-  if (reason := _mosaic_gemm.unavailable_reason()) is not None:
+  if (reason := mosaic_gemm.unavailable_reason()) is not None:
     pytest.skip(reason)
   hidden = rng.standard_normal((n, d)) / np.sqrt(d)
   weight = rng.standard_normal((v, d) if layout == "vd" else (d, v)) * 3

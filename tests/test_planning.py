@@ -7,7 +7,7 @@ import functools
 import numpy as np
 import pytest
 
-from mst_jax import _planning
+from mst_jax import _plan
 
 
 @pytest.mark.parametrize("n_rows", [1, 37, 1000, 2048, 8192, 32768, 100_000])
@@ -16,7 +16,7 @@ from mst_jax import _planning
 @pytest.mark.parametrize("budget", [2**20, 2**27, 2**31])
 def test_plan_fits_budget_and_tiles_rows(n_rows, vocab, dtype, budget):
   dtype = np.dtype(dtype)
-  chunk, group = _planning.plan_chunks(n_rows, vocab, dtype, memory_budget=budget)
+  chunk, group = _plan.plan_chunks(n_rows, vocab, dtype, memory_budget=budget)
   assert 1 <= chunk <= group <= n_rows
   assert group % chunk == 0 or group == n_rows
   itemsize = dtype.itemsize
@@ -34,7 +34,7 @@ def test_plan_fits_budget_and_tiles_rows(n_rows, vocab, dtype, budget):
 def test_in_place_plan_fits_budget_with_even_groups(n_rows, vocab, dtype, budget):
   """Logits in the compute dtype: as few, even groups as fit, in eighths."""
   dtype = np.dtype(dtype)
-  chunk, group = _planning.plan_chunks(
+  chunk, group = _plan.plan_chunks(
     n_rows, vocab, dtype, memory_budget=budget, logits_dtype=dtype
   )
   assert 1 <= chunk <= group <= n_rows
@@ -54,16 +54,14 @@ def test_in_place_plan_fits_budget_with_even_groups(n_rows, vocab, dtype, budget
 
 def test_plan_for_the_benchmark_heads():
   bf16 = np.dtype("bfloat16")
-  in_place = lambda n, v, **kw: _planning.plan_chunks(
-    n, v, bf16, logits_dtype=bf16, **kw
-  )
+  in_place = lambda n, v, **kw: _plan.plan_chunks(n, v, bf16, logits_dtype=bf16, **kw)
   assert in_place(8192, 128256) == (1024, 8192)  # the whole batch in 2.25 GiB
   assert in_place(32768, 128256) == (1024, 8192)  # four even groups
   assert in_place(8192, 256000) == (512, 4096)
-  assert _planning.plan_chunks(8192, 128256, bf16) == (1024, 4096)  # 2 whole groups
+  assert _plan.plan_chunks(8192, 128256, bf16) == (1024, 4096)  # 2 whole groups
   # float32 logits: 2 groups + one of 2 chunks (3584 + 3584 + 1024).
-  assert _planning.plan_chunks(8192, 256000, bf16) == (512, 3584)
-  assert _planning.plan_chunks(2048, 128256, bf16) == (
+  assert _plan.plan_chunks(8192, 256000, bf16) == (512, 3584)
+  assert _plan.plan_chunks(2048, 128256, bf16) == (
     256,
     1024,
   )  # small N, small budget
@@ -73,9 +71,9 @@ def test_logits_of_another_16_bit_type_are_not_planned_in_place():
   """float16 inputs with bfloat16 logits: the sweep cannot write dlogits over
   the logits (different dtypes), so the plan is the float32-logits one."""
   f16, bf16 = np.dtype("float16"), np.dtype("bfloat16")
-  other = _planning.plan_chunks(8192, 128256, f16, logits_dtype=bf16)
-  assert other == _planning.plan_chunks(8192, 128256, f16)
-  assert other != _planning.plan_chunks(8192, 128256, f16, logits_dtype=f16)
+  other = _plan.plan_chunks(8192, 128256, f16, logits_dtype=bf16)
+  assert other == _plan.plan_chunks(8192, 128256, f16)
+  assert other != _plan.plan_chunks(8192, 128256, f16, logits_dtype=f16)
 
 
 BF16 = np.dtype("bfloat16")
@@ -83,26 +81,26 @@ BF16 = np.dtype("bfloat16")
 
 @pytest.mark.parametrize("n_rows", [8192, 16384, 32768, 131072])
 @pytest.mark.parametrize("vocab,dim", [(128256, 4096), (256000, 2304), (32000, 4096)])
-@pytest.mark.parametrize("budget", [2**29, 2**30, _planning.DEFAULT_MEMORY_BUDGET])
+@pytest.mark.parametrize("budget", [2**29, 2**30, _plan.DEFAULT_MEMORY_BUDGET])
 @pytest.mark.parametrize("cpu", [False, True])
 def test_accumulator_plans_fit_the_budget(n_rows, vocab, dim, budget, cpu):
   """A float32 ``dweight`` accumulator is planned only where it and the
   groups' logits fit the budget: off the CPU counting only its bytes beyond
   the bfloat16 output (whose buffer XLA lends other temporaries until the
   last cast writes it), on the CPU all of them."""
-  chunk, group, accum = _planning.plan_with_accumulator(
+  chunk, group, accum = _plan.plan_with_accumulator(
     n_rows, vocab, dim, BF16, BF16, memory_budget=budget, logits_dtype=BF16, cpu=cpu
   )
   n_groups = -(-n_rows // group)
   accumulator = 4 * vocab * dim
   counted = accumulator - (0 if cpu else 2 * vocab * dim)
-  fixed = _planning.cpu_fixed_bytes(n_rows, dim, BF16) if cpu else 0
+  fixed = _plan.cpu_fixed_bytes(n_rows, dim, BF16) if cpu else 0
   rest = max(budget - fixed, budget // 4)
   fits = accumulator <= rest and counted <= rest // 2
   if accum is None:  # in place: few groups, or no room for an accumulator
-    assert n_groups <= _planning.MAX_GROUPS_IN_PLACE or not fits
+    assert n_groups <= _plan.MAX_GROUPS_IN_PLACE or not fits
     return
-  assert accum == np.float32 and n_groups > _planning.MAX_GROUPS_IN_PLACE
+  assert accum == np.float32 and n_groups > _plan.MAX_GROUPS_IN_PLACE
   assert fits  # at the last cast, beside the output
   if not cpu and group > 8:
     assert counted + (group + chunk) * vocab * 2 <= budget
@@ -113,13 +111,13 @@ def test_llama_head_at_32768_tokens_takes_a_float32_accumulator():
   the default budget, eight groups of 4096 rows beside a float32 dweight took
   2110 MiB extra and matched the naive head's dweight error (four groups
   rounding a bfloat16 dweight in place: 1.38x it); on the CPU, in place."""
-  plan = lambda cpu: _planning.plan_with_accumulator(
+  plan = lambda cpu: _plan.plan_with_accumulator(
     32768,
     128256,
     4096,
     BF16,
     BF16,
-    memory_budget=_planning.DEFAULT_MEMORY_BUDGET,
+    memory_budget=_plan.DEFAULT_MEMORY_BUDGET,
     logits_dtype=BF16,
     cpu=cpu,
   )
@@ -129,13 +127,13 @@ def test_llama_head_at_32768_tokens_takes_a_float32_accumulator():
 
 @pytest.mark.parametrize("n_rows", [8192, 32768])
 @pytest.mark.parametrize("vocab", [50257, 128256])
-@pytest.mark.parametrize("budget", [2**28, _planning.DEFAULT_MEMORY_BUDGET])
+@pytest.mark.parametrize("budget", [2**28, _plan.DEFAULT_MEMORY_BUDGET])
 def test_a_bias_plans_its_float32_product_into_the_budget(n_rows, vocab, budget):
   """With a bias, a group's 16-bit logits are rounded from a float32
   product held beside them: the group's logits and that product fit the
   budget (without a bias, the logits alone may take all of it)."""
   plan = functools.partial(
-    _planning.plan_with_accumulator,
+    _plan.plan_with_accumulator,
     n_rows,
     vocab,
     1600,
@@ -147,7 +145,7 @@ def test_a_bias_plans_its_float32_product_into_the_budget(n_rows, vocab, budget)
   chunk, group, _ = plan(biased=True)
   _, plain_group, _ = plan()
   assert group < plain_group or group == n_rows
-  assert (group * (2 + _planning.BIAS_BYTES) + chunk * 2) * vocab <= budget
+  assert (group * (2 + _plan.BIAS_BYTES) + chunk * 2) * vocab <= budget
   # float32 logits are the product itself: nothing more to hold.
   assert plan(biased=True, logits_dtype=np.dtype(np.float32)) == plan(
     logits_dtype=np.dtype(np.float32)

@@ -2,7 +2,7 @@
 
 The Mosaic kernels move rows in tiles of 8. A plan whose one block of rows
 holds all N rows, N not a multiple of 8, appends rows that count for nothing
-(``_planning.tma_row_padding``). On the CPU, where the rule never asks for
+(``_plan.tma_row_padding``). On the CPU, where the rule never asks for
 them, the tests append rows anyway and compare the loss and gradients with
 the float64 oracles; lowered for Hopper, a step over an unaligned N calls
 only Mosaic GPU kernels, no Triton kernel and no XLA GEMM.
@@ -24,7 +24,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mst_jax
-from mst_jax import _distill_driver, _inputs, _options, _planning
+from mst_jax import _plan
+from mst_jax._args import inputs as _inputs
+from mst_jax._args import options as _options
+from mst_jax._sweep import distill_driver as _distill_driver
 
 BF16 = np.dtype(jnp.bfloat16)
 
@@ -44,7 +47,7 @@ BF16 = np.dtype(jnp.bfloat16)
 def test_rows_are_appended_only_where_a_block_is_unaligned(
   n_rows, blocks, gemm, dtype, want
 ):
-  assert _planning.tma_row_padding(n_rows, blocks, gemm, dtype) == want
+  assert _plan.tma_row_padding(n_rows, blocks, gemm, dtype) == want
 
 
 @settings(deadline=None, max_examples=30)
@@ -265,13 +268,13 @@ def test_only_a_block_of_every_row_is_unaligned(n_rows, vocab, dim, budget, dtyp
   """What ``tma_row_padding`` relies on: every planner's chunk and group is a
   multiple of 8 rows unless it holds all ``n_rows`` (the one block the rows
   appended make whole)."""
-  budget = budget or _planning.DEFAULT_MEMORY_BUDGET
-  chunk, group, _ = _planning.plan_with_accumulator(
+  budget = budget or _plan.DEFAULT_MEMORY_BUDGET
+  chunk, group, _ = _plan.plan_with_accumulator(
     n_rows, vocab, dim, dtype, dtype, memory_budget=budget, logits_dtype=dtype
   )
-  blocked = _planning.plan_vocab_blocked_rows(
+  blocked = _plan.plan_vocab_blocked_rows(
     n_rows, dim, min(4096, vocab), dtype, memory_budget=budget
   )
   distilled = _distill_driver.plan_rows(n_rows, vocab, 6, budget)
   for rows in (chunk, group, blocked, distilled):
-    assert rows % _planning.TMA_ROWS == 0 or rows == n_rows, (rows, n_rows)
+    assert rows % _plan.TMA_ROWS == 0 or rows == n_rows, (rows, n_rows)

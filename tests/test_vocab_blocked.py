@@ -20,7 +20,7 @@ from conftest import (
 )
 
 import mst_jax
-from mst_jax import _planning
+from mst_jax import _plan
 
 V = 1031
 
@@ -38,12 +38,10 @@ def test_memory_budget_plans_the_rows(rng):
   # 8 rows' worth of budget: 8-row chunks (the budget is below 128 rows).
   per_row = 4 * 32 + (4 + 4) * 128
   assert (
-    _planning.plan_vocab_blocked_rows(
-      300, 32, 128, np.float32, memory_budget=8 * per_row
-    )
+    _plan.plan_vocab_blocked_rows(300, 32, 128, np.float32, memory_budget=8 * per_row)
     == 8
   )
-  assert _planning.plan_vocab_blocked_rows(300, 32, 128, np.float32) == 300
+  assert _plan.plan_vocab_blocked_rows(300, 32, 128, np.float32) == 300
   check_against_oracle(
     problem, "float32", impl="xla", vocab_block_size=128, memory_budget=8 * per_row
   )

@@ -2,8 +2,8 @@
 
 XLA:CPU computes 16-bit matmuls and elementwise updates in float32 and
 converts their operands whole, so on the CPU the matmuls go tile by tile
-(``_matmul``, ``HeadSpec.matmul_tile``) and the planner counts what the CPU
-holds besides (``_planning.cpu_fixed_bytes``, ``CPU_COPY_BYTES``).
+(``_gemm.matmul``, ``HeadSpec.matmul_tile``) and the planner counts what the CPU
+holds besides (``_plan.cpu_fixed_bytes``, ``CPU_COPY_BYTES``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import pytest
 from conftest import ON_GPU, check_against_oracle, make_problem
 
 import mst_jax
-from mst_jax import _matmul, _planning
+from mst_jax import _plan
+from mst_jax._gemm import matmul
 
 pytestmark = pytest.mark.skipif(ON_GPU, reason="XLA:CPU programs")
 
@@ -49,16 +50,16 @@ def test_tiled_matmuls_match_float64(rng, layout, dtype, width, tile):
     assert err < tol, (what, err)
 
   logits = jax.jit(
-    lambda h, w, b: _matmul.logits_matmul(h, w, b, layout, jnp.float32, tile=tile)
+    lambda h, w, b: matmul.logits_matmul(h, w, b, layout, jnp.float32, tile=tile)
   )(hidden, weight, bias)
   close(logits, _f64(hidden) @ w64.T + _f64(bias), "logits")
-  dh = jax.jit(lambda d, w: _matmul.dhidden_matmul(d, w, layout, dtype, tile=tile))(
+  dh = jax.jit(lambda d, w: matmul.dhidden_matmul(d, w, layout, dtype, tile=tile))(
     dlogits, weight
   )
   close(dh, _f64(dlogits) @ w64, "dhidden")
   for add in (True, False):
     dw = jax.jit(
-      lambda d, h, w, add=add: _matmul.dweight_matmul(
+      lambda d, h, w, add=add: matmul.dweight_matmul(
         d, h, layout, jnp.float32, into=w.astype(jnp.float32), add=add, tile=tile
       )
     )(dlogits, hidden, start)
@@ -70,7 +71,7 @@ def small_tiles(monkeypatch):
   """Tiles of 96 columns. The plan reads the constant at trace time, and the
   constant is not part of jax.jit's cache key, so the tests using it have
   shapes of their own (D=13, 3 x 41 tokens: no other test traces them)."""
-  monkeypatch.setattr(_planning, "MATMUL_TILE", 96)
+  monkeypatch.setattr(_plan, "MATMUL_TILE", 96)
 
 
 @pytest.mark.parametrize(
@@ -131,7 +132,7 @@ def test_llama_head_temporaries_within_budget(n_rows, dtype, budget):
     dtype,
     lambda h, w, y: mst_jax.linear_cross_entropy(h, w, y, **options),
   )
-  limit = 1.15 * (budget or _planning.DEFAULT_MEMORY_BUDGET)
+  limit = 1.15 * (budget or _plan.DEFAULT_MEMORY_BUDGET)
   assert temps <= limit, (temps / 2**20, limit / 2**20)
 
 
@@ -143,7 +144,7 @@ def test_a_float32_accumulator_asked_for_counts_in_the_budget():
     jnp.bfloat16,
     lambda h, w, y: mst_jax.linear_cross_entropy(h, w, y, accum_dtype=jnp.float32),
   )
-  limit = 1.15 * _planning.DEFAULT_MEMORY_BUDGET
+  limit = 1.15 * _plan.DEFAULT_MEMORY_BUDGET
   assert temps <= limit, (temps / 2**20, limit / 2**20)
 
 

@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mst_jax import _mosaic_gemm
-from mst_jax._mosaic_gemm_config import GemmConfig
+from mst_jax._gemm.mosaic import gemm as mosaic_gemm
+from mst_jax._gemm.mosaic.config import GemmConfig
 
 # name: (lhs shape, rhs shape, dimension numbers, out dtype, accumulate), for
 # hidden [N, D], dlogits [N, V] and the weight [V, D] ("vd") or [D, V] ("dv").
@@ -86,15 +86,15 @@ def main(argv=None) -> None:
         if acc:
           ref = ref + addend.astype(jnp.float32)
         m_out, n_out = ref.shape
-        problem = _mosaic_gemm._check(lhs, rhs, dims, out_dtype, addend)  # noqa: SLF001
-        default = _mosaic_gemm._config(problem)  # noqa: SLF001
+        problem = mosaic_gemm._check(lhs, rhs, dims, out_dtype, addend)  # noqa: SLF001
+        default = mosaic_gemm._config(problem)  # noqa: SLF001
         narrow_m = lc == 0 and m_out < 128
         for label, config in _configs(default, n_out < 128, narrow_m):
           row = {"product": name, "d": d, "n": n, "config": label}
           if config is None:
             row["default"] = repr(default)
           try:
-            out = _mosaic_gemm.matmul(
+            out = mosaic_gemm.matmul(
               lhs, rhs, dims, out_dtype, accumulate=addend, config=config
             )
             out = np.asarray(out.astype(jnp.float32), np.float64)

@@ -13,7 +13,7 @@ of an input that is still needed is timed.
 ``run_gemms``: for each head shape and weight layout, times the logits,
 ``dhidden`` and ``dweight`` GEMMs (bfloat16 operands, float32 accumulation)
 through XLA (``lax.dot_general`` with ``preferred_element_type``) and through
-the Mosaic GPU kernel (``mst_jax._mosaic_gemm``), side by side in TFLOP/s.
+the Mosaic GPU kernel (``mst_jax._gemm.mosaic.gemm``), side by side in TFLOP/s.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mst_jax import _backends as backends
-from mst_jax import _ce_math as ce_math
-from mst_jax import _mosaic_gemm as mosaic_gemm
-from mst_jax._backends.mosaic_ce import MosaicBlocks, MosaicChunkCE
-from mst_jax._backends.pallas_triton import KernelBlocks, PallasTritonChunkCE
+from mst_jax import _kernels as backends
+from mst_jax._gemm.mosaic import gemm as mosaic_gemm
+from mst_jax._kernels.mosaic.ce import MosaicBlocks, MosaicChunkCE
+from mst_jax._kernels.triton.ce import KernelBlocks, PallasTritonChunkCE
+from mst_jax._math import ce as ce_math
 
 
 def _mean_seconds_async(fn, args, reps: int) -> float:
@@ -204,7 +204,7 @@ def _dims(lhs_dim: int, rhs_dim: int):
 
 # Per (product, layout): lhs, rhs (of hidden [N, D], dlogits [N, V] and the
 # weight), contracted dimensions, output dtype, whether it adds into an
-# accumulator of that dtype. The products of mst_jax._matmul.
+# accumulator of that dtype. The products of mst_jax._gemm.matmul.
 GEMM_PRODUCTS = {
   ("logits", "vd"): ("hidden", "weight", _dims(1, 1), jnp.bfloat16, False),
   ("logits", "dv"): ("hidden", "weight", _dims(1, 0), jnp.bfloat16, False),

@@ -22,7 +22,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mst_jax
-from mst_jax import _distill_driver
+from mst_jax._sweep import distill_driver as _distill_driver
 
 B, T, D, V = 8, 12, 16, 1032
 OPTIONS = dict(label_smoothing=0.1, z_loss=1e-3, logit_softcap=4.0)
@@ -115,7 +115,7 @@ def test_rows_appended_on_explicit_inputs(
   axis: 5 rows appended to each device's (forced: the rule appends none on
   a CPU) count for nothing, each gradient keeps its input's type, and the
   appending gathers nothing (the one gather finds the bias's largest entry
-  across its shards, ``_inputs.finite_label``)."""
+  across its shards, ``_args.inputs.finite_label``)."""
   problem = make_problem(rng, (4, 13), dim=D, vocab=V, bias=True, mask="scattered")
   mesh = _mesh(mesh_shape)
   specs = ((row_axis, None, None), ("model", None), (row_axis, None), ("model",))

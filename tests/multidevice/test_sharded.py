@@ -63,7 +63,7 @@ def test_dhidden_summed_over_shards_in_row_pieces(rng, monkeypatch, shape, grad_
   Pieces of 5 rows: each chunk of 23 rows (on 1 or 2 row shards) is 4 whole
   pieces and a tail of 3, every one summed once.
   """
-  monkeypatch.setattr(mst_jax._mesh, "_SUM_PIECE_BYTES", 5 * D * 4)
+  monkeypatch.setattr(mst_jax._sweep.mesh, "_SUM_PIECE_BYTES", 5 * D * 4)
   problem = make_problem(rng, (N,), dim=D, vocab=V, bias=True, mask="scattered")
   kwargs = dict(mesh=_mesh(shape), batch_axis="data", vocab_axis="model")
   kwargs.update(impl="xla", chunk_size=23, grad_mode=grad_mode, **OPTIONS)
@@ -603,7 +603,7 @@ def test_vocab_blocks_plan_a_transposed_weight_with_the_undivided_budget(
   """Vocabulary blocks plan with the whole default budget on a vocab-sharded
   mesh (a row's cost does not depend on V): so does the transposed copy of
   a ``[D, V]`` weight, less the copies."""
-  from mst_jax import _api
+  from mst_jax._losses import cross_entropy as _cross_entropy
 
   mesh = _mesh((1, 8))
   d, local = 1024, 50257
@@ -611,13 +611,13 @@ def test_vocab_blocks_plan_a_transposed_weight_with_the_undivided_budget(
   w = jax.ShapeDtypeStruct((d, 8 * local), jnp.bfloat16)
   y = jax.ShapeDtypeStruct((4096,), jnp.int32)
   planned = []
-  resolve = _api.resolve
+  resolve = _cross_entropy.resolve
 
   def recording_resolve(rows, options, perf, weight_layout, *args, **kwargs):
     planned.append((weight_layout, perf.memory_budget))
     return resolve(rows, options, perf, weight_layout, *args, **kwargs)
 
-  monkeypatch.setattr(_api, "resolve", recording_resolve)
+  monkeypatch.setattr(_cross_entropy, "resolve", recording_resolve)
 
   def loss(hidden, weight, labels):
     return mst_jax.linear_cross_entropy(
@@ -633,14 +633,14 @@ def test_vocab_blocks_plan_a_transposed_weight_with_the_undivided_budget(
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
   step.trace(h, w, y).lower(lowering_platforms=("cuda",))
   copies = 2 * d * local * 2
-  assert planned[-1] == ("vd", _api.DEFAULT_MEMORY_BUDGET - copies)
+  assert planned[-1] == ("vd", _cross_entropy.DEFAULT_MEMORY_BUDGET - copies)
 
 
 def test_a_transposed_dv_weight_on_a_mesh_matches_the_oracle(rng, monkeypatch):
   """The transposition forced on XLA's backend (it runs on any host), vocab
   and data parallel: loss and gradients against the float64 oracle,
   ``dweight`` back in ``[D, V]``."""
-  from mst_jax._backends.xla import XlaChunkCE
+  from mst_jax._kernels.xla import XlaChunkCE
 
   monkeypatch.setattr(XlaChunkCE, "transposes_weight", lambda self, x, head: True)
   problem = make_problem(rng, (N,), dim=D, vocab=V, weight_layout="dv")

@@ -1,0 +1,121 @@
+"""``linear_log_probs``: per-token log-probabilities and entropies (RL).
+
+The same chunked machinery as ``linear_cross_entropy``
+(``_losses.cross_entropy``), asked for per-row outputs: the log-probability of
+the label is minus the unsmoothed cross-entropy, and the entropy a fourth
+per-row output of the loop orders.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from mst_jax._args import inputs as _inputs
+from mst_jax._args import options as _options
+from mst_jax._losses import cross_entropy as _cross_entropy
+from mst_jax._sweep import mesh as _mesh
+
+# The loss options that do not apply to log-probabilities.
+LOG_PROBS_FIXED = {"reduction": "none", "label_smoothing": 0.0, "z_loss": 0.0}
+STATIC_ARGNAMES = (
+  *(name for name in _options.OPTION_NAMES if name not in LOG_PROBS_FIXED),
+  "weight_layout",
+  "return_entropy",
+  "mesh",
+  "batch_axis",
+  "vocab_axis",
+)
+
+
+@_options.public_jit(STATIC_ARGNAMES)
+def linear_log_probs(
+  hidden: jax.Array,
+  weight: jax.Array,
+  labels: jax.Array,
+  bias: jax.Array | None = None,
+  *,
+  ignore_index: int = -100,
+  where: jax.Array | None = None,
+  logit_scale: float | None = None,
+  logit_softcap: float | None = None,
+  shift: bool = False,
+  weight_layout: str = "vd",
+  return_entropy: bool = False,
+  chunk_size: int | None = None,
+  memory_budget: int | None = None,
+  vocab_block_size: int | None = None,
+  impl: str | None = None,
+  accum_dtype: jax.typing.DTypeLike | None = None,
+  logits_dtype: jax.typing.DTypeLike | None = None,
+  grad_mode: str | None = None,
+  mesh: jax.sharding.Mesh | None = None,
+  batch_axis: str | None = None,
+  vocab_axis: str | None = None,
+):
+  r"""Per-token log-probabilities of the labels (and entropies), without the logits.
+
+  The RL primitive (PPO / GRPO ratios, KL penalties, entropy bonuses): for
+  each token with scores ``s`` (the logits ``hidden @ weight.T + bias``,
+  scaled and softcapped as in ``linear_cross_entropy``) and label ``y``::
+
+    log_prob = s[y] - logsumexp(s)            (= log softmax(s)[y])
+    entropy  = logsumexp(s) - sum_c softmax(s)_c * s_c
+
+  in row chunks like ``linear_cross_entropy`` (never ``[N, V]``), and
+  differentiable with respect to ``hidden``, ``weight`` and ``bias`` for any
+  cotangent on either output: by default the forward keeps the logits when
+  all rows' fit the memory budget as one group (the backward writes
+  ``dlogits`` over them), else the backward recomputes each chunk's.
+
+  Args:
+    hidden, weight, labels, bias, ignore_index, where, logit_scale,
+      logit_softcap, shift, weight_layout: as for ``linear_cross_entropy``.
+    return_entropy: if True, also return each token's entropy.
+    chunk_size, memory_budget, vocab_block_size, impl, accum_dtype,
+      logits_dtype, mesh, batch_axis, vocab_axis: the performance options of
+      ``linear_cross_entropy``.
+    grad_mode: None (keep the logits where they fit, see above) or
+      ``"recompute"`` (always recompute them; ``"fused"`` needs a scalar loss
+      and raises).
+
+  Returns:
+    ``log_probs``, float32 (float64 for float64 inputs) with the shape of
+    ``labels``: 0.0 at excluded tokens, NaN at a valid token whose label is
+    outside ``[0, V)``. With ``return_entropy``, ``(log_probs, entropy)``,
+    the entropy 0.0 at excluded tokens.
+
+  Raises:
+    ValueError, TypeError: as ``linear_cross_entropy`` for bad inputs.
+    NotImplementedError: ``grad_mode="fused"``.
+
+  Example:
+
+    >>> import jax, jax.numpy as jnp
+    >>> import mst_jax
+    >>> k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    >>> hidden = jax.random.normal(k1, (2, 16, 64))
+    >>> weight = jax.random.normal(k2, (1000, 64)) * 0.05
+    >>> labels = jax.random.randint(k3, (2, 16), 0, 1000)
+    >>> log_probs, entropy = mst_jax.linear_log_probs(
+    ...     hidden, weight, labels, return_entropy=True)
+    >>> log_probs.shape, bool(jnp.all(entropy > 0))
+    ((2, 16), True)
+  """
+  if not isinstance(return_entropy, bool):
+    raise TypeError(f"return_entropy must be a bool, got {return_entropy!r}.")
+  if grad_mode == "fused":
+    raise NotImplementedError(
+      "linear_log_probs returns per-token values; grad_mode='fused' needs a"
+      " scalar loss. Use grad_mode=None or 'recompute'."
+    )
+  options, perf = _options.from_arguments({**locals(), **LOG_PROBS_FIXED})
+  rows = _inputs.prepare(hidden, weight, labels, bias, where, options, weight_layout)
+  n_rows = rows.hidden.shape[0]
+  layout = _mesh.layout_for(mesh, batch_axis, vocab_axis, weight_layout, rows)
+  loss, _, _, entropy = _cross_entropy.per_row_outputs(
+    rows, options, perf, weight_layout, layout, None, entropy=return_entropy
+  )
+  log_probs = (0.0 - loss).reshape(rows.batch_shape)  # +0.0 at excluded tokens
+  if not return_entropy:
+    return log_probs
+  return log_probs, entropy.reshape(rows.batch_shape)

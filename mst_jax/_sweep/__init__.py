@@ -1,0 +1,3 @@
+"""The sweep over row chunks: the loop orders and their gradient strategies,
+the custom VJPs that run them, and the loop orders over a device mesh.
+"""

@@ -1,0 +1,427 @@
+"""The chunked sweep of both heads behind ``linear_distillation_loss``, and its VJPs.
+
+Rows are walked in chunks (``_sweep.rows.sweep_chunks``, valid rows compacted to the
+front, chunks without a valid row skipped by ``lax.cond``); per chunk both
+heads' logits are formed (``_gemm.matmul.logits_matmul``, the teacher's under
+``lax.stop_gradient``), ``_math.distill.chunk_loss`` (XLA) or the Pallas
+kernel of ``_kernels.select_distill`` scores them, and the student's
+``dlogits`` go into its ``dhidden`` rows, ``dweight`` and ``dbias``.
+Two custom VJPs:
+
+* ``fused_loss`` (a scalar reduction): the gradients are formed in the same
+  sweep as the loss, ``6 N D_s V + 2 N D_t V`` FLOPs like full-logits
+  autodiff; the backward scales them by the incoming cotangent.
+* ``row_losses`` (per-token losses, or ``grad_mode="recompute"``): the
+  forward keeps only its inputs; the backward forms each chunk's logits of
+  both heads again (``8 N D_s V + 4 N D_t V`` FLOPs in all).
+
+No cotangent ever reaches the teacher's arrays, so the program holds no
+matmul for a teacher gradient. ``resolve`` decides every default (chunk rows
+from a memory budget, logits and accumulator dtypes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from mst_jax import _plan
+from mst_jax._args.options import PerfOptions, resolve_logits_dtype
+from mst_jax._gemm import matmul
+from mst_jax._kernels import refuse_second_order, select_distill, select_gemm
+from mst_jax._math.ce import at_least_float32
+from mst_jax._math.distill import DistillOptions, chunk_loss
+from mst_jax._plan import unit_weights
+from mst_jax._sweep.gradients import add_bias_gradient, row_products
+from mst_jax._sweep.rows import (
+  Differentiated,
+  Permuted,
+  compaction,
+  differentiated,
+  gradient_finish,
+  scale_gradient,
+  stat_dtype,
+  sweep_chunks,
+  unwrap_primals,
+)
+
+# Bytes a chunk holds per logit besides both heads' logits and the student's
+# dlogits: two float32 arrays between the elementwise passes. XLA:CPU holds
+# 12 (bfloat16 heads) to 16 (float32 heads, or the JSD) bytes a logit in all;
+# XLA:GPU fuses the passes and holds fewer.
+_WORK_BYTES = 2 * 4
+
+# A plan may compute this fraction of rows twice (the last chunk ends at row
+# N and overlaps the previous one) rather than add chunks.
+_MAX_OVERLAP = 1 / 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Everything the sweep needs besides the arrays (static, hashable).
+
+  Attributes:
+    options: the loss options.
+    weight_layout: ``"vd"`` or ``"dv"`` (both heads).
+    rows_per_chunk: rows whose logits (of both heads) exist at once.
+    logits_dtype: the dtype the student's logits matmul writes.
+    teacher_logits_dtype: the teacher's.
+    dweight_dtype: the ``dweight`` accumulator's dtype (the weight's own:
+      ``dweight`` accumulates in place in the output).
+    dbias_dtype: the ``dbias`` accumulator's.
+    matmul_tile: vocabulary columns per matmul tile (XLA:CPU), or None.
+    gemm: what runs the matmuls, ``"xla"`` or ``"mosaic"`` (``_gemm.matmul``).
+    compact: move valid rows to the front before chunking.
+    kernel: the per-chunk Pallas kernel (``_kernels.select_distill``), or
+      None for the XLA chunk (``_math.distill.chunk_loss``).
+    pad_logits: form each chunk's logits by the Mosaic GEMM padded to whole
+      64-column tiles (``_gemm.matmul.mosaic_logits``), which the kernel reads
+      against the weights' columns (``_pads_logits``).
+  """
+
+  options: DistillOptions
+  weight_layout: str
+  rows_per_chunk: int
+  logits_dtype: np.dtype
+  teacher_logits_dtype: np.dtype
+  dweight_dtype: np.dtype
+  dbias_dtype: np.dtype
+  matmul_tile: int | None = None
+  gemm: str = "xla"
+  compact: bool = True
+  kernel: Any = None
+  pad_logits: bool = False
+
+
+class Heads(NamedTuple):
+  """The sweep's arrays: the student's (differentiated) and the teacher's rows."""
+
+  hidden: jax.Array  # [N, D_s]
+  weight: jax.Array  # [V, D_s] or [D_s, V]
+  bias: jax.Array | None  # [V]
+  teacher_hidden: jax.Array  # [N, D_t]
+  teacher_weight: jax.Array  # [V, D_t] or [D_t, V]
+  teacher_bias: jax.Array | None  # [V]
+  labels: jax.Array  # int32 [N]
+  valid: jax.Array  # bool [N]
+
+
+# ---- The sweep: chunks of rows, both heads' logits per chunk. ----
+
+
+def _gradient_init(plan: Plan, x: Heads, hidden, diff: Differentiated):
+  """Zero ``(dhidden, dweight, dbias)``; ``dhidden`` seen like ``hidden``."""
+  dhidden = dweight = dbias = None
+  if diff.hidden:
+    dhidden = jnp.zeros(x.hidden.shape, x.hidden.dtype)
+    if isinstance(hidden, Permuted):
+      dhidden = hidden._replace(array=dhidden)
+  if diff.weight:
+    dweight = jnp.zeros(x.weight.shape, plan.dweight_dtype)
+  if diff.bias:
+    dbias = jnp.zeros(x.bias.shape, plan.dbias_dtype)
+  return dhidden, dweight, dbias
+
+
+def _accumulate(plan: Plan, grads, chunk, h, dlogits, weight, first: bool, scale):
+  """Adds a chunk's ``dlogits`` (of unit row weights: ``scale``) to
+  ``(dhidden, dweight, dbias)``; ``first``: replaces the (never read) zeros
+  of ``dweight`` and ``dbias`` instead."""
+  dhidden, dweight, dbias = grads
+  tile, gemm = plan.matmul_tile, plan.gemm
+  rows, dweight = row_products(
+    grads,
+    dlogits,
+    h,
+    weight,
+    plan.weight_layout,
+    scale,
+    first=first,
+    tile=tile,
+    gemm=gemm,
+  )
+  if dhidden is not None:
+    dhidden = chunk.put(dhidden, rows)
+  if dbias is not None:
+    dbias = add_bias_gradient(dbias, dlogits, scale, first)
+  return dhidden, dweight, dbias
+
+
+def _sweep(plan: Plan, x: Heads, g_loss, diff: Differentiated, *, want_loss=True):
+  """``(loss, grads)``: per-row losses ``[N]`` (None without ``want_loss``) and
+  the gradients of ``sum(g_loss * loss)`` (None where ``diff`` says an input
+  is not differentiated, or without ``g_loss``)."""
+  gather, scatter, view = compaction(plan.compact, x.valid)
+  hidden, teacher_hidden = view(x.hidden), view(x.teacher_hidden)
+  labels, valid = gather(x.labels), gather(x.valid)
+  scale = None
+  if g_loss is None:
+    diff = Differentiated(False, False, False)
+  else:
+    (g_loss,), scale = unit_weights((gather(g_loss),), valid, x.hidden.dtype)
+  grads = _gradient_init(plan, x, hidden, diff)
+  want_grads = any(g is not None for g in grads)
+  loss = jnp.zeros(x.labels.shape, stat_dtype(x.hidden)) if want_loss else None
+  layout, tile, gemm = plan.weight_layout, plan.matmul_tile, plan.gemm
+
+  def logits(h, h_t):
+    if plan.pad_logits:
+      student = matmul.mosaic_logits(
+        h, x.weight, layout, plan.logits_dtype, bias=x.bias
+      )
+      teacher = matmul.mosaic_logits(
+        h_t, x.teacher_weight, layout, plan.teacher_logits_dtype, bias=x.teacher_bias
+      )
+      if student is not None and teacher is not None:
+        return student, teacher
+    student = matmul.logits_matmul(
+      h, x.weight, x.bias, layout, plan.logits_dtype, tile=tile, gemm=gemm
+    )
+    teacher = matmul.logits_matmul(
+      h_t,
+      x.teacher_weight,
+      x.teacher_bias,
+      layout,
+      plan.teacher_logits_dtype,
+      tile=tile,
+      gemm=gemm,
+    )
+    return student, teacher
+
+  def update(carry, chunk, first=False):
+    loss, grads = carry
+    h = chunk.hidden(hidden)
+    student, teacher = logits(h, chunk.hidden(teacher_hidden))
+    g_rows = chunk.take(g_loss) if want_grads else None
+    inputs = (student, lax.stop_gradient(teacher), chunk.take(labels), chunk.valid)
+    if plan.kernel is None:
+      rows, dlogits = chunk_loss(*inputs, g_rows, plan.options)
+    else:
+      padded = dict(n_cols=matmul.vocab_size(x.weight, layout))
+      rows, dlogits = plan.kernel.chunk_loss(
+        *inputs, g_rows, plan.options, h.dtype, **(padded if plan.pad_logits else {})
+      )
+    if loss is not None:
+      loss = chunk.put(loss, rows.astype(loss.dtype))
+    if want_grads:
+      dlogits = dlogits.astype(h.dtype)
+      grads = _accumulate(plan, grads, chunk, h, dlogits, x.weight, first, scale)
+    return loss, grads
+
+  # Compacted, chunk 0 holds a valid row unless none does: it starts dweight.
+  first = functools.partial(update, first=True) if plan.compact else None
+  loss, grads = sweep_chunks(
+    plan.rows_per_chunk, valid, update, (loss, grads), first=first
+  )
+  return None if loss is None else scatter(loss), gradient_finish(grads, x, scale)
+
+
+# ---- The custom VJPs. ----
+
+
+def _runs_kernels(plan: Plan) -> bool:
+  """Whether the sweep runs Pallas or Mosaic kernels (no second derivatives)."""
+  return plan.kernel is not None or plan.gemm != "xla"
+
+
+# Cotangents of the arrays that are never differentiated: the teacher's
+# hidden, weight and bias, the labels and the validity.
+_NO_COTANGENTS = (None,) * 5
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def fused_loss(plan: Plan, *arrays_and_scale):
+  """``sum(loss * row_scale)`` over the rows of ``Heads(*arrays)``."""
+  *arrays, row_scale = arrays_and_scale
+  loss, _ = _sweep(plan, Heads(*arrays), None, Differentiated(False, False, False))
+  return jnp.sum(loss * row_scale.astype(loss.dtype))
+
+
+def _fused_loss_fwd(plan: Plan, *arrays_and_scale):
+  *arrays, row_scale = arrays_and_scale
+  diff = differentiated(*arrays[:3])
+  x, (row_scale,) = Heads(*unwrap_primals(*arrays)), unwrap_primals(row_scale)
+  x = refuse_second_order(x, _runs_kernels(plan))
+  loss, grads = _sweep(plan, x, row_scale, diff)
+  loss = jnp.sum(loss * row_scale.astype(loss.dtype))
+  return loss, (diff.fill(grads), diff.as_residual())
+
+
+def _fused_loss_bwd(plan: Plan, residuals, g_loss):
+  del plan
+  grads, flags = residuals
+  grads = Differentiated.from_residual(flags).unfill(grads)
+  undifferentiated = (*_NO_COTANGENTS, None)  # and row_scale
+  if isinstance(g_loss, jax.custom_derivatives.SymbolicZero):
+    return (None, None, None, *undifferentiated)
+
+  scale = functools.partial(scale_gradient, g_loss=g_loss)
+  return (*map(scale, grads), *undifferentiated)
+
+
+fused_loss.defvjp(_fused_loss_fwd, _fused_loss_bwd, symbolic_zeros=True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def row_losses(plan: Plan, *arrays):
+  """Per-row losses ``[N]`` of ``Heads(*arrays)``; the backward recomputes."""
+  loss, _ = _sweep(plan, Heads(*arrays), None, Differentiated(False, False, False))
+  return loss
+
+
+def _row_losses_fwd(plan: Plan, *arrays):
+  diff = differentiated(*arrays[:3])
+  x = refuse_second_order(Heads(*unwrap_primals(*arrays)), _runs_kernels(plan))
+  loss, _ = _sweep(plan, x, None, diff)
+  return loss, (x, diff.as_residual())
+
+
+def _row_losses_bwd(plan: Plan, residuals, g_loss):
+  x, flags = residuals
+  diff = Differentiated.from_residual(flags)
+  if isinstance(g_loss, jax.custom_derivatives.SymbolicZero):
+    return (None, None, None, *_NO_COTANGENTS)
+  _, grads = _sweep(plan, x, g_loss, diff, want_loss=False)
+  return (*grads, *_NO_COTANGENTS)
+
+
+row_losses.defvjp(_row_losses_fwd, _row_losses_bwd, symbolic_zeros=True)
+
+
+# ---- Planning, at trace time. ----
+
+
+def plan_rows(n_rows: int, vocab_size: int, bytes_per_logit: int, budget: int) -> int:
+  """Rows per chunk whose temporaries (``bytes_per_logit`` per logit) fit
+  ``budget``.
+
+  Chunks are multiples of 128 rows (of 8, below 128), as few as fit, unless
+  the last one (which ends at row ``N``) would overlap its predecessor by
+  more than ``_MAX_OVERLAP`` of the rows: then the fewest chunks (up to
+  twice as many) that overlap least. 8192 rows at most 1280 a chunk are 8
+  chunks of 1024, not 7 of 1280.
+  """
+  most = budget // (bytes_per_logit * vocab_size)
+  if most >= n_rows:
+    return n_rows
+  align = 128 if most >= 128 else 8
+  most = max(most // align * align, min(8, n_rows))
+  fewest = -(-n_rows // most)
+
+  def rows(n_chunks):
+    even = -(-n_rows // n_chunks)
+    return min(most, -(-even // align) * align, n_rows)
+
+  counts = range(fewest, 2 * fewest + 1)
+  good = [k for k in counts if k * rows(k) - n_rows <= n_rows * _MAX_OVERLAP]
+  return rows(good[0] if good else min(counts, key=lambda k: k * rows(k)))
+
+
+def _chunk_heads(vocab: int, *dtypes) -> list[jax.ShapeDtypeStruct]:
+  """The shapes of a chunk's logits of each head (``dtypes``): ``vocab``
+  columns, rows a multiple of ``_plan.TMA_ROWS`` (what the chunks are,
+  rows appended where not)."""
+  return [jax.ShapeDtypeStruct((_plan.TMA_ROWS, vocab), d) for d in dtypes]
+
+
+def resolve(x: Heads, options: DistillOptions, perf: PerfOptions, layout: str) -> Plan:
+  """Every default decided: the plan of the chunked sweep."""
+  dtype, teacher_dtype = x.hidden.dtype, x.teacher_hidden.dtype
+  logits_dtype = resolve_logits_dtype(perf.logits_dtype, dtype)
+  teacher_logits_dtype = resolve_logits_dtype(perf.logits_dtype, teacher_dtype)
+  platform = jax.default_backend()
+  kernel, gemm = select_distill(perf.impl, platform), select_gemm(perf.impl, platform)
+  n_rows, vocab = x.hidden.shape[0], matmul.vocab_size(x.weight, layout)
+  dtypes = (logits_dtype, teacher_logits_dtype, dtype)
+  pad = _pads_logits(x, layout, kernel, gemm, *dtypes)
+  if pad:  # the chunks' logits are this wide
+    vocab = matmul.padded_width(vocab)
+  per_logit = logits_dtype.itemsize + teacher_logits_dtype.itemsize
+  for bias, head_dtype in (
+    (x.bias, logits_dtype),
+    (x.teacher_bias, teacher_logits_dtype),
+  ):
+    per_logit += 0 if bias is None else _plan.bias_bytes(head_dtype)
+  if kernel is None:
+    per_logit += np.dtype(dtype).itemsize + _WORK_BYTES  # dlogits, XLA's passes
+  elif not kernel.in_place(
+    *_chunk_heads(vocab, logits_dtype, teacher_logits_dtype), dtype
+  ):
+    per_logit += np.dtype(dtype).itemsize
+  budget = perf.memory_budget or _plan.DEFAULT_MEMORY_BUDGET
+  chunk = perf.chunk_size and min(perf.chunk_size, n_rows)
+  chunk = chunk or plan_rows(n_rows, vocab, per_logit, budget)
+  # As linear_cross_entropy's: in place for a few chunks, else float32.
+  accum = perf.accum_dtype or _plan.default_accum_dtype(n_rows, chunk, x.weight.dtype)
+  bias_dtype = x.weight.dtype if x.bias is None else x.bias.dtype
+  return Plan(
+    options=options,
+    weight_layout=layout,
+    rows_per_chunk=chunk,
+    logits_dtype=logits_dtype,
+    teacher_logits_dtype=teacher_logits_dtype,
+    dweight_dtype=np.dtype(accum or x.weight.dtype),
+    dbias_dtype=np.dtype(accum or at_least_float32(bias_dtype)),
+    matmul_tile=_plan.MATMUL_TILE if platform == "cpu" else None,
+    gemm=gemm,
+    kernel=kernel,
+    pad_logits=pad,
+  )
+
+
+def transposes_weights(x: Heads, plan: Plan) -> bool:
+  """Whether the sweep runs faster on both heads' ``[D, V]`` weights given
+  transposed (a copy of each per step): where the Mosaic GEMM would pad the
+  logits of ``[V, D]`` weights of this vocabulary, but TMA cannot copy the
+  rows of ``[D, V]`` ones (V not whole 64-column tiles: GPT-2's 50257), which
+  leaves the sweep to XLA's GEMMs and the fallback kernel."""
+  if plan.weight_layout != "dv" or plan.pad_logits:
+    return False
+  flip = lambda w: jax.ShapeDtypeStruct(w.shape[::-1], w.dtype)
+  flipped = x._replace(weight=flip(x.weight), teacher_weight=flip(x.teacher_weight))
+  dtypes = (plan.logits_dtype, plan.teacher_logits_dtype, x.hidden.dtype)
+  return _pads_logits(flipped, "vd", plan.kernel, plan.gemm, *dtypes)
+
+
+def transposed(x: Heads, plan: Plan, perf: PerfOptions):
+  """``(heads, perf)``: both heads with their ``[D, V]`` weights transposed
+  and the ``perf`` to plan them with, where ``transposes_weights`` and the
+  copies (both weights' and the student's gradient's) take at most half the
+  memory budget, which plans the rows with the rest; else None."""
+  if not transposes_weights(x, plan):
+    return None
+  nbytes = lambda w: w.size * np.dtype(w.dtype).itemsize
+  copies = 2 * nbytes(x.weight) + nbytes(x.teacher_weight)
+  budget = perf.memory_budget or _plan.DEFAULT_MEMORY_BUDGET
+  if copies > budget // 2:
+    return None
+  if perf.chunk_size is None:  # else the rows are given, not planned
+    perf = dataclasses.replace(perf, memory_budget=budget - copies)
+  return x._replace(weight=x.weight.T, teacher_weight=x.teacher_weight.T), perf
+
+
+def _pads_logits(x: Heads, layout: str, kernel, gemm: str, *dtypes) -> bool:
+  """Whether the chunks' logits come padded to whole 64-column tiles: a
+  vocabulary of other widths (GPT-2's 50257), both heads' logits (biases
+  added) by the Mosaic GEMM, in ``dtypes`` (the heads' logits', the
+  gradients') that ``kernel`` takes whole (``pads_logits``)."""
+  vocab = matmul.vocab_size(x.weight, layout)
+  if gemm != "mosaic" or kernel is None or not kernel.pads_logits(*dtypes):
+    return False
+  if matmul.padded_width(vocab) == vocab:
+    return False
+  heads = (
+    (x.hidden, x.weight, x.bias, dtypes[0]),
+    (x.teacher_hidden, x.teacher_weight, x.teacher_bias, dtypes[1]),
+  )
+  for hidden, weight, bias, dtype in heads:
+    rows = jax.ShapeDtypeStruct((_plan.TMA_ROWS, hidden.shape[1]), hidden.dtype)
+    if not matmul.mosaic_takes_logits(rows, weight, layout, dtype, bias=bias):
+      return False
+  return True

@@ -1,0 +1,433 @@
+"""How a row-chunked sweep turns each chunk's ``dlogits`` into gradients.
+
+``gradient_sweep`` picks one of three strategies from the plan's chunk and
+group sizes and the logits' dtype:
+
+* ``_per_chunk``: a group is one chunk; every chunk does its own matmuls.
+* ``_whole_groups_in_place``: logits in the compute dtype; a group's logits
+  are formed in one matmul and its ``dlogits`` overwrite them.
+* ``_group_buffer``: logits wider than the compute dtype; each chunk's
+  ``dlogits`` are gathered into one group buffer.
+
+``Sweep`` holds what they share: the loop order, the configuration, the
+rows, how a chunk's ``dlogits`` are formed (``_sweep.row_chunks``' backward
+recomputes them; its fused sweep forms them with the loss) and, for float16,
+the scale of their unit row weights (``_plan.unit_weights``), applied
+where each product is rounded (``row_products``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from mst_jax._gemm import matmul
+from mst_jax._plan import add_scaled, dlogits_in_place, product_dtype, rounded
+from mst_jax._sweep.rows import (
+  Chunk,
+  Differentiated,
+  Grads,
+  RowInputs,
+  SweepConfig,
+  chunk_of,
+  gradient_finish,
+  gradient_init,
+  sweep_chunks,
+)
+
+
+def row_products(
+  grads: Grads,
+  dlogits: jax.Array,
+  h: jax.Array,
+  weight: jax.Array,
+  layout: str,
+  scale: jax.Array | None,
+  *,
+  first: bool = False,
+  tile: int | None = None,
+  gemm: str = "xla",
+):
+  """A block of rows' ``dhidden`` rows (None without ``grads[0]``) and
+  ``grads[1]`` (``dweight``) with its product added (``first``: in place of
+  its never-read zeros), by ``_gemm.matmul.row_gradients``.
+
+  ``dlogits`` are of unit row weights; with a ``scale`` (float16) the rows
+  are formed in float32 and scaled as they are rounded, and a float16
+  ``dweight`` (asked for) gets a float32 product (``add_scaled``).
+  """
+  dhidden, dweight = grads[:2]
+  into = dweight is None or product_dtype(dweight.dtype, scale) == dweight.dtype
+  rows, summed = matmul.row_gradients(
+    dlogits,
+    h,
+    weight,
+    layout,
+    dhidden_dtype=None if dhidden is None else product_dtype(dhidden.dtype, scale),
+    dweight=dweight if into else None,
+    first=first,
+    tile=tile,
+    gemm=gemm,
+  )
+  if not into:
+    width = matmul.vocab_size(weight, layout)
+    part = matmul.dweight_matmul(
+      dlogits, h, layout, jnp.float32, gemm=gemm, width=width
+    )
+    summed = add_scaled(dweight, part, scale, first)
+  if rows is not None and scale is not None:
+    rows = rounded(rows, dhidden.dtype, scale)
+  return rows, summed
+
+
+def add_bias_gradient(dbias, dlogits, scale, first: bool = False):
+  """``dbias`` with a block of rows' ``dlogits`` summed in (``add_scaled``)."""
+  part = matmul.bias_gradient(
+    dlogits, dbias.shape[0], product_dtype(dbias.dtype, scale)
+  )
+  return add_scaled(dbias, part, scale, first)
+
+
+def accumulate(
+  config: SweepConfig,
+  grads: Grads,
+  group: Chunk,
+  h: jax.Array,
+  dlogits: jax.Array,
+  weight: jax.Array,
+  *,
+  scale: jax.Array | None = None,
+  first: bool = False,
+  local: bool = False,
+) -> Grads:
+  """Adds one group's ``dlogits`` to ``(dhidden, dweight, dbias)``.
+
+  ``first``: the first group's contributions replace the (zero) ``dweight``
+  and ``dbias`` instead of being added to them, which spares a pass of
+  zero-filling and re-reading ``dweight``. ``local``: ``dhidden`` is the
+  enclosing group's rows, not all rows. ``scale``: of the unit row weights
+  of ``dlogits`` (``row_products``).
+  """
+  dhidden, dweight, dbias = grads
+  tile, gemm = config.head.matmul_tile, config.head.gemm
+  dh, dweight = row_products(
+    grads, dlogits, h, weight, config.layout, scale, first=first, tile=tile, gemm=gemm
+  )
+  if dhidden is not None:
+    dh = config.columns.sum_partial(dh)
+    dhidden = group.put(dhidden, dh, local=local)
+  if dbias is not None:
+    dbias = add_bias_gradient(dbias, dlogits, scale, first)
+  return dhidden, dweight, dbias
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+  """One gradient sweep's inputs, shared by the strategies.
+
+  ``chunk_dlogits(outputs, chunk, into) -> (outputs, dlogits)`` gives each
+  chunk's (or group's) ``dlogits`` (with ``into=(buffer, row)``, written into
+  ``buffer`` from ``row`` on, and the buffer returned).
+  """
+
+  order: Any  # the RowChunks: rows_per_chunk, rows_per_group, compact
+  config: SweepConfig
+  x: RowInputs
+  chunk_dlogits: Callable
+  scale: jax.Array | None = None  # of dlogits' unit row weights (float16)
+
+  @property
+  def hidden(self):
+    return self.x.hidden
+
+  @property
+  def weight(self) -> jax.Array:
+    return self.x.weight
+
+  @property
+  def valid(self) -> jax.Array:
+    return self.x.valid
+
+  def chunk_update(self, carry, chunk: Chunk, first: bool = False, local: bool = False):
+    outputs, grads = carry
+    outputs, dlogits = self.chunk_dlogits(outputs, chunk, None)
+    h = chunk.hidden(self.hidden)
+    grads = accumulate(
+      self.config,
+      grads,
+      chunk,
+      h,
+      dlogits,
+      self.weight,
+      scale=self.scale,
+      first=first,
+      local=local,
+    )
+    return outputs, grads
+
+  def chunk_by_chunk(self, carry, group: Chunk):
+    return sweep_chunks(
+      self.order.rows_per_chunk, group.valid, self.chunk_update, carry, group=group
+    )
+
+
+def _held(group: Chunk, chunk_size: int) -> jax.Array:
+  """bool ``[chunks]``: which of the group's chunks (as ``chunk_of`` tiles
+  it) hold a valid row."""
+  n_chunks = -(-group.size // chunk_size)
+  ends = jnp.minimum((jnp.arange(n_chunks) + 1) * chunk_size, group.size)
+  counts = jnp.cumsum(group.valid)[ends - 1]
+  return jnp.diff(counts, prepend=0) > 0
+
+
+def _every_chunk(chunk_size: int):
+  """A predicate of a group: each of its chunks holds a valid row, so the
+  group runs whole (one ``dweight`` rounding)."""
+  return lambda group: jnp.all(_held(group, chunk_size))
+
+
+def _some_chunk_empty(every_chunk):
+  """A group with a valid row and a chunk without one."""
+  return lambda group: jnp.any(group.valid) & ~every_chunk(group)
+
+
+def _window(group: Chunk, chunk_size: int, chunks: int, first_chunk) -> Chunk:
+  """The group's rows from chunk ``first_chunk`` on, ``chunks`` chunks of them
+  (static; fewer rows where the group ends first), as one chunk.
+
+  Moved back where it would pass the group's end. It is the group's only
+  child: its rows' ownership and validity are the group's.
+  """
+  size = min(chunks * chunk_size, group.size)
+  offset = jnp.minimum(first_chunk * chunk_size, group.size - size)
+  part = lambda rows: lax.dynamic_slice_in_dim(rows, offset, size)
+  owned = part(group.owned)
+  return Chunk(group.start + offset, offset, owned, owned, part(group.valid))
+
+
+def _by_window(whole, chunk_size: int, row_zeros):
+  """``whole`` on the rows from a group's first chunk holding a valid row to
+  its last: one matmul of each kind, so one ``dweight`` rounding.
+
+  ``whole(outputs, dweight, dbias, chunk) -> (outputs, rows, dweight,
+  dbias)``. The window's row count is one of the group's chunk counts
+  (shapes are static): one ``lax.cond`` per count, each running or passing
+  its operands through (a ``lax.switch`` over the counts made XLA copy the
+  carried ``dweight``). With valid rows compacted, no chunk without one is
+  formed. Its ``dhidden`` rows come back in ``row_zeros(group)`` (a group's
+  rows, or None: no ``dhidden``), zero elsewhere.
+  """
+
+  def run(outputs, dweight, dbias, group):
+    held = _held(group, chunk_size)
+    first = jnp.argmax(held)
+    chunks = held.shape[0] - jnp.argmax(held[::-1]) - first
+    rows = row_zeros(group)
+
+    def on_window(count):
+      def run(outputs, rows, dweight, dbias):
+        window = _window(group, chunk_size, count, first)
+        outputs, new, dweight, dbias = whole(outputs, dweight, dbias, window)
+        if rows is not None:
+          rows = lax.dynamic_update_slice_in_dim(rows, new, window.offset, 0)
+        return outputs, rows, dweight, dbias
+
+      return run
+
+    carry = (outputs, rows, dweight, dbias)
+    for count in range(1, held.shape[0] + 1):
+      carry = lax.cond(chunks == count, on_window(count), lambda *c: c, *carry)
+    return carry
+
+  return run
+
+
+def _per_chunk(sweep: Sweep, outputs, grads):
+  """Chosen when a group is one chunk: every chunk does its own matmuls.
+
+  Compacted, the first chunk holds a valid row unless none does; it starts
+  ``dweight`` / ``dbias``, so their zeros are never read.
+  """
+  first = None
+  if sweep.order.compact:
+    first = functools.partial(sweep.chunk_update, first=True)
+  return sweep_chunks(
+    sweep.order.rows_per_chunk,
+    sweep.valid,
+    sweep.chunk_update,
+    (outputs, grads),
+    first=first,
+  )
+
+
+def _whole_groups_in_place(sweep: Sweep, outputs, grads):
+  """Chosen for logits in the compute dtype, groups of several chunks.
+
+  A group whose rows all count forms its logits in one matmul, its
+  ``dlogits`` overwrite them, and the ``dhidden`` and ``dweight`` matmuls run
+  over the whole group (``dweight`` is read and written once per group). So
+  does a group whose every chunk holds a valid row (``_every_chunk``; its
+  excluded rows' ``dlogits`` are zero). A group with a chunk of no valid row
+  (compacted, at most the one where the valid rows end) runs the same way
+  on a window of its chunks, from the first holding a valid row to the last
+  (``_by_window``): one ``dweight`` rounding per group either way. The two
+  kinds run in two loops: a ``lax.cond`` between them inside one loop made
+  XLA copy the carried ``dweight``. Each group's ``dhidden`` rows come back as
+  ``[group, D]`` and are written outside. Compacted, group 0, if whole,
+  starts ``dweight`` and ``dbias`` (in a ``lax.cond`` outside the loops,
+  neither branch taking them as operands; else they start at zero).
+  """
+  config, hidden, weight = sweep.config, sweep.hidden, sweep.weight
+  group_size, chunk_size = sweep.order.rows_per_group, sweep.order.rows_per_chunk
+  layout, dh_dtype, scale = config.layout, hidden.dtype, sweep.scale
+  specs = [None if g is None else (g.shape, g.dtype) for g in grads[1:]]
+  want_rows = grads[0] is not None
+
+  def whole(outputs, dweight, dbias, group, first=False):
+    outputs, dlogits = sweep.chunk_dlogits(outputs, group, None)
+    h = group.hidden(hidden)
+    _, dweight, dbias = accumulate(
+      config,
+      (None, dweight, dbias),
+      group,
+      h,
+      dlogits,
+      weight,
+      scale=scale,
+      first=first,
+    )
+    rows = None
+    if want_rows:
+      tile, gemm = config.head.matmul_tile, config.head.gemm
+      rows = matmul.dhidden_matmul(
+        dlogits, weight, layout, product_dtype(dh_dtype, scale), tile=tile, gemm=gemm
+      )
+      if scale is not None:
+        rows = rounded(rows, dh_dtype, scale)
+      rows = config.columns.sum_partial(rows)
+    return outputs, rows, dweight, dbias
+
+  def group_update(part):
+    def run(carry, group):
+      outputs, (dhidden, dweight, dbias) = carry
+      outputs, rows, dweight, dbias = part(outputs, dweight, dbias, group)
+      if want_rows:
+        dhidden = group.put(dhidden, rows)
+      return outputs, (dhidden, dweight, dbias)
+
+    return run
+
+  def row_zeros(group):
+    return jnp.zeros((group.size, hidden.shape[1]), dh_dtype) if want_rows else None
+
+  def zeros(group):
+    return row_zeros(group), *(None if s is None else jnp.zeros(*s) for s in specs)
+
+  def started(outputs, group):  # the zeros made here are never read
+    return whole(outputs, *zeros(group)[1:], group, first=True)
+
+  dhidden, dweight, dbias = grads
+  every_chunk, later = _every_chunk(chunk_size), lambda group: True
+  if sweep.order.compact:
+    group = chunk_of(group_size, sweep.valid, 0)
+    outputs, rows, dweight, dbias = lax.cond(
+      every_chunk(group),
+      started,
+      lambda outputs, group: (outputs, *zeros(group)),
+      outputs,
+      group,
+    )
+    if want_rows:
+      dhidden = group.put(dhidden, rows)
+    later = lambda group: group.offset > 0
+  carry = sweep_chunks(
+    group_size,
+    sweep.valid,
+    group_update(whole),
+    (outputs, (dhidden, dweight, dbias)),
+    visit=lambda g: every_chunk(g) & later(g),
+  )
+  return sweep_chunks(
+    group_size,
+    sweep.valid,
+    group_update(_by_window(whole, chunk_size, row_zeros)),
+    carry,
+    visit=_some_chunk_empty(every_chunk),
+  )
+
+
+def _group_buffer(sweep: Sweep, outputs, grads):
+  """Chosen for logits wider than the compute dtype (float32 logits of bf16).
+
+  Each chunk's float32 logits become ``dlogits`` in the compute dtype,
+  gathered into one ``[group, V]`` buffer (in place, at rows that are
+  multiples of the chunk size, when chunks tile the group exactly; V is the
+  backend's ``dlogits_width``, which may pad the weight's columns); a group
+  whose rows all count then does its ``dhidden`` and ``dweight`` matmuls
+  once, as does one whose every chunk holds a valid row. Groups with a chunk
+  of no valid row go chunk by chunk (a ``dweight`` rounding per chunk where
+  ``dweight`` is in place; ``_by_window`` is not used here). The two kinds
+  run in two loops, as in ``_whole_groups_in_place``.
+  """
+  order, hidden, weight = sweep.order, sweep.hidden, sweep.weight
+  group_size, chunk_size = order.rows_per_group, order.rows_per_chunk
+  into_buffer = group_size % chunk_size == 0
+
+  def whole_group(carry, group):
+    outputs, grads, buffer = carry
+
+    def fill(carry, chunk):
+      outputs, buffer = carry
+      if into_buffer:
+        return sweep.chunk_dlogits(outputs, chunk, (buffer, chunk.offset))
+      outputs, dlogits = sweep.chunk_dlogits(outputs, chunk, None)
+      return outputs, chunk.put(buffer, dlogits, local=True)
+
+    outputs, buffer = sweep_chunks(
+      chunk_size, group.valid, fill, (outputs, buffer), group=group
+    )
+    h = group.hidden(hidden)
+    grads = accumulate(sweep.config, grads, group, h, buffer, weight, scale=sweep.scale)
+    return outputs, grads, buffer
+
+  config = sweep.config
+  chunk = jax.eval_shape(lambda x: x.chunk(chunk_of(chunk_size, x.valid, 0)), sweep.x)
+  width = config.backend.dlogits_width(chunk, config.head)
+  buffer = jnp.zeros((group_size, width), hidden.dtype)
+  every_chunk = _every_chunk(chunk_size)
+  carry = (outputs, grads, buffer)
+  outputs, grads, _ = sweep_chunks(
+    group_size, sweep.valid, whole_group, carry, visit=every_chunk
+  )
+  return sweep_chunks(
+    group_size,
+    sweep.valid,
+    sweep.chunk_by_chunk,
+    (outputs, grads),
+    visit=_some_chunk_empty(every_chunk),
+  )
+
+
+def gradient_sweep(sweep: Sweep, diff: Differentiated, outputs):
+  """Gradients from ``sweep.chunk_dlogits``, by the strategy that fits the plan.
+
+  Returns:
+    ``(outputs, (dhidden, dweight, dbias))``; a gradient is None where ``diff``
+    says its input is not differentiated.
+  """
+  config, order = sweep.config, sweep.order
+  grads = gradient_init(config, sweep.x, diff)
+  if order.rows_per_chunk == order.rows_per_group:
+    strategy = _per_chunk
+  elif dlogits_in_place(config.head.logits_dtype, sweep.hidden.dtype):
+    strategy = _whole_groups_in_place
+  else:
+    strategy = _group_buffer
+  outputs, grads = strategy(sweep, outputs, grads)
+  return outputs, gradient_finish(grads, sweep.x, sweep.scale)
