@@ -330,10 +330,10 @@ def plan_with_accumulator(
 
 def cpu_fixed_bytes(n_rows: int, dim: int, dtype: np.dtype) -> int:
   """Bytes XLA:CPU holds whatever the chunks: a tile's float32 weight columns
-  and ``dweight`` product, and, for 16-bit inputs, a float32 copy of
-  ``dhidden`` (it scatters 16-bit rows into a buffer through float32)."""
+  and ``dweight`` product, and, for 16-bit inputs, a copy of ``dhidden``'s
+  bits (``_sweep.rows.Permuted``)."""
   tiles = 2 * 4 * MATMUL_TILE * dim
-  return tiles + (4 * n_rows * dim if np.dtype(dtype).itemsize < 4 else 0)
+  return tiles + (2 * n_rows * dim if np.dtype(dtype).itemsize < 4 else 0)
 
 
 def tma_row_padding(n_rows: int, block_rows, gemm: str, dtype) -> int:

@@ -119,6 +119,7 @@ def _naive(hidden, weight, labels):
     (8192, jnp.bfloat16, 512 << 20),
     (8192, jnp.bfloat16, 1 << 30),
     (32768, jnp.bfloat16, None),
+    (32768, jnp.bfloat16, 512 << 20),
     (32768, jnp.bfloat16, 1 << 30),
     (8192, jnp.float32, None),
     (32768, jnp.float32, 512 << 20),

@@ -121,7 +121,7 @@ def _gradient_init(plan: Plan, x: Heads, hidden, diff: Differentiated):
   if diff.hidden:
     dhidden = jnp.zeros(x.hidden.shape, x.hidden.dtype)
     if isinstance(hidden, Permuted):
-      dhidden = hidden._replace(array=dhidden)
+      dhidden = hidden.like(dhidden)
   if diff.weight:
     dweight = jnp.zeros(x.weight.shape, plan.dweight_dtype)
   if diff.bias:

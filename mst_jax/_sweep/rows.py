@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -280,24 +281,57 @@ def unwrap_primals(*primals) -> tuple:
   return tuple(None if p is None else p.value for p in primals)
 
 
-class Permuted(NamedTuple):
-  """``array`` seen in the row order ``order`` (``view[i] = array[order[i]]``).
+def _bits(x: jax.Array) -> jax.Array:
+  """16-bit floats as their bits (uint16); other arrays as they are."""
+  if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize == 2:
+    return lax.bitcast_convert_type(x, jnp.uint16)
+  return x
+
+
+@functools.partial(
+  jax.tree_util.register_dataclass,
+  data_fields=("bits", "order"),
+  meta_fields=("dtype",),
+)
+@dataclasses.dataclass(frozen=True)
+class Permuted:
+  """An array seen in the row order ``order`` (``view[i] = array[order[i]]``).
 
   Chunks gather their rows from it and scatter theirs into it, so the
   ``[N, D]`` hidden states and their gradient are never copied whole into
-  compacted order and back.
+  compacted order and back. 16-bit floats are held as their bits for the
+  whole sweep: XLA:CPU gathers and scatters them through a float32 copy of
+  the whole array.
   """
 
-  array: jax.Array
+  bits: jax.Array
   order: jax.Array  # int32 [N], a permutation
+  dtype: np.dtype
+
+  @classmethod
+  def of(cls, array: jax.Array, order: jax.Array) -> Permuted:
+    return cls(_bits(array), order, np.dtype(array.dtype))
 
   @property
   def shape(self) -> tuple[int, ...]:
-    return self.array.shape
+    return self.bits.shape
 
   @property
-  def dtype(self) -> jnp.dtype:
-    return self.array.dtype
+  def array(self) -> jax.Array:
+    """The whole array, in its original row order."""
+    return lax.bitcast_convert_type(self.bits, self.dtype)
+
+  def like(self, array: jax.Array) -> Permuted:
+    """``array`` seen in the same order."""
+    return Permuted.of(array, self.order)
+
+  def rows(self, index: jax.Array) -> jax.Array:
+    return lax.bitcast_convert_type(jnp.take(self.bits, index, axis=0), self.dtype)
+
+  def with_rows(self, index: jax.Array, rows: jax.Array) -> Permuted:
+    """Rows ``index`` (distinct) replaced by ``rows``."""
+    bits = self.bits.at[index].set(_bits(rows.astype(self.dtype)), unique_indices=True)
+    return dataclasses.replace(self, bits=bits)
 
 
 def compaction(compact: bool, valid: jax.Array):
@@ -313,7 +347,7 @@ def compaction(compact: bool, valid: jax.Array):
   order = jnp.argsort(jnp.logical_not(valid), stable=True).astype(jnp.int32)
   gather = lambda x: jnp.take(x, order, axis=0)
   scatter = lambda x: jnp.zeros_like(x).at[order].set(x, unique_indices=True)
-  return gather, scatter, lambda x: Permuted(x, order)
+  return gather, scatter, lambda x: Permuted.of(x, order)
 
 
 def original_order(x: jax.Array | Permuted) -> jax.Array:
@@ -347,7 +381,7 @@ class Chunk(NamedTuple):
 
   def take(self, x: jax.Array | Permuted) -> jax.Array:
     if isinstance(x, Permuted):
-      return jnp.take(x.array, self.take(x.order), axis=0)
+      return x.rows(self.take(x.order))
     return lax.dynamic_slice_in_dim(x, self.start, self.size, axis=0)
 
   def put(self, buffer, rows: jax.Array, *, local: bool = False):
@@ -363,8 +397,7 @@ class Chunk(NamedTuple):
       if local:
         raise ValueError("a Permuted buffer holds all rows, not a group's")
       index = self.take(buffer.order)
-      new = jnp.where(mask, rows, jnp.take(buffer.array, index, axis=0))
-      return buffer._replace(array=buffer.array.at[index].set(new, unique_indices=True))
+      return buffer.with_rows(index, jnp.where(mask, rows, buffer.rows(index)))
     old = lax.dynamic_slice_in_dim(buffer, start, self.size, axis=0)
     return lax.dynamic_update_slice_in_dim(buffer, jnp.where(mask, rows, old), start, 0)
 
@@ -466,7 +499,7 @@ def gradient_init(config: SweepConfig, x: RowInputs, diff: Differentiated) -> Gr
   hidden, weight, bias = x.hidden, x.weight, x.bias
   dhidden = _zeros_if(diff.hidden, hidden.shape, hidden.dtype)
   if dhidden is not None and isinstance(hidden, Permuted):
-    dhidden = hidden._replace(array=dhidden)
+    dhidden = hidden.like(dhidden)
   return (
     dhidden,
     _zeros_if(diff.weight, weight.shape, config.dweight_dtype),
