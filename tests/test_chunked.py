@@ -101,25 +101,6 @@ def test_fully_masked_chunks_are_skipped(rng, grad_mode):
     np.testing.assert_array_equal(np.asarray(grads[0])[~valid], 0.0)
 
 
-@pytest.mark.parametrize("grad_mode", ["fused", "recompute"])
-def test_a_window_in_parts_counts_each_row_once(rng, grad_mode):
-  """Without compaction a group's window of chunks (first to last holding a
-  valid row) runs in parts of 2**j chunks: here chunks 1..6 of a 52-row group
-  in chunks of 8 (the last one 4 rows), as 4 chunks then 2, the second moved
-  back to end at the group's end (rows 36..51). The rows both parts cover
-  count once."""
-  problem = make_problem(rng, (52,), mask="none", bias=True)
-  valid = np.zeros(52, bool)
-  valid[[9, 20, 33, 36, 37, 38, 39, 41, 50]] = True
-  problem.where = jnp.asarray(valid)
-  ref_loss, ref_grads = oracle(problem, z_loss=1e-3)
-  loss, grads, _ = _run_recorded(problem, grad_mode, False, 8, 52)
-  assert_close(loss, ref_loss, LOSS_RTOL["float32"], "loss")
-  for g, r in zip(grads, ref_grads, strict=True):
-    assert_close(g, r, GRAD_RTOL["float32"], "grad")
-  np.testing.assert_array_equal(np.asarray(grads[0])[~valid], 0.0)
-
-
 def _eqns(jaxpr):
   """Every equation of a jaxpr, recursing into sub-jaxprs (scan, cond, jit...)."""
   for eqn in jaxpr.eqns:

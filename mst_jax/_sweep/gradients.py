@@ -198,58 +198,51 @@ def _some_chunk_empty(every_chunk):
 
 
 def _window(group: Chunk, chunk_size: int, chunks: int, first_chunk) -> Chunk:
-  """The group's rows of ``chunks`` chunks (static) from chunk ``first_chunk``
-  on, as one chunk.
+  """The group's rows from chunk ``first_chunk`` on, ``chunks`` chunks of them
+  (static; fewer rows where the group ends first), as one chunk.
 
-  Moved back where it would pass the group's end: the rows before
-  ``first_chunk`` it then covers are neither owned nor valid.
+  Moved back where it would pass the group's end. It is the group's only
+  child: its rows' ownership and validity are the group's.
   """
   size = min(chunks * chunk_size, group.size)
-  start = first_chunk * chunk_size
-  offset = jnp.minimum(start, group.size - size)
+  offset = jnp.minimum(first_chunk * chunk_size, group.size - size)
   part = lambda rows: lax.dynamic_slice_in_dim(rows, offset, size)
-  after = offset + jnp.arange(size) >= start
-  owned = part(group.owned) & after
-  return Chunk(group.start + offset, offset, owned, owned, part(group.valid) & after)
+  owned = part(group.owned)
+  return Chunk(group.start + offset, offset, owned, owned, part(group.valid))
 
 
 def _by_window(whole, chunk_size: int, row_zeros):
   """``whole`` on the rows from a group's first chunk holding a valid row to
-  its last, in parts of 2**j chunks (the binary digits of the window's chunk
-  count, largest first): a ``lax.cond`` each, so the program holds log2 of a
-  group's chunk count copies of ``whole`` rather than one per count, for a
-  ``dweight`` rounding per part.
+  its last: one matmul of each kind, so one ``dweight`` rounding.
 
   ``whole(outputs, dweight, dbias, chunk) -> (outputs, rows, dweight,
-  dbias)``. With valid rows compacted, no chunk without one is formed. Its
-  ``dhidden`` rows come back in ``row_zeros(group)`` (a group's rows, or
-  None: no ``dhidden``), zero elsewhere.
+  dbias)``. The window's row count is one of the group's chunk counts
+  (shapes are static): one ``lax.cond`` per count, each running or passing
+  its operands through (a ``lax.switch`` over the counts made XLA copy the
+  carried ``dweight``). With valid rows compacted, no chunk without one is
+  formed. Its ``dhidden`` rows come back in ``row_zeros(group)`` (a group's
+  rows, or None: no ``dhidden``), zero elsewhere.
   """
 
   def run(outputs, dweight, dbias, group):
     held = _held(group, chunk_size)
-    n_chunks = held.shape[0]
     first = jnp.argmax(held)
-    chunks = n_chunks - jnp.argmax(held[::-1]) - first
+    chunks = held.shape[0] - jnp.argmax(held[::-1]) - first
+    rows = row_zeros(group)
 
-    def on_part(count, start):
+    def on_window(count):
       def run(outputs, rows, dweight, dbias):
-        part = _window(group, chunk_size, count, start)
-        outputs, new, dweight, dbias = whole(outputs, dweight, dbias, part)
+        window = _window(group, chunk_size, count, first)
+        outputs, new, dweight, dbias = whole(outputs, dweight, dbias, window)
         if rows is not None:
-          old = lax.dynamic_slice_in_dim(rows, part.offset, part.size)
-          new = jnp.where(part.owned[:, None], new, old)
-          rows = lax.dynamic_update_slice_in_dim(rows, new, part.offset, 0)
+          rows = lax.dynamic_update_slice_in_dim(rows, new, window.offset, 0)
         return outputs, rows, dweight, dbias
 
       return run
 
-    carry, start = (outputs, row_zeros(group), dweight, dbias), first
-    for bit in reversed(range(n_chunks.bit_length())):
-      count = 1 << bit
-      take = (chunks & count) != 0
-      carry = lax.cond(take, on_part(count, start), lambda *c: c, *carry)
-      start = start + jnp.where(take, count, 0)
+    carry = (outputs, rows, dweight, dbias)
+    for count in range(1, held.shape[0] + 1):
+      carry = lax.cond(chunks == count, on_window(count), lambda *c: c, *carry)
     return carry
 
   return run
@@ -282,9 +275,8 @@ def _whole_groups_in_place(sweep: Sweep, outputs, grads):
   does a group whose every chunk holds a valid row (``_every_chunk``; its
   excluded rows' ``dlogits`` are zero). A group with a chunk of no valid row
   (compacted, at most the one where the valid rows end) runs the same way
-  on a window of its chunks, from the first holding a valid row to the last,
-  in parts of 2**j chunks (``_by_window``: a ``dweight`` rounding per part,
-  one for a whole group). The two
+  on a window of its chunks, from the first holding a valid row to the last
+  (``_by_window``): one ``dweight`` rounding per group either way. The two
   kinds run in two loops: a ``lax.cond`` between them inside one loop made
   XLA copy the carried ``dweight``. Each group's ``dhidden`` rows come back as
   ``[group, D]`` and are written outside. Compacted, group 0, if whole,
