@@ -76,12 +76,21 @@ SLOW_TESTS = {
 }
 
 
+def _lowers_the_hopper_program(item) -> bool:
+  """A test that plans for a Hopper GPU to lower a step for CUDA on a host
+  without one (5-14 s each on 2 cores): the slow part. The Mosaic GEMM's own
+  lowering tests (well under a second) keep the quick run's CUDA check."""
+  fixtures = getattr(item, "fixturenames", ())
+  return "as_if_on_hopper" in fixtures and "mosaic_on_cpu" not in fixtures
+
+
 def _mark_slow(items) -> None:
   """Splits the suite into a quick default run and a ``slow`` rest.
 
   Of each parametrized test, the quick run keeps the first parametrizations
   (in collection order) that together take every value of every parameter;
-  the rest of its grid is marked ``slow``, as are ``SLOW_TESTS``. So
+  the rest of its grid is marked ``slow``, as are ``SLOW_TESTS`` and the
+  tests that lower the Hopper program for CUDA. So
   ``pytest`` (``-m "not slow"``, the default) exercises every axis, and
   ``pytest -m slow`` runs everything else: CI runs both.
   """
@@ -89,7 +98,7 @@ def _mark_slow(items) -> None:
   for item in items:
     name = getattr(item, "originalname", item.name)
     callspec = getattr(item, "callspec", None)
-    if name in SLOW_TESTS:
+    if name in SLOW_TESTS or _lowers_the_hopper_program(item):
       item.add_marker(pytest.mark.slow)
     if callspec is None:
       continue
