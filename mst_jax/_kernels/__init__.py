@@ -13,6 +13,7 @@ import jax
 import jaxlib
 
 from mst_jax._gemm.mosaic import gemm as mosaic_gemm
+from mst_jax._gemm.mosaic.config import relocatable_ptx
 from mst_jax._kernels.base import (
   AllColumns,
   ChunkBackend,
@@ -154,8 +155,7 @@ def mosaic_is_slow(jaxlib_version: str) -> bool:
   ``impl="pallas"`` 40 ms. ``impl="mosaic"`` runs the Mosaic kernels with
   tiles that fit the registers left (``accumulator_limit``), not yet timed.
   """
-  major, minor = (int(part) for part in jaxlib_version.split(".")[:2])
-  return (major, minor) >= (0, 12)
+  return relocatable_ptx(jaxlib_version)
 
 
 _INSTEAD = {

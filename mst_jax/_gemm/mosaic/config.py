@@ -307,11 +307,17 @@ _ACCUMULATOR = 128 * 192
 _ACCUMULATOR_RELOCATABLE = 128 * 128
 
 
+def relocatable_ptx(jaxlib_version: str) -> bool:
+  """Whether this jaxlib (0.12 on) compiles Mosaic's PTX as relocatable code,
+  where ptxas ignores ``setmaxnreg``."""
+  major, minor = (int(part) for part in jaxlib_version.split(".")[:2])
+  return (major, minor) >= (0, 12)
+
+
 def accumulator_limit(jaxlib_version: str) -> int:
   """Float32 accumulator elements a compute warpgroup may hold with this
-  jaxlib (``_ACCUMULATOR_RELOCATABLE`` from 0.12)."""
-  major, minor = (int(part) for part in jaxlib_version.split(".")[:2])
-  return _ACCUMULATOR_RELOCATABLE if (major, minor) >= (0, 12) else _ACCUMULATOR
+  jaxlib (``_ACCUMULATOR_RELOCATABLE`` where ``relocatable_ptx``)."""
+  return _ACCUMULATOR_RELOCATABLE if relocatable_ptx(jaxlib_version) else _ACCUMULATOR
 
 
 def fit_registers(config: GemmConfig, limit: int) -> GemmConfig:
