@@ -359,6 +359,20 @@ def test_grad_of_hidden_after_grad_of_weight(rng, function, grad_mode):
     assert_close(got, want, GRAD_RTOL["float32"], "dhidden")
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("function", FUNCTIONS)
+def test_hessian_vector_products(rng, function, dtype):
+  """Second derivatives through the sweep's backward pass (XLA's backend),
+  with masked tokens, whose rows the sweep moves: forward over reverse and
+  reverse over reverse, against the oracle's."""
+  case = Case(function, rng, "xla", None, dtype)
+  got = _hessian_vector_products(case.library, case, case.args(), True)
+  with jax.enable_x64(True):
+    want = _hessian_vector_products(case.oracle, case, case.args(jnp.float64), False)
+    want = jax.tree.map(np.asarray, want)
+  _compare(got, want, *_tolerances(dtype), "hvp")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("impl", ["xla", "pallas", "mosaic"])
 @pytest.mark.parametrize("function,grad_mode", CASES)

@@ -21,7 +21,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -288,50 +287,67 @@ def _bits(x: jax.Array) -> jax.Array:
   return x
 
 
-@functools.partial(
-  jax.tree_util.register_dataclass,
-  data_fields=("bits", "order"),
-  meta_fields=("dtype",),
-)
-@dataclasses.dataclass(frozen=True)
-class Permuted:
-  """An array seen in the row order ``order`` (``view[i] = array[order[i]]``).
+def _floats(bits: jax.Array, dtype) -> jax.Array:
+  return bits if bits.dtype == dtype else lax.bitcast_convert_type(bits, dtype)
+
+
+# Rows are moved as their bits (XLA:CPU gathers and scatters 16-bit floats
+# through a float32 copy of the whole array), with the plain float rule for
+# their tangents: a bitcast has none, and the backward pass is differentiated
+# again for second derivatives.
+@jax.custom_jvp
+def _take_rows(array: jax.Array, index: jax.Array) -> jax.Array:
+  return _floats(jnp.take(_bits(array), index, axis=0), array.dtype)
+
+
+@_take_rows.defjvp
+def _take_rows_jvp(primals, tangents):
+  array, index = primals
+  return _take_rows(array, index), jnp.take(tangents[0], index, axis=0)
+
+
+@jax.custom_jvp
+def _set_rows(array: jax.Array, index: jax.Array, rows: jax.Array) -> jax.Array:
+  bits = _bits(array).at[index].set(_bits(rows), unique_indices=True)
+  return _floats(bits, array.dtype)
+
+
+@_set_rows.defjvp
+def _set_rows_jvp(primals, tangents):
+  array, index, rows = primals
+  d_array, _, d_rows = tangents
+  return _set_rows(*primals), d_array.at[index].set(d_rows, unique_indices=True)
+
+
+class Permuted(NamedTuple):
+  """``array`` seen in the row order ``order`` (``view[i] = array[order[i]]``).
 
   Chunks gather their rows from it and scatter theirs into it, so the
   ``[N, D]`` hidden states and their gradient are never copied whole into
-  compacted order and back. 16-bit floats are held as their bits for the
-  whole sweep: XLA:CPU gathers and scatters them through a float32 copy of
-  the whole array.
+  compacted order and back.
   """
 
-  bits: jax.Array
+  array: jax.Array
   order: jax.Array  # int32 [N], a permutation
-  dtype: np.dtype
-
-  @classmethod
-  def of(cls, array: jax.Array, order: jax.Array) -> Permuted:
-    return cls(_bits(array), order, np.dtype(array.dtype))
 
   @property
   def shape(self) -> tuple[int, ...]:
-    return self.bits.shape
+    return self.array.shape
 
   @property
-  def array(self) -> jax.Array:
-    """The whole array, in its original row order."""
-    return lax.bitcast_convert_type(self.bits, self.dtype)
+  def dtype(self) -> jnp.dtype:
+    return self.array.dtype
 
   def like(self, array: jax.Array) -> Permuted:
     """``array`` seen in the same order."""
-    return Permuted.of(array, self.order)
+    return self._replace(array=array)
 
   def rows(self, index: jax.Array) -> jax.Array:
-    return lax.bitcast_convert_type(jnp.take(self.bits, index, axis=0), self.dtype)
+    return _take_rows(self.array, index)
 
   def with_rows(self, index: jax.Array, rows: jax.Array) -> Permuted:
     """Rows ``index`` (distinct) replaced by ``rows``."""
-    bits = self.bits.at[index].set(_bits(rows.astype(self.dtype)), unique_indices=True)
-    return dataclasses.replace(self, bits=bits)
+    return self._replace(array=_set_rows(self.array, index, rows.astype(self.dtype)))
 
 
 def compaction(compact: bool, valid: jax.Array):
@@ -347,7 +363,7 @@ def compaction(compact: bool, valid: jax.Array):
   order = jnp.argsort(jnp.logical_not(valid), stable=True).astype(jnp.int32)
   gather = lambda x: jnp.take(x, order, axis=0)
   scatter = lambda x: jnp.zeros_like(x).at[order].set(x, unique_indices=True)
-  return gather, scatter, lambda x: Permuted.of(x, order)
+  return gather, scatter, lambda x: Permuted(x, order)
 
 
 def original_order(x: jax.Array | Permuted) -> jax.Array:
