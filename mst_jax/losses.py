@@ -296,7 +296,7 @@ def _reduce_tokens(token_loss, mask, loss_type: str, max_length) -> jax.Array:
   return jnp.sum(kept) / _count(mask, kept.dtype)
 
 
-def _pair(names: tuple[str, ...], arrays: tuple) -> tuple[list[jax.Array], jnp.dtype]:
+def _per_sequence(names: tuple[str, ...], arrays: tuple) -> list[jax.Array]:
   """Per-sequence inputs checked ([B] floats of one shape), upcast."""
   arrays = [_floating(name, x) for name, x in zip(names, arrays, strict=True)]
   if arrays[0].ndim != 1:
@@ -304,7 +304,7 @@ def _pair(names: tuple[str, ...], arrays: tuple) -> tuple[list[jax.Array], jnp.d
   for name, x in zip(names[1:], arrays[1:], strict=True):
     _same_shape(name, x, names[0], arrays[0].shape)
   dtype = _compute_dtype(*arrays)
-  return [x.astype(dtype) for x in arrays], dtype
+  return [x.astype(dtype) for x in arrays]
 
 
 def _reward_metrics(chosen: jax.Array, rejected: jax.Array) -> dict[str, jax.Array]:
@@ -425,7 +425,7 @@ def dpo_loss(
     ref_chosen_log_probs,
     ref_rejected_log_probs,
   )
-  (chosen, rejected, ref_chosen, ref_rejected), _ = _pair(names, arrays)
+  chosen, rejected, ref_chosen, ref_rejected = _per_sequence(names, arrays)
   chosen_ratio = chosen - lax.stop_gradient(ref_chosen)  # [B]
   rejected_ratio = rejected - lax.stop_gradient(ref_rejected)
   h = chosen_ratio - rejected_ratio
@@ -499,7 +499,7 @@ def simpo_loss(
   gamma = check_finite_float("gamma", gamma)
   label_smoothing = _label_smoothing(label_smoothing)
   names = ("chosen_log_probs", "rejected_log_probs")
-  (chosen, rejected), _ = _pair(names, (chosen_log_probs, rejected_log_probs))
+  chosen, rejected = _per_sequence(names, (chosen_log_probs, rejected_log_probs))
   losses = _smoothed_sigmoid_loss(beta * (chosen - rejected) - gamma, label_smoothing)
   metrics = _reward_metrics(beta * chosen, beta * rejected)
   return jnp.mean(losses), lax.stop_gradient(metrics)
@@ -568,7 +568,7 @@ def orpo_loss(
   """
   beta = _positive("beta", beta)
   names = ("chosen_log_probs", "rejected_log_probs")
-  (chosen, rejected), _ = _pair(names, (chosen_log_probs, rejected_log_probs))
+  chosen, rejected = _per_sequence(names, (chosen_log_probs, rejected_log_probs))
   log_odds = (chosen - rejected) - (_log1m_exp(chosen) - _log1m_exp(rejected))
   log_sigmoid = jax.nn.log_sigmoid(log_odds)  # [B]
   metrics = {
