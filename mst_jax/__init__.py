@@ -1,5 +1,8 @@
 """mst_jax: the LM-head cross-entropy without the ``[tokens, vocab]`` logits.
 
+``mst_jax.losses`` holds the losses that compose with the head's
+log-probabilities (policy gradient, DPO, SimPO, ORPO, top-k distillation).
+
 The Flax modules (``mst_jax.nnx``, ``mst_jax.linen`` and ``LMHeadLoss``, the
 NNX one) are imported on first use, so ``import mst_jax`` does not import Flax.
 """
@@ -8,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 
-from mst_jax import reference
+from mst_jax import losses, reference
 from mst_jax._args.inputs import LossAux
 from mst_jax._args.options import HeadLossOptions, LossOptions, PerfOptions
 from mst_jax._losses.cross_entropy import linear_cross_entropy
@@ -29,6 +32,7 @@ __all__ = [
   "linear_distillation_loss",
   "linear_log_probs",
   "linen",
+  "losses",
   "nnx",
   "reference",
 ]

@@ -34,7 +34,11 @@ LAYERS = [
   ["_args"],  # the options, declared once; inputs in, outputs out
   ["_sweep"],  # the loop orders, their custom VJPs, the mesh
   ["_losses"],  # the public functions' implementations
-  ["reference", "_flax_head"],  # the oracle; what the Flax modules share
+  [
+    "reference",
+    "_flax_head",
+    "losses",
+  ],  # the oracle; the Flax modules' base; log-prob losses
   ["linen", "nnx"],  # the Flax modules
   ["__init__"],  # the public surface
   ["bench"],  # the benchmark CLI
@@ -182,7 +186,13 @@ def test_the_picture_draws_the_layers_and_their_imports():
 
 
 def test_private_modules_are_prefixed():
-  public = {"mst_jax", "mst_jax.reference", "mst_jax.linen", "mst_jax.nnx"}
+  public = {
+    "mst_jax",
+    "mst_jax.reference",
+    "mst_jax.losses",
+    "mst_jax.linen",
+    "mst_jax.nnx",
+  }
   for module in MODULES:
     if module.startswith("mst_jax.bench"):
       continue  # the benchmark CLI, run as python -m mst_jax.bench
