@@ -15,7 +15,7 @@ On a CPU the default is ``--preset tiny``: Llama-3's vocabulary on a model of
 width 64 with one attention head, fitted in 2 GiB (a CPU reports no memory
 limit), where the head's logits, not attention, bound the naive head's
 sequence. It needs the examples extra (``pip install -e ".[examples]"``) and
-takes 80 to 100 seconds on a two-core CPU.
+takes about 100 seconds on a two-core CPU.
 
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python examples/long_context.py  # GPU
   python examples/long_context.py  # a CPU: --preset tiny

@@ -10,7 +10,7 @@ The last line is the verdict: whether all three layouts match one device
 (exit status 1 if not).
 
 Needs only mst_jax itself (``pip install -e .``). The defaults take about
-15 seconds on a two-core CPU.
+25 seconds on a two-core CPU.
 
   python examples/multi_device.py                 # 8 simulated CPU devices
   python examples/multi_device.py --devices 0 --data 1 --model 2   # 2 GPUs
