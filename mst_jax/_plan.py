@@ -223,17 +223,15 @@ def rounded(x, dtype, scale):
   return (x if scale is None else x * scale).astype(dtype)
 
 
-def add_scaled(total, part, scale, first: bool = False):
-  """``total + part`` (``first``: ``part``, in place of never-read zeros),
-  ``part`` formed in ``product_dtype(total.dtype, scale)``.
+def add_scaled(total, part, scale):
+  """``total + part``, ``part`` formed in ``product_dtype(total.dtype, scale)``.
 
   A float16 accumulator holds scaled gradients: ``part`` is scaled and the
   sum rounded once. Any other holds the unscaled sum (``finished``).
   """
   if product_dtype(total.dtype, scale) == total.dtype:
-    return part if first else total + part
-  part = part * scale
-  return (part if first else total.astype(part.dtype) + part).astype(total.dtype)
+    return total + part
+  return (total.astype(part.dtype) + part * scale).astype(total.dtype)
 
 
 def finished(total, dtype, scale):

@@ -369,15 +369,13 @@ def row_gradients(
   *,
   dhidden_dtype: jnp.dtype | None,
   dweight: jax.Array | None,
-  first: bool = False,
   tile: int | None = None,
   gemm: str = "xla",
 ) -> tuple[jax.Array | None, jax.Array | None]:
   """A block of rows' ``(dhidden rows, dweight)`` from its ``dlogits``.
 
   The rows are ``dlogits @ weight`` in ``dhidden_dtype`` (None: not formed);
-  ``dweight`` gets the rows' weight gradient added (``first``: written in
-  place of its values, which are never read), or stays None.
+  ``dweight`` gets the rows' weight gradient added, or stays None.
   """
   rows = None
   if dhidden_dtype is not None:
@@ -389,7 +387,6 @@ def row_gradients(
       layout,
       dweight.dtype,
       into=dweight,
-      add=not first,
       tile=tile,
       gemm=gemm,
     )

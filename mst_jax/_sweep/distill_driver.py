@@ -129,10 +129,9 @@ def _gradient_init(plan: Plan, x: Heads, hidden, diff: Differentiated):
   return dhidden, dweight, dbias
 
 
-def _accumulate(plan: Plan, grads, chunk, h, dlogits, weight, first: bool, scale):
+def _accumulate(plan: Plan, grads, chunk, h, dlogits, weight, scale):
   """Adds a chunk's ``dlogits`` (of unit row weights: ``scale``) to
-  ``(dhidden, dweight, dbias)``; ``first``: replaces the (never read) zeros
-  of ``dweight`` and ``dbias`` instead."""
+  ``(dhidden, dweight, dbias)``."""
   dhidden, dweight, dbias = grads
   tile, gemm = plan.matmul_tile, plan.gemm
   rows, dweight = row_products(
@@ -142,14 +141,13 @@ def _accumulate(plan: Plan, grads, chunk, h, dlogits, weight, first: bool, scale
     weight,
     plan.weight_layout,
     scale,
-    first=first,
     tile=tile,
     gemm=gemm,
   )
   if dhidden is not None:
     dhidden = chunk.put(dhidden, rows)
   if dbias is not None:
-    dbias = add_bias_gradient(dbias, dlogits, scale, first)
+    dbias = add_bias_gradient(dbias, dlogits, scale)
   return dhidden, dweight, dbias
 
 
@@ -194,7 +192,7 @@ def _sweep(plan: Plan, x: Heads, g_loss, diff: Differentiated, *, want_loss=True
     )
     return student, teacher
 
-  def update(carry, chunk, first=False):
+  def update(carry, chunk):
     loss, grads = carry
     h = chunk.hidden(hidden)
     student, teacher = logits(h, chunk.hidden(teacher_hidden))
@@ -211,14 +209,10 @@ def _sweep(plan: Plan, x: Heads, g_loss, diff: Differentiated, *, want_loss=True
       loss = chunk.put(loss, rows.astype(loss.dtype))
     if want_grads:
       dlogits = dlogits.astype(h.dtype)
-      grads = _accumulate(plan, grads, chunk, h, dlogits, x.weight, first, scale)
+      grads = _accumulate(plan, grads, chunk, h, dlogits, x.weight, scale)
     return loss, grads
 
-  # Compacted, chunk 0 holds a valid row unless none does: it starts dweight.
-  first = functools.partial(update, first=True) if plan.compact else None
-  loss, grads = sweep_chunks(
-    plan.rows_per_chunk, valid, update, (loss, grads), first=first
-  )
+  loss, grads = sweep_chunks(plan.rows_per_chunk, valid, update, (loss, grads))
   return None if loss is None else scatter(loss), gradient_finish(grads, x, scale)
 
 

@@ -19,7 +19,6 @@ where each product is rounded (``row_products``).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -50,13 +49,12 @@ def row_products(
   layout: str,
   scale: jax.Array | None,
   *,
-  first: bool = False,
   tile: int | None = None,
   gemm: str = "xla",
 ):
   """A block of rows' ``dhidden`` rows (None without ``grads[0]``) and
-  ``grads[1]`` (``dweight``) with its product added (``first``: in place of
-  its never-read zeros), by ``_gemm.matmul.row_gradients``.
+  ``grads[1]`` (``dweight``) with its product added, by
+  ``_gemm.matmul.row_gradients``.
 
   ``dlogits`` are of unit row weights; with a ``scale`` (float16) the rows
   are formed in float32 and scaled as they are rounded, and a float16
@@ -71,7 +69,6 @@ def row_products(
     layout,
     dhidden_dtype=None if dhidden is None else product_dtype(dhidden.dtype, scale),
     dweight=dweight if into else None,
-    first=first,
     tile=tile,
     gemm=gemm,
   )
@@ -80,18 +77,18 @@ def row_products(
     part = matmul.dweight_matmul(
       dlogits, h, layout, jnp.float32, gemm=gemm, width=width
     )
-    summed = add_scaled(dweight, part, scale, first)
+    summed = add_scaled(dweight, part, scale)
   if rows is not None and scale is not None:
     rows = rounded(rows, dhidden.dtype, scale)
   return rows, summed
 
 
-def add_bias_gradient(dbias, dlogits, scale, first: bool = False):
+def add_bias_gradient(dbias, dlogits, scale):
   """``dbias`` with a block of rows' ``dlogits`` summed in (``add_scaled``)."""
   part = matmul.bias_gradient(
     dlogits, dbias.shape[0], product_dtype(dbias.dtype, scale)
   )
-  return add_scaled(dbias, part, scale, first)
+  return add_scaled(dbias, part, scale)
 
 
 def accumulate(
@@ -103,27 +100,24 @@ def accumulate(
   weight: jax.Array,
   *,
   scale: jax.Array | None = None,
-  first: bool = False,
   local: bool = False,
 ) -> Grads:
   """Adds one group's ``dlogits`` to ``(dhidden, dweight, dbias)``.
 
-  ``first``: the first group's contributions replace the (zero) ``dweight``
-  and ``dbias`` instead of being added to them, which spares a pass of
-  zero-filling and re-reading ``dweight``. ``local``: ``dhidden`` is the
+  ``local``: ``dhidden`` is the
   enclosing group's rows, not all rows. ``scale``: of the unit row weights
   of ``dlogits`` (``row_products``).
   """
   dhidden, dweight, dbias = grads
   tile, gemm = config.head.matmul_tile, config.head.gemm
   dh, dweight = row_products(
-    grads, dlogits, h, weight, config.layout, scale, first=first, tile=tile, gemm=gemm
+    grads, dlogits, h, weight, config.layout, scale, tile=tile, gemm=gemm
   )
   if dhidden is not None:
     dh = config.columns.sum_partial(dh)
     dhidden = group.put(dhidden, dh, local=local)
   if dbias is not None:
-    dbias = add_bias_gradient(dbias, dlogits, scale, first)
+    dbias = add_bias_gradient(dbias, dlogits, scale)
   return dhidden, dweight, dbias
 
 
@@ -154,7 +148,7 @@ class Sweep:
   def valid(self) -> jax.Array:
     return self.x.valid
 
-  def chunk_update(self, carry, chunk: Chunk, first: bool = False, local: bool = False):
+  def chunk_update(self, carry, chunk: Chunk, local: bool = False):
     outputs, grads = carry
     outputs, dlogits = self.chunk_dlogits(outputs, chunk, None)
     h = chunk.hidden(self.hidden)
@@ -166,7 +160,6 @@ class Sweep:
       dlogits,
       self.weight,
       scale=self.scale,
-      first=first,
       local=local,
     )
     return outputs, grads
@@ -249,20 +242,9 @@ def _by_window(whole, chunk_size: int, row_zeros):
 
 
 def _per_chunk(sweep: Sweep, outputs, grads):
-  """Chosen when a group is one chunk: every chunk does its own matmuls.
-
-  Compacted, the first chunk holds a valid row unless none does; it starts
-  ``dweight`` / ``dbias``, so their zeros are never read.
-  """
-  first = None
-  if sweep.order.compact:
-    first = functools.partial(sweep.chunk_update, first=True)
+  """Chosen when a group is one chunk: every chunk does its own matmuls."""
   return sweep_chunks(
-    sweep.order.rows_per_chunk,
-    sweep.valid,
-    sweep.chunk_update,
-    (outputs, grads),
-    first=first,
+    sweep.order.rows_per_chunk, sweep.valid, sweep.chunk_update, (outputs, grads)
   )
 
 
@@ -279,17 +261,14 @@ def _whole_groups_in_place(sweep: Sweep, outputs, grads):
   (``_by_window``): one ``dweight`` rounding per group either way. The two
   kinds run in two loops: a ``lax.cond`` between them inside one loop made
   XLA copy the carried ``dweight``. Each group's ``dhidden`` rows come back as
-  ``[group, D]`` and are written outside. Compacted, group 0, if whole,
-  starts ``dweight`` and ``dbias`` (in a ``lax.cond`` outside the loops,
-  neither branch taking them as operands; else they start at zero).
+  ``[group, D]`` and are written outside.
   """
   config, hidden, weight = sweep.config, sweep.hidden, sweep.weight
   group_size, chunk_size = sweep.order.rows_per_group, sweep.order.rows_per_chunk
   layout, dh_dtype, scale = config.layout, hidden.dtype, sweep.scale
-  specs = [None if g is None else (g.shape, g.dtype) for g in grads[1:]]
   want_rows = grads[0] is not None
 
-  def whole(outputs, dweight, dbias, group, first=False):
+  def whole(outputs, dweight, dbias, group):
     outputs, dlogits = sweep.chunk_dlogits(outputs, group, None)
     h = group.hidden(hidden)
     _, dweight, dbias = accumulate(
@@ -300,7 +279,6 @@ def _whole_groups_in_place(sweep: Sweep, outputs, grads):
       dlogits,
       weight,
       scale=scale,
-      first=first,
     )
     rows = None
     if want_rows:
@@ -326,32 +304,13 @@ def _whole_groups_in_place(sweep: Sweep, outputs, grads):
   def row_zeros(group):
     return jnp.zeros((group.size, hidden.shape[1]), dh_dtype) if want_rows else None
 
-  def zeros(group):
-    return row_zeros(group), *(None if s is None else jnp.zeros(*s) for s in specs)
-
-  def started(outputs, group):  # the zeros made here are never read
-    return whole(outputs, *zeros(group)[1:], group, first=True)
-
-  dhidden, dweight, dbias = grads
-  every_chunk, later = _every_chunk(chunk_size), lambda group: True
-  if sweep.order.compact:
-    group = chunk_of(group_size, sweep.valid, 0)
-    outputs, rows, dweight, dbias = lax.cond(
-      every_chunk(group),
-      started,
-      lambda outputs, group: (outputs, *zeros(group)),
-      outputs,
-      group,
-    )
-    if want_rows:
-      dhidden = group.put(dhidden, rows)
-    later = lambda group: group.offset > 0
+  every_chunk = _every_chunk(chunk_size)
   carry = sweep_chunks(
     group_size,
     sweep.valid,
     group_update(whole),
-    (outputs, (dhidden, dweight, dbias)),
-    visit=lambda g: every_chunk(g) & later(g),
+    (outputs, grads),
+    visit=every_chunk,
   )
   return sweep_chunks(
     group_size,

@@ -105,7 +105,7 @@ class RowChunks:
     )
     grads = gradient_init(config, x, diff)
     grads = accumulate(
-      config, grads, chunk, rows.hidden, dlogits, x.weight, scale=scale, first=True
+      config, grads, chunk, rows.hidden, dlogits, x.weight, scale=scale
     )
     return gradient_finish(grads, x, scale)
 

@@ -456,7 +456,6 @@ def sweep_chunks(
   carry,
   *,
   group: Chunk | None = None,
-  first: Update | None = None,
   visit: Callable[[Chunk], jax.Array] | None = None,
 ):
   """``carry = update(carry, chunk)`` for every chunk of ``size`` rows to visit.
@@ -464,9 +463,7 @@ def sweep_chunks(
   Walks the rows of ``valid`` (all rows, or those of ``group``) in chunks
   (``chunk_of``). A chunk without a valid row (or, with ``visit``, one where
   ``visit(chunk)`` is false) is skipped by ``lax.cond`` on a device-side
-  predicate (the carry passes through). With ``first``, chunk 0 runs
-  ``first(carry, chunk)`` instead, always (it may start accumulators rather
-  than add to zeros).
+  predicate (the carry passes through).
   """
   visit = visit or (lambda chunk: jnp.any(chunk.valid))
   chunk_at = lambda index: chunk_of(size, valid, index, group)
@@ -478,9 +475,6 @@ def sweep_chunks(
 
   indices = jnp.arange(-(-valid.shape[0] // size))
   carry = _manual_axes.like(carry, valid)
-  if first is not None:
-    carry = first(carry, chunk_at(0))
-    indices = indices[1:]
   carry, _ = lax.scan(body, carry, indices)
   return carry
 
