@@ -222,15 +222,15 @@ def prepare(
   if class_weights is not None:  # in the loss's dtype: float64 for float64 inputs
     class_weights = class_weights.astype(np.promote_types(dtype, np.float32))
   ignore_index = options.ignore_index
-  labels, valid = _int32_labels(labels, vocab_size, ignore_index)
+  labels, valid = int32_labels(labels, vocab_size, ignore_index)
   if where is not None:
     valid = valid & where
   if options.shift:
     # Position t predicts label t + 1; the last position predicts nothing.
     # where and token_weights, like the labels, refer to label positions.
-    labels, valid = (_shift(x, fill) for x, fill in ((labels, vocab_size), (valid, 0)))
+    labels, valid = (shift(x, fill) for x, fill in ((labels, vocab_size), (valid, 0)))
     if token_weights is not None:
-      token_weights = _shift(token_weights, 0)
+      token_weights = shift(token_weights, 0)
   batch_shape = labels.shape
   classes = {}
   if class_weights is not None:
@@ -318,7 +318,7 @@ def _as_rows_on(mesh, vocab_axis: int, hidden, weight, labels, *optional):
   )
 
 
-def _int32_labels(
+def int32_labels(
   labels: jax.Array, vocab_size: int, ignore_index: int
 ) -> tuple[jax.Array, jax.Array]:
   """``(labels as int32, valid)``, each label keeping its meaning whatever
@@ -343,9 +343,12 @@ def _int32_labels(
   return jnp.where(in_range, labels.astype(jnp.int32), jnp.int32(vocab_size)), valid
 
 
-def _shift(x: jax.Array, fill) -> jax.Array:
-  """``x[..., t + 1]`` at position ``t``; ``fill`` at the last position."""
-  return jnp.concatenate([x[..., 1:], jnp.full_like(x[..., :1], fill)], axis=-1)
+def shift(x: jax.Array, fill, axis: int = -1) -> jax.Array:
+  """``x[..., t + 1]`` at position ``t`` (along ``axis``); ``fill`` at the
+  last position."""
+  rest = lax.slice_in_dim(x, 1, None, axis=axis)
+  last = jnp.full_like(lax.slice_in_dim(x, 0, 1, axis=axis), fill)
+  return jnp.concatenate([rest, last], axis=axis)
 
 
 def append_rows(

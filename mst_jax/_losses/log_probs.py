@@ -8,11 +8,18 @@ per-row output of the loop orders.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 from mst_jax._args import inputs as _inputs
 from mst_jax._args import options as _options
+from mst_jax._gemm import matmul
 from mst_jax._losses import cross_entropy as _cross_entropy
+from mst_jax._math import ce as ce_math
 from mst_jax._sweep import mesh as _mesh
 
 # The loss options that do not apply to log-probabilities.
@@ -67,6 +74,14 @@ def linear_log_probs(
   all rows' fit the memory budget as one group (the backward writes
   ``dlogits`` over them), else the backward recomputes each chunk's.
 
+  Several ids per position (``labels`` of shape ``hidden.shape[:-1] + (K,)``,
+  e.g. a teacher's stored top-k, or candidate tokens) give ``[..., K]``
+  log-probs, ``log_softmax(s)`` at each id: the logits are formed once per
+  chunk whatever K is (the log-sum-exp of one id per position, the others'
+  scores from their weight rows), gradients flow through all of them, and
+  ``ignore_index`` entries give 0.0. ``where`` and ``return_entropy`` stay per
+  position; no ``mesh``.
+
   Precision: with bfloat16 inputs the logits are bfloat16 by default (as in
   a bfloat16 ``Dense`` head), so a log-prob is off by up to about 1e-2 (a
   PPO / GRPO ratio by up to 1%); ``logits_dtype=jnp.float32`` makes it exact
@@ -74,7 +89,8 @@ def linear_log_probs(
 
   Args:
     hidden, weight, labels, bias, ignore_index, where, logit_scale,
-      logit_softcap, shift, weight_layout: as for ``linear_cross_entropy``.
+      logit_softcap, shift, weight_layout: as for ``linear_cross_entropy``;
+      ``labels`` may also hold K ids per position (``[..., K]``, see above).
     return_entropy: if True, also return each token's entropy.
     chunk_size, memory_budget, vocab_block_size, impl, accum_dtype,
       logits_dtype, mesh, batch_axis, vocab_axis: the performance options of
@@ -85,9 +101,9 @@ def linear_log_probs(
 
   Returns:
     ``log_probs``, float32 (float64 for float64 inputs) with the shape of
-    ``labels``: 0.0 at excluded tokens, NaN at a valid token whose label is
-    outside ``[0, V)``. With ``return_entropy``, ``(log_probs, entropy)``,
-    the entropy 0.0 at excluded tokens.
+    ``labels``: 0.0 at excluded tokens (and ignored ids), NaN at a valid
+    token whose label is outside ``[0, V)``. With ``return_entropy``,
+    ``(log_probs, entropy)``, the entropy 0.0 at excluded tokens.
 
   Raises:
     ValueError, TypeError: as ``linear_cross_entropy`` for bad inputs.
@@ -114,13 +130,124 @@ def linear_log_probs(
       " scalar loss. Use grad_mode=None or 'recompute'."
     )
   options, perf = _options.from_arguments({**locals(), **LOG_PROBS_FIXED})
+  labels = jnp.asarray(labels)
+  if labels.ndim == jnp.ndim(hidden) and labels.ndim >= 2:  # [..., K] ids
+    if mesh is not None:
+      raise NotImplementedError(
+        "linear_log_probs with several ids per position (labels [..., K]) takes"
+        " no mesh= yet; pass one id per position, or call it inside your own"
+        " shard_map."
+      )
+    return _at_ids(
+      hidden, weight, labels, bias, where, options, perf, weight_layout, return_entropy
+    )
   rows = _inputs.prepare(hidden, weight, labels, bias, where, options, weight_layout)
-  n_rows = rows.hidden.shape[0]
   layout = _mesh.layout_for(mesh, batch_axis, vocab_axis, weight_layout, rows)
-  loss, _, _, entropy = _cross_entropy.per_row_outputs(
-    rows, options, perf, weight_layout, layout, None, entropy=return_entropy
+  return _per_position(rows, options, perf, weight_layout, layout, return_entropy)
+
+
+def _per_position(rows, options, perf, weight_layout, layout, entropy: bool):
+  """``log_probs`` (and, with ``entropy``, the entropy) of the rows' labels,
+  in their batch shape."""
+  loss, _, _, ent = _cross_entropy.per_row_outputs(
+    rows, options, perf, weight_layout, layout, None, entropy=entropy
   )
   log_probs = (0.0 - loss).reshape(rows.batch_shape)  # +0.0 at excluded tokens
-  if not return_entropy:
+  if not entropy:
     return log_probs
+  entropy = ent
   return log_probs, entropy.reshape(rows.batch_shape)
+
+
+# The gathered weight rows of a block of positions' ids (``[rows, K, D]``)
+# stay under this many bytes.
+_GATHER_BYTES = 64 << 20
+
+
+def _at_ids(hidden, weight, ids, bias, where, options, perf, weight_layout, entropy):
+  """Log-probs at K ids per position (``ids [..., K]``).
+
+  ``log_softmax(s)[id] = log_prob(anchor) + s[id] - s[anchor]``: the chunked
+  loss gives each position's log-prob at one of its ids (the anchor: its
+  first valid one) and the entropy; the other ids' scores are dot products
+  with their weight rows (``_scores_at``), so the logits are formed once.
+  """
+  hidden, weight = jnp.asarray(hidden), jnp.asarray(weight)
+  vocab_size = weight.shape[matmul.vocab_axis(weight_layout)]
+  if not jnp.issubdtype(ids.dtype, jnp.integer):
+    raise TypeError(f"labels must have an integer dtype, got {ids.dtype}.")
+  if ids.shape[:-1] != hidden.shape[:-1]:
+    raise ValueError(
+      f"labels of shape {ids.shape} hold ids per position: their leading shape"
+      f" must equal hidden's {hidden.shape[:-1]} (hidden {hidden.shape})."
+    )
+  ids, valid = _inputs.int32_labels(ids, vocab_size, options.ignore_index)
+  if where is not None:
+    where = jnp.asarray(where)
+    if where.shape != ids.shape[:-1]:
+      raise ValueError(
+        f"where shape {where.shape} must equal hidden's leading shape"
+        f" {ids.shape[:-1]} (one value a position, with ids per position)."
+      )
+    valid = valid & where[..., None]
+  if options.shift:  # position t predicts the ids of position t + 1
+    ids, valid = (
+      _inputs.shift(ids, vocab_size, axis=-2),
+      _inputs.shift(valid, False, axis=-2),
+    )
+  in_range = (ids >= 0) & (ids < vocab_size)
+  usable = valid & in_range
+  first = jnp.argmax(usable, axis=-1)[..., None]
+  anchor = jnp.take_along_axis(jnp.clip(ids, 0, vocab_size - 1), first, axis=-1)
+  anchored = jnp.any(usable, axis=-1)
+  options = dataclasses.replace(options, shift=False)
+  rows = _inputs.prepare(
+    hidden, weight, anchor[..., 0], bias, anchored, options, weight_layout
+  )
+  out = _per_position(rows, options, perf, weight_layout, None, entropy)
+  anchor_log_probs, entropy = out if entropy else (out, None)
+  logits_dtype = _options.resolve_logits_dtype(perf.logits_dtype, rows.hidden.dtype)
+  scores = _scores_at(
+    rows, jnp.clip(ids, 0, vocab_size - 1).reshape(-1, ids.shape[-1]), weight_layout,
+    logits_dtype, options.ce,
+  ).reshape(ids.shape)  # fmt: skip
+  if ids.shape[-1] == 1:
+    others = jnp.zeros_like(scores)
+  else:
+    others = scores - jnp.take_along_axis(scores, first, axis=-1)
+  log_probs = anchor_log_probs[..., None] + others.astype(anchor_log_probs.dtype)
+  log_probs = jnp.where(usable, log_probs, 0.0)
+  log_probs = jnp.where(valid & ~in_range, jnp.nan, log_probs)
+  return log_probs if entropy is None else (log_probs, entropy)
+
+
+def _scores_at(rows, ids, weight_layout: str, logits_dtype, ce_options) -> jax.Array:
+  """``s`` at ``ids [N, K]`` (in range), float32 or wider: each id's logit
+  ``hidden . weight[id] (+ bias[id])`` rounded to ``logits_dtype`` as the
+  chunked loss's, then scaled and softcapped. In blocks of positions whose
+  gathered weight rows fit ``_GATHER_BYTES``; the backward gathers them again.
+  """
+  hidden, weight, bias = rows.hidden, rows.weight, rows.bias
+  n_rows, k = ids.shape
+  dim = hidden.shape[1]
+  acc = ce_math.at_least_float32(hidden.dtype)
+  axis = matmul.vocab_axis(weight_layout)
+
+  def block(h, i):  # [rows, D], [rows, K]
+    w = jnp.take(weight, i, axis=axis)  # "vd": [rows, K, D]; "dv": [D, rows, K]
+    spec = "rd,rkd->rk" if weight_layout == "vd" else "rd,drk->rk"
+    logit = jnp.einsum(spec, h, w, preferred_element_type=acc)
+    if bias is not None:
+      logit = logit + bias[i].astype(acc)
+    return ce_math.scores(logit.astype(logits_dtype).astype(acc), ce_options)
+
+  per_row = k * dim * np.dtype(weight.dtype).itemsize
+  size = int(max(1, min(n_rows, _GATHER_BYTES // per_row)))
+  if size >= n_rows:
+    return block(hidden, ids)
+  blocks = -(-n_rows // size)
+  pad = blocks * size - n_rows
+  h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(blocks, size, dim)
+  i = jnp.pad(ids, ((0, pad), (0, 0))).reshape(blocks, size, k)
+  out = lax.map(lambda x: jax.checkpoint(block)(*x), (h, i))
+  return out.reshape(blocks * size, k)[:n_rows]

@@ -1,0 +1,186 @@
+"""``linear_log_probs`` at several ids per position (``labels [..., K]``)
+against the float64 oracle: each id's column is the oracle's log-probs with
+that id as the label (tests/oracle.py, full float64 logits), and the entropy
+the oracle's at the positions holding a counted id.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import oracle as oracle64
+import pytest
+from conftest import to64
+
+import mst_jax
+from mst_jax._losses import log_probs as log_probs_module
+
+IGNORE = -100
+# float32 math on float32 logits (bfloat16 inputs here get float32 logits);
+# relative to the float64 oracle's norm. A dropped term errs by about 1.
+OUT_TOL = {"float32": 2e-5, "bfloat16": 2e-5}
+GRAD_TOL = {"float32": 2e-4, "bfloat16": 2e-2}
+
+
+def _problem(rng, batch, dim, vocab, k, dtype, weight_layout, bias):
+  hidden = rng.standard_normal((*batch, dim))
+  weight = rng.standard_normal((vocab, dim)) * 1.5 / np.sqrt(dim)
+  if weight_layout == "dv":
+    weight = weight.T
+  ids = rng.integers(0, vocab, (*batch, k))
+  ids[rng.random(ids.shape) < 0.25] = IGNORE  # ignored ids here and there
+  ids.reshape(-1, k)[1] = IGNORE  # a position with none counted
+  where = rng.random(batch) > 0.2
+  arrays = dict(
+    hidden=jnp.asarray(hidden, dtype),
+    weight=jnp.asarray(weight, dtype),
+    bias=jnp.asarray(rng.standard_normal(vocab) * 0.3, dtype) if bias else None,
+  )
+  return arrays, jnp.asarray(ids), jnp.asarray(where)
+
+
+def _shifted(x, fill):
+  """Position t sees position t + 1's value (along the positions' axis)."""
+  x = np.asarray(x)
+  last = np.full_like(x[..., :1, ...] if x.ndim == 1 else x[:, :1], fill)
+  return np.concatenate([x[:, 1:], last], axis=1)
+
+
+def _oracle(arrays, ids, where, cotangents, *, shift, **head):
+  """float64 ``(log_probs [..., K], entropy, grads)``: column k from the
+  oracle with ``ids[..., k]`` as the labels; the gradient of
+  ``sum(g_lp * log_probs) + sum(g_h * entropy)``."""
+  g_lp, g_h = cotangents
+  ids, where = np.asarray(ids), np.asarray(where)
+  shifted_ids = _shifted(ids, IGNORE) if shift else ids
+  shifted_where = _shifted(where, False) if shift else where
+  counted = np.any(shifted_ids != IGNORE, axis=-1) & shifted_where
+  # Entropy at the positions with a counted id: any in-range label will do.
+  entropy_labels = np.where(counted, 0, IGNORE)
+  if shift:  # the oracle shifts labels and where itself: undo it for these
+    entropy_labels = np.concatenate(
+      [np.full_like(entropy_labels[:, :1], IGNORE), entropy_labels[:, :-1]], axis=1
+    )
+  names = [n for n in ("hidden", "weight", "bias") if arrays[n] is not None]
+
+  def outputs(*args):
+    kw = dict(zip(names, args, strict=True))
+    call = lambda labels, **extra: oracle64.log_probs(
+      kw["hidden"], kw["weight"], jnp.asarray(labels), kw.get("bias"),
+      where=jnp.asarray(where), shift=shift, **head, **extra,
+    )  # fmt: skip
+    columns = [call(ids[..., k]) for k in range(ids.shape[-1])]
+    _, entropy = call(entropy_labels, return_entropy=True)
+    return jnp.stack(columns, axis=-1), entropy
+
+  with jax.enable_x64(True):
+    args = [jnp.asarray(to64(arrays[n])) for n in names]
+    lp, h = outputs(*args)
+
+    def total(*a):
+      lp, h = outputs(*a)
+      return jnp.sum(lp * g_lp) + jnp.sum(h * g_h)
+
+    grads = jax.grad(total, argnums=tuple(range(len(args))))(*args)
+    return np.asarray(lp), np.asarray(h), [to64(g) for g in grads]
+
+
+def _rel(out, ref):
+  out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+  return np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
+
+
+CASES = [
+  # dtype, K, shift, weight_layout, bias, extra options
+  ("float32", 6, False, "vd", True, {}),
+  ("float32", 1, True, "dv", False, {"logit_softcap": 4.0}),
+  ("float32", 5, True, "vd", True, {"chunk_size": 8, "logit_scale": 0.7}),
+  ("float32", 7, False, "dv", True, {"grad_mode": "recompute", "impl": "pallas"}),
+  ("bfloat16", 6, True, "vd", True, {"logits_dtype": jnp.float32}),
+]
+
+
+@pytest.mark.parametrize("dtype,k,shift,weight_layout,bias,options", CASES)
+def test_log_probs_at_ids_match_the_oracle(
+  rng, dtype, k, shift, weight_layout, bias, options
+):
+  arrays, ids, where = _problem(rng, (3, 11), 24, 301, k, dtype, weight_layout, bias)
+  lp_shape, h_shape = ids.shape, ids.shape[:-1]
+  cotangents = (rng.standard_normal(lp_shape), rng.standard_normal(h_shape))
+  head = {n: options[n] for n in ("logit_scale", "logit_softcap") if n in options}
+  ref_lp, ref_h, ref_grads = _oracle(
+    arrays, ids, where, cotangents, shift=shift, weight_layout=weight_layout, **head
+  )
+  names = [n for n in ("hidden", "weight", "bias") if arrays[n] is not None]
+
+  def outputs(*args):
+    kw = dict(zip(names, args, strict=True))
+    return mst_jax.linear_log_probs(
+      kw["hidden"], kw["weight"], ids, kw.get("bias"), where=where, shift=shift,
+      weight_layout=weight_layout, return_entropy=True, **options,
+    )  # fmt: skip
+
+  def total(*args):
+    lp, h = outputs(*args)
+    g_lp, g_h = (jnp.asarray(c, lp.dtype) for c in cotangents)
+    return jnp.sum(lp * g_lp) + jnp.sum(h * g_h)
+
+  args = [arrays[n] for n in names]
+  lp, h = jax.jit(outputs)(*args)
+  assert lp.shape == ids.shape and h.shape == ids.shape[:-1]
+  assert not np.isnan(np.asarray(lp)).any()
+  assert _rel(lp, ref_lp) < OUT_TOL[dtype], _rel(lp, ref_lp)
+  assert _rel(h, ref_h) < OUT_TOL[dtype], _rel(h, ref_h)
+  ignored = np.asarray(ids) == IGNORE
+  if shift:
+    ignored = _shifted(ignored, True)
+  assert np.all(np.asarray(lp)[ignored] == 0.0)
+  grads = jax.jit(jax.grad(total, argnums=tuple(range(len(args)))))(*args)
+  for name, g, ref in zip(names, grads, ref_grads, strict=True):
+    assert _rel(g, ref) < GRAD_TOL[dtype], (name, _rel(g, ref))
+
+
+def test_ids_gathered_in_blocks_match_one_block(rng, monkeypatch):
+  """Positions whose gathered weight rows pass the block size go in blocks
+  (the backward gathers again); their values and gradients are the same.
+  Shapes of their own: the block size is read at trace time."""
+  arrays, ids, where = _problem(rng, (2, 13), 17, 211, 4, "float32", "vd", True)
+  args = (arrays["hidden"], arrays["weight"], arrays["bias"])
+
+  def run():
+    def total(h, w, b):
+      return jnp.sum(mst_jax.linear_log_probs(h, w, ids, b, where=where) ** 2)
+
+    return jax.value_and_grad(total, argnums=(0, 1, 2))(*args)
+
+  whole = run()
+  monkeypatch.setattr(log_probs_module, "_GATHER_BYTES", 3 * 4 * 17 * 4)  # 3 rows
+  jax.clear_caches()
+  blocked = run()
+  for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(blocked), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_an_id_out_of_range_is_nan_alone(rng):
+  arrays, ids, _ = _problem(rng, (2, 5), 8, 41, 3, "float32", "vd", False)
+  ids = np.asarray(ids).copy()
+  ids[0, 2] = [3, 41, IGNORE]  # in range, out of range, ignored
+  lp = mst_jax.linear_log_probs(arrays["hidden"], arrays["weight"], jnp.asarray(ids))
+  lp = np.asarray(lp)
+  assert np.isnan(lp[0, 2, 1]) and lp[0, 2, 2] == 0.0 and np.isfinite(lp[0, 2, 0])
+  assert np.isfinite(np.delete(lp.reshape(-1), 2 * 3 + 1)).all()
+
+
+def test_ids_per_position_errors(rng):
+  arrays, ids, where = _problem(rng, (2, 5), 8, 41, 3, "float32", "vd", False)
+  hidden, weight = arrays["hidden"], arrays["weight"]
+  with pytest.raises(ValueError, match="leading shape"):
+    mst_jax.linear_log_probs(hidden, weight, ids[:, :4])
+  with pytest.raises(ValueError, match="where shape"):
+    mst_jax.linear_log_probs(hidden, weight, ids, where=jnp.ones((2, 5, 3), bool))
+  with pytest.raises(TypeError, match="integer"):
+    mst_jax.linear_log_probs(hidden, weight, ids.astype(jnp.float32))
+  mesh = jax.make_mesh((1,), ("data",))
+  with pytest.raises(NotImplementedError, match="mesh"):
+    mst_jax.linear_log_probs(hidden, weight, ids, mesh=mesh, batch_axis="data")
