@@ -17,6 +17,7 @@ from mst_jax._args.options import HeadLossOptions, LossOptions, PerfOptions
 from mst_jax._losses.cross_entropy import linear_cross_entropy
 from mst_jax._losses.distillation import linear_distillation_loss
 from mst_jax._losses.log_probs import linear_log_probs
+from mst_jax._losses.top_k import linear_top_k
 from mst_jax._math.ce import CEOptions
 
 __version__ = "0.1.0"
@@ -31,6 +32,7 @@ __all__ = [
   "linear_cross_entropy",
   "linear_distillation_loss",
   "linear_log_probs",
+  "linear_top_k",
   "linen",
   "losses",
   "nnx",
