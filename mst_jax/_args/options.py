@@ -41,8 +41,12 @@ def _nearest_names(unknown, names) -> str:
   return f" ({'; '.join(found)})" if found else ""
 
 
-def public_jit(static_argnames):
+def public_jit(static_argnames, *, per_row_scale: bool = False):
   """``jax.jit`` for a public function, its options as ``static_argnames``.
+
+  ``per_row_scale``: ``logit_scale`` may also be an array (a scale a
+  position, traced or not), applied to ``hidden`` before the call
+  (``_per_row_scale``).
 
   Python checks the arguments' names first, so a misspelt keyword raises the
   usual ``TypeError`` naming it (``jax.jit`` alone would try to read its value
@@ -79,6 +83,9 @@ def public_jit(static_argnames):
         except TypeError as error:
           hint = _nearest_names(kwargs.keys() - names, names)
           raise TypeError(f"{fn.__name__}() {error}{hint}") from None
+      if per_row_scale and _is_array_scale(kwargs.get("logit_scale")):
+        bound = signature.bind(*args, **kwargs)
+        args, kwargs = (), _per_row_scale(fn.__name__, dict(bound.arguments))
       for name in static & kwargs.keys():
         kwargs[name] = _static_value(name, kwargs[name])
       return jitted(*args, **kwargs)
@@ -86,6 +93,42 @@ def public_jit(static_argnames):
     return call
 
   return wrap
+
+
+def _is_array_scale(value) -> bool:
+  """A ``logit_scale`` that is an array other than a concrete scalar."""
+  if not isinstance(value, (jax.Array, np.ndarray, np.generic)):
+    return False
+  return np.ndim(value) > 0 or isinstance(value, jax.core.Tracer)
+
+
+def _per_row_scale(name: str, arguments: dict) -> dict:
+  """``arguments`` with an array ``logit_scale`` folded into ``hidden``.
+
+  ``a * (hidden @ weight.T) = (a * hidden) @ weight.T`` for a scale ``a`` per
+  position: ``hidden`` is scaled in float32 and rounded back to its dtype
+  (one rounding of each element, for 16-bit inputs), and autodiff gives the
+  scale its gradient. A bias would need scaling by position too: it raises.
+  """
+  hidden = jnp.asarray(arguments["hidden"])
+  scale = jnp.asarray(arguments.pop("logit_scale"))
+  if not jnp.issubdtype(scale.dtype, jnp.floating):
+    raise TypeError(f"an array logit_scale must be floating, got {scale.dtype}.")
+  try:
+    scale = jnp.broadcast_to(scale, hidden.shape[:-1])
+  except ValueError:
+    raise ValueError(
+      f"an array logit_scale must broadcast to hidden's leading shape"
+      f" {hidden.shape[:-1]} (one scale a position), got {scale.shape}."
+    ) from None
+  if arguments.get("bias") is not None:
+    raise NotImplementedError(
+      f"{name}: a logit_scale per position with a bias is not supported; pass"
+      " a Python float logit_scale, or fold the bias into the weight."
+    )
+  wide = jnp.promote_types(hidden.dtype, jnp.float32)
+  scaled = hidden.astype(wide) * scale.astype(wide)[..., None]
+  return {**arguments, "hidden": scaled.astype(hidden.dtype)}
 
 
 def _static_value(name: str, value):

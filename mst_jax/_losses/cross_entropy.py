@@ -35,7 +35,7 @@ STATIC_ARGNAMES = (
 )
 
 
-@_options.public_jit(STATIC_ARGNAMES)
+@_options.public_jit(STATIC_ARGNAMES, per_row_scale=True)
 def linear_cross_entropy(
   hidden: jax.Array,
   weight: jax.Array,
@@ -109,6 +109,9 @@ def linear_cross_entropy(
     logit_scale: ``a > 0``: logits become ``a * (hidden @ weight.T + bias)``
       before the softcap (Cohere's ``logit_scale``; Granite's is
       ``1 / logits_scaling``; a sampling temperature ``T`` is ``1 / T``).
+      Also an array broadcastable to ``hidden.shape[:-1]`` (a temperature a
+      sequence or a token), traced under ``jit`` and differentiable; it
+      scales ``hidden`` (rounded to its dtype) and takes no bias.
     shift: if True, position ``t`` predicts ``labels[..., t + 1]`` along the
       token axis (unshifted Hugging Face style labels); the last position of
       each sequence is excluded. ``hidden`` is not sliced or copied, and

@@ -34,7 +34,7 @@ STATIC_ARGNAMES = (
 )
 
 
-@_options.public_jit(STATIC_ARGNAMES)
+@_options.public_jit(STATIC_ARGNAMES, per_row_scale=True)
 def linear_log_probs(
   hidden: jax.Array,
   weight: jax.Array,

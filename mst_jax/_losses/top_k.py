@@ -37,7 +37,7 @@ STATIC_ARGNAMES = (
 _WORK_BYTES = 8
 
 
-@_options.public_jit(STATIC_ARGNAMES)
+@_options.public_jit(STATIC_ARGNAMES, per_row_scale=True)
 def linear_top_k(
   hidden: jax.Array,
   weight: jax.Array,
