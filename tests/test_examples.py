@@ -118,6 +118,14 @@ def test_distill_tiny_lm_compares_the_students():
   assert "nan" not in result.stdout, result.stdout
 
 
+def test_top_k_distill_helps_the_student():
+  small = "--train-tokens 2048 --eval-tokens 2048 --steps 60 --vocab 256"
+  result = _run("top_k_distill.py", *small.split())
+  assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+  last = result.stdout.splitlines()[-1]
+  assert last.startswith("verdict: the stored top-16 helped:"), result.stdout
+
+
 def test_multi_process_matches_one_process():
   """Two processes joined by jax.distributed (CPU collectives), 2 devices each."""
   result = subprocess.run(
