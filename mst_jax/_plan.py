@@ -16,8 +16,8 @@ DEFAULT_MEMORY_BUDGET = 9 << 28  # 2.25 GiB
 # A partially valid group (logits in the compute dtype) goes in this many chunks.
 CHUNKS_PER_GROUP = 8
 
-# On XLA:CPU (compiled from shapes, jax 0.10): 16-bit matmuls go in tiles of
-# this many vocabulary columns (``matmul_tile``), and the cross-entropy's
+# On XLA:CPU (compiled from shapes, jax 0.10): the matmuls go in tiles of this
+# many vocabulary columns (``matmul_tile``), and the cross-entropy's
 # reductions read a float32 copy of a chunk's logits, this many bytes a logit.
 MATMUL_TILE = 4096
 CPU_COPY_BYTES = 4
@@ -38,16 +38,15 @@ def _round_up(value: int, multiple: int) -> int:
   return -(-value // multiple) * multiple
 
 
-def matmul_tile(platform: str, dtype) -> int | None:
+def matmul_tile(platform: str) -> int | None:
   """Vocabulary columns per matmul tile (``HeadSpec.matmul_tile``), or None.
 
   XLA:CPU converts a whole 16-bit ``[V, D]`` operand to float32 for a
-  matmul: in tiles, one tile's columns at a time. Float32 goes untiled (one
-  dot per product compiles and runs faster); other platforms too.
+  matmul, and adds a ``dweight`` product to its accumulator from a whole
+  ``[V, D]`` float32 temporary (2 GiB at the Llama-3 head): in tiles, one
+  tile's columns at a time. Other platforms go untiled.
   """
-  if platform == "cpu" and np.dtype(dtype).itemsize < 4:
-    return MATMUL_TILE
-  return None
+  return MATMUL_TILE if platform == "cpu" else None
 
 
 def dlogits_in_place(logits_dtype, dtype) -> bool:

@@ -327,7 +327,7 @@ def resolve(
   logits_dtype = _options.resolve_logits_dtype(perf.logits_dtype, rows.hidden.dtype)
   bias_dtype = rows.weight.dtype if rows.bias is None else rows.bias.dtype
   platform = _platform(layout)
-  tile = _plan.matmul_tile(platform, rows.hidden.dtype)
+  tile = _plan.matmul_tile(platform)
   order, accum = _loop_order(rows, perf, logits_dtype, layout, cpu=platform == "cpu")
   config = SweepConfig(
     backend=_kernels.select(

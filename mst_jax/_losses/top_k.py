@@ -104,7 +104,7 @@ def linear_top_k(
     np.dtype(dtype),
     options.ce,
     _chunk_rows(rows, dtype, chunk_size, memory_budget),
-    _plan.matmul_tile(jax.default_backend(), rows.hidden.dtype),
+    _plan.matmul_tile(jax.default_backend()),
   )
   log_probs, ids = _top_k(head, rows.hidden, rows.weight, rows.bias)
   shape = (*rows.batch_shape, k)

@@ -362,7 +362,7 @@ def resolve(x: Heads, options: DistillOptions, perf: PerfOptions, layout: str) -
     teacher_logits_dtype=teacher_logits_dtype,
     dweight_dtype=np.dtype(accum or x.weight.dtype),
     dbias_dtype=np.dtype(accum or at_least_float32(bias_dtype)),
-    matmul_tile=_plan.matmul_tile(platform, dtype),
+    matmul_tile=_plan.matmul_tile(platform),
     gemm=gemm,
     kernel=kernel,
     pad_logits=pad,
