@@ -206,16 +206,15 @@ def _at_ids(hidden, weight, ids, bias, where, options, perf, weight_layout, entr
   )
   out = _per_position(rows, options, perf, weight_layout, None, entropy)
   anchor_log_probs, entropy = out if entropy else (out, None)
-  logits_dtype = _options.resolve_logits_dtype(perf.logits_dtype, rows.hidden.dtype)
-  scores = _scores_at(
-    rows, jnp.clip(ids, 0, vocab_size - 1).reshape(-1, ids.shape[-1]), weight_layout,
-    logits_dtype, options.ce,
-  ).reshape(ids.shape)  # fmt: skip
-  if ids.shape[-1] == 1:
-    others = jnp.zeros_like(scores)
-  else:
+  log_probs = jnp.broadcast_to(anchor_log_probs[..., None], ids.shape)
+  if ids.shape[-1] > 1:  # the other ids: their scores less the anchor's
+    logits_dtype = _options.resolve_logits_dtype(perf.logits_dtype, rows.hidden.dtype)
+    scores = _scores_at(
+      rows, jnp.clip(ids, 0, vocab_size - 1).reshape(-1, ids.shape[-1]),
+      weight_layout, logits_dtype, options.ce,
+    ).reshape(ids.shape)  # fmt: skip
     others = scores - jnp.take_along_axis(scores, first, axis=-1)
-  log_probs = anchor_log_probs[..., None] + others.astype(anchor_log_probs.dtype)
+    log_probs = log_probs + others.astype(log_probs.dtype)
   log_probs = jnp.where(usable, log_probs, 0.0)
   log_probs = jnp.where(valid & ~in_range, jnp.nan, log_probs)
   return log_probs if entropy is None else (log_probs, entropy)
