@@ -8,6 +8,7 @@ log-probs recomputes them through ``linear_log_probs`` at the ids found.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -111,19 +112,16 @@ def linear_top_k(
   return log_probs.reshape(shape), ids.reshape(shape)
 
 
+@dataclasses.dataclass(frozen=True)
 class _Head:
   """The static options of one call (hashable: a ``custom_vjp`` argument)."""
 
-  def __init__(self, k, weight_layout, logits_dtype, ce, chunk, tile):
-    self.k, self.weight_layout, self.logits_dtype = k, weight_layout, logits_dtype
-    self.ce, self.chunk, self.tile = ce, chunk, tile
-    self._key = (k, weight_layout, logits_dtype, ce, chunk, tile)
-
-  def __hash__(self):
-    return hash(self._key)
-
-  def __eq__(self, other):
-    return isinstance(other, _Head) and self._key == other._key
+  k: int
+  weight_layout: str
+  logits_dtype: np.dtype
+  ce: ce_math.CEOptions
+  chunk: int
+  tile: int | None
 
 
 def _chunk_rows(rows, logits_dtype, chunk_size, memory_budget) -> int:
