@@ -6,7 +6,8 @@
 #
 # 1. env.txt: the GPU, jax, jaxlib and the CUDA plugin versions;
 # 2. tests.txt: the GPU tests (python -m pytest -m gpu), the 65 GiB one alone,
-#    then the rest on $WORKERS xdist workers (default 4);
+#    then the rest on $WORKERS xdist workers (default 3: more workers on one
+#    GPU run out of its memory);
 # 3. bench/: the README's GPU case (python -m mst_jax.bench: the Llama-3 head,
 #    mst_jax against the naive head in the same run), with $BENCH_ARGS added.
 # STEPS="tests bench" (the default) picks the steps; TESTS (default: tests)
@@ -29,7 +30,8 @@ step() { # step NAME LIMIT COMMAND...: runs COMMAND under LIMIT seconds, logs to
   local name=$1 limit=$2 t0=$SECONDS rc
   shift 2
   echo "=== $name: $*"
-  timeout "$limit" "$@" >>"$OUT/$name.txt" 2>&1
+  # SIGINT first: pytest then still prints which tests failed and why
+  timeout -s INT -k 30 "$limit" "$@" >>"$OUT/$name.txt" 2>&1
   rc=$?
   echo "=== $name: exit $rc after $((SECONDS - t0)) s"
   tail -n 15 "$OUT/$name.txt"
@@ -45,7 +47,7 @@ for what in ${STEPS:-tests bench}; do
         step tests "${TESTS_LIMIT:-1800}" python3 -m pytest -q -m gpu -rfEs "$big"
       fi
       step tests "${TESTS_LIMIT:-1800}" python3 -m pytest -v -m gpu -rfEs --durations=20 \
-        -n "${WORKERS:-4}" --ignore="$big" $paths
+        -n "${WORKERS:-3}" --ignore="$big" $paths
       ;;
     bench)
       step bench "${BENCH_LIMIT:-1800}" python3 -m mst_jax.bench --out "$OUT/bench" ${BENCH_ARGS:-}
