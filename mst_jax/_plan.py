@@ -49,6 +49,19 @@ def matmul_tile(platform: str) -> int | None:
   return MATMUL_TILE if platform == "cpu" else None
 
 
+def skips_empty_chunks(cpu: bool) -> bool:
+  """Whether a row group with excluded rows runs only the window of its
+  chunks that hold valid rows (``RowChunks.windows``).
+
+  Shapes are static, so the program then holds the group's matmuls once per
+  chunk count. On XLA:CPU the group runs whole instead: at N=8192, D=1024,
+  V=32000 (float32, ``memory_budget=2**28``, 40% of rows excluded at random)
+  the step compiles in 0.55 s instead of 2.0 s (the naive head's: 0.31 s)
+  and takes 7% longer (3.31 s against 3.09 s; bfloat16: 3%).
+  """
+  return not cpu
+
+
 def dlogits_in_place(logits_dtype, dtype) -> bool:
   """Whether ``dlogits`` (in ``dtype``) can overwrite logits of ``logits_dtype``.
 

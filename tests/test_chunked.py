@@ -25,6 +25,7 @@ def _plan(
   callback=None,
   compact=True,
   rows_per_group=None,
+  windows=True,
   **options,
 ):
   config = SweepConfig(
@@ -36,11 +37,11 @@ def _plan(
     dbias_dtype=jnp.dtype(jnp.float32),
     chunk_callback=callback,
   )
-  order = RowChunks(rows_per_chunk, rows_per_group or rows_per_chunk, compact)
+  order = RowChunks(rows_per_chunk, rows_per_group or rows_per_chunk, compact, windows)
   return Plan(config, order)
 
 
-def _run_recorded(problem, grad_mode, compact, chunk=8, group=None):
+def _run_recorded(problem, grad_mode, compact, chunk=8, group=None, windows=True):
   """Loss and grads through the driver; returns them and the computed chunks."""
   computed = {"forward": [], "backward": [], "fused": []}
   plan = _plan(
@@ -49,6 +50,7 @@ def _run_recorded(problem, grad_mode, compact, chunk=8, group=None):
     lambda name, first_row: computed[name].append(int(first_row)),
     compact,
     group,
+    windows,
     z_loss=1e-3,
   )
 
@@ -66,15 +68,17 @@ def _run_recorded(problem, grad_mode, compact, chunk=8, group=None):
   return loss, grads, {k: sorted(v) for k, v in computed.items() if v}
 
 
+@pytest.mark.parametrize("windows", [True, False])
 @pytest.mark.parametrize("grad_mode", ["fused", "recompute"])
-def test_fully_masked_chunks_are_skipped(rng, grad_mode):
+def test_fully_masked_chunks_are_skipped(rng, grad_mode, windows):
   """Only chunks with a valid row run; compaction packs valid rows into few.
 
   60 rows in chunks of 8 (first rows 0, 8, ..., 48, then 52). Without
   compaction, the last chunk is clamped to rows 52..59 and owns 56..59 only,
   so its valid row 53 (owned by the chunk at 48) must not make it run. With
   compaction the four valid rows fill part of the first chunk. In groups of 24
-  rows (0, 24, then 36 clamped), chunks of 8 within them.
+  rows (0, 24, then 36 clamped), chunks of 8 within them; without
+  ``windows`` a group with a valid row runs whole.
   """
   problem = make_problem(rng, (60,), mask="none", bias=True)
   valid = np.zeros(60, bool)
@@ -85,11 +89,14 @@ def test_fully_masked_chunks_are_skipped(rng, grad_mode):
   expectations = [
     (False, None, [16, 40, 48]),
     (True, None, [0]),
-    (False, 24, [16, 40, 52]),  # group 36..59 owns 48..59: its chunk at 52 runs
+    # group 36..59 owns 48..59: its chunk at 52 runs
+    (False, 24, [16, 40, 52] if windows else [0, 24, 36]),
     (True, 24, [0]),
   ]
   for compact, group, first_rows in expectations:
-    loss, grads, computed = _run_recorded(problem, grad_mode, compact, 8, group)
+    loss, grads, computed = _run_recorded(
+      problem, grad_mode, compact, 8, group, windows
+    )
     if grad_mode == "recompute":  # the forward pass is not grouped
       assert computed["forward"] == ([16, 40, 48] if not compact else [0])
       computed.pop("forward")
@@ -165,6 +172,27 @@ def test_frozen_inputs_skip_their_gradient_work(rng, weight_layout, grad_mode):
 
 def _temp_bytes(fn, *args):
   return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_masked_cpu_step_holds_one_copy_of_the_matmuls(rng):
+  """On the CPU a group with excluded rows runs whole: the step's program
+  holds the three products (logits, ``dhidden``, ``dweight``; one vocabulary
+  tile) once, where a window per chunk count would hold them once per count
+  (here 104-row groups of 16-row chunks: 7 counts, 24 products). Its
+  gradients match the oracle."""
+  for mask in ("none", "scattered"):
+    problem = make_problem(rng, (300,), mask=mask)
+    loss = lambda h, w, p=problem: mst_jax.linear_cross_entropy(
+      h, w, p.labels, where=p.where, memory_budget=2_000_000
+    )
+    step = jax.value_and_grad(loss, argnums=(0, 1))
+    args = (problem.hidden, problem.weight)
+    assert len(_output_shapes(step, *args, primitive="dot_general")) == 3, mask
+    value, grads = step(*args)
+    ref_loss, ref_grads = oracle(problem)
+    assert_close(value, ref_loss, LOSS_RTOL["float32"], "loss")
+    for g, r in zip(grads, ref_grads[:2], strict=True):
+      assert_close(g, r, GRAD_RTOL["float32"], "grad")
 
 
 @pytest.mark.parametrize("grad_mode", ["fused", "recompute"])

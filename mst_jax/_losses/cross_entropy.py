@@ -428,7 +428,7 @@ def _loop_order(rows: Rows, perf: PerfOptions, logits_dtype, layout, *, cpu: boo
     biased=rows.bias is not None,
     accum_dtype=perf.accum_dtype,
   )
-  return RowChunks(chunk, group), accum
+  return RowChunks(chunk, group, windows=_plan.skips_empty_chunks(cpu)), accum
 
 
 def _budget(perf: PerfOptions, vocab_devices: int) -> int:

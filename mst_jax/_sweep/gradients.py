@@ -130,7 +130,7 @@ class Sweep:
   ``buffer`` from ``row`` on, and the buffer returned).
   """
 
-  order: Any  # the RowChunks: rows_per_chunk, rows_per_group, compact
+  order: Any  # the RowChunks: rows_per_chunk, rows_per_group, compact, windows
   config: SweepConfig
   x: RowInputs
   chunk_dlogits: Callable
@@ -260,7 +260,9 @@ def _whole_groups_in_place(sweep: Sweep, outputs, grads):
   on a window of its chunks, from the first holding a valid row to the last
   (``_by_window``): one ``dweight`` rounding per group either way. The two
   kinds run in two loops: a ``lax.cond`` between them inside one loop made
-  XLA copy the carried ``dweight``. Each group's ``dhidden`` rows come back as
+  XLA copy the carried ``dweight``. Without ``order.windows`` every group with
+  a valid row runs whole (excluded rows' ``dlogits`` are zero): one copy of
+  the matmuls in the program. Each group's ``dhidden`` rows come back as
   ``[group, D]`` and are written outside.
   """
   config, hidden, weight = sweep.config, sweep.hidden, sweep.weight
@@ -304,6 +306,8 @@ def _whole_groups_in_place(sweep: Sweep, outputs, grads):
   def row_zeros(group):
     return jnp.zeros((group.size, hidden.shape[1]), dh_dtype) if want_rows else None
 
+  if not sweep.order.windows:
+    return sweep_chunks(group_size, sweep.valid, group_update(whole), (outputs, grads))
   every_chunk = _every_chunk(chunk_size)
   carry = sweep_chunks(
     group_size,

@@ -52,11 +52,15 @@ class RowChunks:
     rows_per_group: rows whose ``dhidden`` and ``dweight`` matmuls run at once
       when all of them count (``_plan.plan_chunks``), ``<= N``.
     compact: move valid rows to the front before chunking.
+    windows: a group with excluded rows runs its matmuls on the window of its
+      chunks that hold valid rows, so the program holds them once per chunk
+      count; False: it runs whole, one copy (``_plan.skips_empty_chunks``).
   """
 
   rows_per_chunk: int
   rows_per_group: int
   compact: bool = True
+  windows: bool = True
 
   def forward(self, config, x):
     """Per-row ``(loss, lse, correct, entropy)``."""
