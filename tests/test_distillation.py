@@ -544,7 +544,7 @@ def test_the_oracle_follows_the_definitions(rng):
 
 @pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])
 def test_the_oracle_is_finite_where_probabilities_underflow(rng, divergence):
-  """At T = 0.02 most probabilities underflow, in float32 and in float64;
+  """At T = 0.02 most probabilities underflow in float32 (some in float64);
   the divergences stay finite (the JSD below log 2): the oracle and the
   library's reference against numpy in log space, and the float32 reference
   against the oracle."""
@@ -565,7 +565,7 @@ def test_the_oracle_is_finite_where_probabilities_underflow(rng, divergence):
     "reverse_kl": kl(log_q, log_p),
     "jsd": beta * kl(log_p, log_m) + (1 - beta) * kl(log_q, log_m),
   }[divergence]
-  assert np.isfinite(want).all() and (np.exp(log_q) == 0).any()
+  assert np.isfinite(want).all() and (np.exp(log_q.astype(np.float32)) == 0).any()
   options = dict(
     divergence=divergence,
     beta=beta if divergence == "jsd" else 0.5,
