@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 
@@ -250,24 +251,12 @@ def per_row_outputs(
     ce = dataclasses.replace(options.ce, entropy=entropy)
     return full_logits.row_losses(*rows.arrays, options=ce, weight_layout=weight_layout)
   rows = rows.for_chunks(options.label_smoothing)
-  plan, fused = resolve(rows, options, perf, weight_layout, layout, entropy=entropy)
-  if (transposed := _transposed_perf(rows, plan, perf, layout)) is not None:
-    # Outside the custom VJPs: autodiff transposes dweight back.
-    rows, perf = rows._replace(weight=rows.weight.T), transposed
-    weight_layout, layout = (
-      "vd",
-      layout and dataclasses.replace(layout, weight_layout="vd"),
-    )
-    plan, fused = resolve(rows, options, perf, "vd", layout, entropy=entropy)
+  planned = resolve(rows, options, perf, weight_layout, layout, entropy=entropy)
+  rows, plan, pad = planned.rows, planned.plan, planned.pad
   devices = _mesh.row_devices(layout)
-  if pad := _tma_row_padding(n_rows // devices, rows.hidden.dtype, plan):
-    rows = _inputs.with_rows_appended(rows, pad, groups=devices)
+  if pad:
     weights = _inputs.append_rows(weights, pad, groups=devices)
-    perf = _options.with_rows_appended(perf, n_rows // devices, pad)
-    plan, fused = resolve(
-      rows, options, perf, weight_layout, layout, entropy=entropy, appended=pad
-    )
-  if not fused:
+  if not planned.fused:
     outputs = row_losses(plan, *rows.arrays)
   else:
     outputs = reduced_loss(plan, *rows.arrays[:5], weights, *rows.arrays[5:])
@@ -277,37 +266,20 @@ def per_row_outputs(
   return tuple(x if x.ndim == 0 else drop(x) for x in outputs)
 
 
-def _transposed_perf(rows: Rows, plan: Plan, perf: PerfOptions, layout):
-  """The ``perf`` to plan a ``[D, V]`` weight's transpose with, where the
-  plan's backend runs faster on it (``transposes_weight``), else None.
+class Planned(NamedTuple):
+  """One call's plan and the rows it runs on.
 
-  The transposed copy and its gradient (``2 V D`` elements a device) come
-  out of the memory budget; where they would take more than half of it,
-  the weight stays as it is.
+  ``rows``: the given rows, with the weight transposed where the plan's
+  backend runs faster on ``[V, D]`` (outside the custom VJPs: autodiff
+  transposes ``dweight`` back) and ``pad`` rows appended to each device's
+  where the Mosaic GPU kernels need whole tiles. ``fused``: the gradient is
+  formed in the forward pass.
   """
-  if plan.config.head.weight_layout != "dv":
-    return None
-  vocab_devices = 1 if layout is None else layout.axis_size(layout.vocab_axis)
-  shape = (rows.hidden.shape[1], rows.vocab_size // vocab_devices)
-  weight = jax.ShapeDtypeStruct(shape, rows.weight.dtype)
-  x = _kernels.ChunkInputs(rows.hidden, weight, rows.bias, rows.labels)
-  x, config = x._replace(class_weights=rows.class_weights), plan.config
-  copies = 2 * math.prod(shape) * weight.dtype.itemsize
-  budget = _budget(perf, vocab_devices)
-  if copies > budget // 2 or not config.backend.transposes_weight(x, config.head):
-    return None
-  if perf.chunk_size is not None:  # the rows are given, not planned
-    return perf
-  return dataclasses.replace(perf, memory_budget=budget - copies)
 
-
-def _tma_row_padding(n_rows: int, dtype, plan: Plan) -> int:
-  """Rows to append to each device's ``n_rows`` so that the Mosaic GPU
-  kernels take every block of rows the plan forms
-  (``_plan.tma_row_padding``)."""
-  order = getattr(plan.order, "inner", plan.order)  # a mesh's: each device's
-  blocks = (getattr(order, "rows_per_chunk", 0), getattr(order, "rows_per_group", 0))
-  return _plan.tma_row_padding(n_rows, blocks, plan.config.head.gemm, dtype)
+  plan: Plan
+  fused: bool
+  rows: Rows
+  pad: int
 
 
 def resolve(
@@ -318,29 +290,39 @@ def resolve(
   layout: _mesh.Layout | None,
   *,
   entropy: bool = False,
-  appended: int = 0,
-) -> tuple[Plan, bool]:
-  """Every default decided: ``(plan, fused)`` for the chunked paths
-  (``entropy``: the per-row entropy too; ``appended``: rows at the end of
-  each device's that only make the Mosaic kernels' tiles whole, which do not
-  change the gradient mode)."""
+) -> Planned:
+  """Every default decided once (``entropy``: the per-row entropy too): the
+  kernels, the weight's layout, the loop order and its accumulators, the
+  rows appended, the gradient mode."""
+  n_rows, devices = rows.hidden.shape[0], _mesh.row_devices(layout)
   logits_dtype = _options.resolve_logits_dtype(perf.logits_dtype, rows.hidden.dtype)
-  bias_dtype = rows.weight.dtype if rows.bias is None else rows.bias.dtype
   platform = _platform(layout)
-  tile = _plan.matmul_tile(platform)
+  backend = _kernels.select(
+    perf.impl, platform, not_on_triton=_not_on_triton(rows.class_weights)
+  )
+  head = _kernels.HeadSpec(
+    weight_layout,
+    logits_dtype,
+    dataclasses.replace(options.ce, entropy=entropy),
+    rows.vocab_size,
+    matmul_tile=_plan.matmul_tile(platform),
+    gemm=_kernels.select_gemm(perf.impl, platform),
+  )
+  if (transposed := _transposed_perf(rows, backend, head, perf, layout)) is not None:
+    rows, perf = rows._replace(weight=rows.weight.T), transposed
+    head = dataclasses.replace(head, weight_layout="vd")
+    layout = layout and dataclasses.replace(layout, weight_layout="vd")
   order, accum = _loop_order(rows, perf, logits_dtype, layout, cpu=platform == "cpu")
+  pad = _plan.tma_row_padding(
+    n_rows // devices, _blocks(order), head.gemm, rows.hidden.dtype
+  )
+  if pad:
+    rows = _inputs.with_rows_appended(rows, pad, groups=devices)
+    order = _appended(order, n_rows // devices, pad)
+  bias_dtype = rows.weight.dtype if rows.bias is None else rows.bias.dtype
   config = SweepConfig(
-    backend=_kernels.select(
-      perf.impl, platform, not_on_triton=_not_on_triton(rows.class_weights)
-    ),
-    head=_kernels.HeadSpec(
-      weight_layout,
-      logits_dtype,
-      dataclasses.replace(options.ce, entropy=entropy),
-      rows.vocab_size,
-      matmul_tile=tile,
-      gemm=_kernels.select_gemm(perf.impl, platform),
-    ),
+    backend=backend,
+    head=head,
     dweight_dtype=accum or rows.weight.dtype,
     dbias_dtype=accum or at_least_float32(bias_dtype),
   )
@@ -350,10 +332,49 @@ def resolve(
       shard = _mesh.VocabShard(layout.vocab_axis, shard_size, rows.vocab_size)
       config = dataclasses.replace(config, columns=shard)
     order = _mesh.Sharded(order, layout)
-  given_rows = rows.hidden.shape[0] - appended * _mesh.row_devices(layout)
-  mode = _grad_mode(given_rows, rows, options, perf, layout)
+  mode = _grad_mode(n_rows, rows, options, perf, layout)
   keep = mode == "keep" and _one_group_in_place(rows, order, logits_dtype, layout)
-  return Plan(config, order, keep_logits=keep), mode == "fused"
+  return Planned(Plan(config, order, keep_logits=keep), mode == "fused", rows, pad)
+
+
+def _transposed_perf(rows: Rows, backend, head, perf: PerfOptions, layout):
+  """The ``perf`` to plan a ``[D, V]`` weight's transpose with, where
+  ``backend`` runs faster on it (``transposes_weight``), else None.
+
+  The transposed copy and its gradient (``2 V D`` elements a device) come
+  out of the memory budget; where they would take more than half of it,
+  the weight stays as it is.
+  """
+  if head.weight_layout != "dv":
+    return None
+  vocab_devices = 1 if layout is None else layout.axis_size(layout.vocab_axis)
+  shape = (rows.hidden.shape[1], rows.vocab_size // vocab_devices)
+  weight = jax.ShapeDtypeStruct(shape, rows.weight.dtype)
+  x = _kernels.ChunkInputs(rows.hidden, weight, rows.bias, rows.labels)
+  x = x._replace(class_weights=rows.class_weights)
+  copies = 2 * math.prod(shape) * weight.dtype.itemsize
+  budget = _budget(perf, vocab_devices)
+  if copies > budget // 2 or not backend.transposes_weight(x, head):
+    return None
+  if perf.chunk_size is not None:  # the rows are given, not planned
+    return perf
+  return dataclasses.replace(perf, memory_budget=budget - copies)
+
+
+def _blocks(order) -> tuple[int, int]:
+  """The row counts of the blocks ``order`` forms: its chunks and groups."""
+  return (order.rows_per_chunk, getattr(order, "rows_per_group", 0))
+
+
+def _appended(order, n_rows: int, count: int):
+  """``order`` for ``count`` rows appended to ``n_rows``: a block that held
+  all ``n_rows`` holds them all (``_plan.tma_row_padding`` appends rows only
+  then)."""
+  grown = lambda size: n_rows + count if size == n_rows else size
+  changes = {"rows_per_chunk": grown(order.rows_per_chunk)}
+  if hasattr(order, "rows_per_group"):
+    changes["rows_per_group"] = grown(order.rows_per_group)
+  return dataclasses.replace(order, **changes)
 
 
 def _one_group_in_place(rows: Rows, order, logits_dtype, layout) -> bool:

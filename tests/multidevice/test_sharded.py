@@ -611,13 +611,14 @@ def test_vocab_blocks_plan_a_transposed_weight_with_the_undivided_budget(
   w = jax.ShapeDtypeStruct((d, 8 * local), jnp.bfloat16)
   y = jax.ShapeDtypeStruct((4096,), jnp.int32)
   planned = []
-  resolve = _cross_entropy.resolve
+  loop_order = _cross_entropy._loop_order
 
-  def recording_resolve(rows, options, perf, weight_layout, *args, **kwargs):
-    planned.append((weight_layout, perf.memory_budget))
-    return resolve(rows, options, perf, weight_layout, *args, **kwargs)
+  def recording_loop_order(rows, perf, *args, **kwargs):
+    layout = "vd" if rows.weight.shape[0] == rows.vocab_size else "dv"
+    planned.append((layout, perf.memory_budget))
+    return loop_order(rows, perf, *args, **kwargs)
 
-  monkeypatch.setattr(_cross_entropy, "resolve", recording_resolve)
+  monkeypatch.setattr(_cross_entropy, "_loop_order", recording_loop_order)
 
   def loss(hidden, weight, labels):
     return mst_jax.linear_cross_entropy(
