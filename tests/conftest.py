@@ -90,9 +90,11 @@ def _mark_slow(items) -> None:
   Of each parametrized test, the quick run keeps the first parametrizations
   (in collection order) that together take every value of every parameter;
   the rest of its grid is marked ``slow``, as are ``SLOW_TESTS`` and the
-  tests that lower the Hopper program for CUDA. So
-  ``pytest`` (``-m "not slow"``, the default) exercises every axis, and
-  ``pytest -m slow`` runs everything else: CI runs both.
+  tests that lower the Hopper program for CUDA. A test that runs the Mosaic
+  GPU kernels in interpret mode (``mosaic_on_cpu``: 5-17 s each) keeps only
+  its first parametrization. So ``pytest`` (``-m "not slow"``, the default)
+  exercises every axis, and ``pytest -m slow`` runs everything else: CI runs
+  both.
   """
   seen: dict = {}
   for item in items:
@@ -102,9 +104,12 @@ def _mark_slow(items) -> None:
       item.add_marker(pytest.mark.slow)
     if callspec is None:
       continue
-    covered = seen.setdefault((item.module.__name__, name), set())
+    test = (item.module.__name__, name)
+    first = test not in seen
+    covered = seen.setdefault(test, set())
     values = {(key, repr(value)) for key, value in callspec.params.items()}
-    if values <= covered:
+    interpreted = "mosaic_on_cpu" in getattr(item, "fixturenames", ())
+    if values <= covered or (interpreted and not first):
       item.add_marker(pytest.mark.slow)
     covered |= values
 
