@@ -153,7 +153,8 @@ def mosaic_is_slow(jaxlib_version: str) -> bool:
   the GEMMs' register split (``setmaxnreg``). There the default Llama-3 step
   took 198 ms against the naive head's 41 ms (H200, jax 0.12.0.1), and
   ``impl="pallas"`` 40 ms. ``impl="mosaic"`` runs the Mosaic kernels with
-  tiles that fit the registers left (``accumulator_limit``), not yet timed.
+  tiles that fit the registers left (``accumulator_limit``): 51.1 ms against
+  the naive head's 41.5 ms and this default's 41.1 ms (H100, jax 0.12.0.1).
   """
   return relocatable_ptx(jaxlib_version)
 
