@@ -235,6 +235,23 @@ def appended(monkeypatch):
 
 
 @pytest.fixture
+def planned(monkeypatch):
+  """``(weight layout, memory budget)`` of each loop order that
+  cross-entropy's ``resolve`` plans, in order."""
+  from mst_jax._losses import cross_entropy
+
+  plans, loop_order = [], cross_entropy._loop_order
+
+  def recording(rows, perf, *args, **kwargs):
+    layout = "vd" if rows.weight.shape[0] == rows.vocab_size else "dv"
+    plans.append((layout, perf.memory_budget))
+    return loop_order(rows, perf, *args, **kwargs)
+
+  monkeypatch.setattr(cross_entropy, "_loop_order", recording)
+  return plans
+
+
+@pytest.fixture
 def rng():
   """A fresh numpy Generator per test; the seed is printed on failure."""
   seed = next(_SEEDS)
