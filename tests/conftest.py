@@ -172,7 +172,7 @@ def mosaic_on_cpu(as_if_on_hopper, monkeypatch):
 
   def gemm(lhs, rhs, dims, out_dtype=None, **kwargs):
     out = xla_gemm(lhs, rhs, dims, out_dtype, **kwargs)
-    widths.append(out.shape[1])
+    widths.append((out[0] if isinstance(out, tuple) else out).shape[1])
     return out
 
   monkeypatch.setattr(mosaic_gemm, "matmul", gemm)
@@ -199,9 +199,16 @@ def xla_gemm(
 ):
   """``_gemm.mosaic.gemm.matmul``'s contract as an XLA product: float32
   accumulation rounded once, operands zero-extended, the output trimmed or
-  zero-padded to ``out_shape``, ``accumulate`` added."""
-  del config, row_inputs
-  assert row_epilogue is None, "the epilogue's statistics never see a bias"
+  zero-padded to ``out_shape``, ``accumulate`` added; a ``row_epilogue`` run
+  over each ``config.tile_n`` columns of the rounded output, as stored."""
+  if row_epilogue is not None:
+    out = xla_gemm(lhs, rhs, dimension_numbers, out_dtype, out_shape=out_shape)
+    width = config.tile_n
+    tiles = jnp.pad(out, [(0, 0), (0, -out.shape[1] % width)])
+    tiles = tiles.reshape(out.shape[0], -1, width)
+    starts = jnp.arange(tiles.shape[1], dtype=jnp.int32) * width
+    each = jax.vmap(lambda t, c: row_epilogue(t, c, list(row_inputs)), (1, 0))
+    return out, list(each(tiles, starts))
   (lc,), (rc,) = dimension_numbers[0]
   assert zero_extend or lhs.shape[lc] == rhs.shape[rc]
   k = min(lhs.shape[lc], rhs.shape[rc])

@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close, has_gpu
+from conftest import ALL_OPTIONS as LOSS_OPTIONS
+from conftest import assert_close, check_against_oracle, has_gpu, make_problem
 from test_backends import (
   ALL_OPTIONS,
   PLAIN,
@@ -183,6 +184,36 @@ def test_no_fusion_off_the_mosaic_gemm_with_a_bias_or_float32_logits(rng):
   wide = dataclasses.replace(head, logits_dtype=jnp.dtype(jnp.float32))
   logits, stats = MosaicChunkCE().logits_and_stats(x, wide, 0)
   assert logits.dtype == jnp.float32 and stats is None
+
+
+@pytest.mark.parametrize(
+  "layout, kwargs",
+  [
+    ("vd", dict(grad_mode="recompute", **LOSS_OPTIONS)),
+    ("dv", dict(grad_mode="fused", label_smoothing=0.1)),
+    ("vd", dict(grad_mode="fused", chunk_size=64)),
+  ],
+  ids=str,
+)
+def test_the_hopper_step_takes_its_statistics_from_the_epilogue(
+  rng, mosaic_on_cpu, monkeypatch, layout, kwargs
+):
+  """The Hopper program of a bfloat16 head on the CPU (``mosaic_on_cpu``:
+  the epilogue run over each output tile of the rounded logits): its loss and
+  gradients against the float64 oracle, the statistics from the epilogue."""
+  calls = []
+  tile_stats = mosaic_stats.TileStats.__call__
+  monkeypatch.setattr(
+    mosaic_stats.TileStats,
+    "__call__",
+    lambda self, *args: calls.append(1) or tile_stats(self, *args),
+  )
+  problem = make_problem(
+    rng, (3, 101), dim=64, vocab=4133, dtype="bfloat16", weight_layout=layout
+  )
+  kwargs = dict(kwargs, impl="mosaic", weight_layout=layout)
+  check_against_oracle(problem, "bfloat16", **kwargs)
+  assert calls
 
 
 # ---- On a Hopper GPU: the compiled kernel at real sizes. ----
