@@ -12,6 +12,7 @@ arrays for float64 gradients.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -444,3 +445,54 @@ def distillation_of_logits(
     loss = loss + hard_label_weight * (jax.nn.logsumexp(scores, axis=-1) - target)
   ones = jnp.ones(batch_shape, jnp.float64)
   return _reduce(loss, valid, None, ones, reduction)
+
+
+# ---- Each public function as one compiled program. ----
+
+
+def _is_array(x) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray))
+
+
+@functools.cache
+def _program(fn, positions, static):
+  """``fn`` jitted with ``static`` (sorted ``(name, value)`` pairs, and the
+  non-array positional arguments at ``positions``) fixed."""
+  fixed = dict(positions)
+
+  def run(arrays, kwargs):
+    args = [fixed[i] if i in fixed else arrays[i] for i in range(len(arrays))]
+    return fn(*args, **dict(static), **kwargs)
+
+  return jax.jit(run)
+
+
+def _compiled(fn):
+  """``fn`` as one compiled program per static arguments (its operations one
+  by one would compile one small program each for every new shape: about a
+  second of a test's time). Arrays (tracers included) are the program's
+  arguments, every other value is static; unhashable ones run ``fn`` as is."""
+
+  @functools.wraps(fn)
+  def wrapper(*args, **kwargs):
+    positions = tuple((i, a) for i, a in enumerate(args) if not _is_array(a))
+    # numpy arrays as jax arrays of this x64 state: a compiled program's
+    # fast path would take a float64 numpy array's buffer as float32
+    arrays = [jnp.asarray(a) if _is_array(a) else None for a in args]
+    dynamic = {k: jnp.asarray(v) for k, v in kwargs.items() if _is_array(v)}
+    static = tuple(sorted((k, v) for k, v in kwargs.items() if k not in dynamic))
+    try:
+      program = _program(fn, positions, static)
+    except TypeError:  # an unhashable option
+      return fn(*args, **kwargs)
+    return program(arrays, dynamic)
+
+  return wrapper
+
+
+cross_entropy = _compiled(cross_entropy)
+cross_entropy_of_logits = _compiled(cross_entropy_of_logits)
+log_probs = _compiled(log_probs)
+log_probs_of_logits = _compiled(log_probs_of_logits)
+distillation = _compiled(distillation)
+distillation_of_logits = _compiled(distillation_of_logits)
