@@ -147,11 +147,11 @@ def _chunked(kind, problem, layout, options, teacher=None, **perf):
 
 
 def check_float16(
-  kind, problem, layout, options=None, teacher=None, factor=None, **perf
+  kind, problem, layout, options=None, teacher=None, factor=None, extra=0.0, **perf
 ):
   """Each of the three gradients within ``factor`` (default ``NAIVE_FACTOR``)
-  times the naive head's error against the float64 definitions; returns the
-  errors ``{name: (error, naive error)}``."""
+  times the naive head's error against the float64 definitions, plus
+  ``extra`` (relative); returns the errors ``{name: (error, naive error)}``."""
   options, factor = options or {}, factor or NAIVE_FACTOR[kind]
   ref = _float64_grads(kind, problem, layout, options, teacher)
   naive = _naive_grads(
@@ -166,7 +166,7 @@ def check_float16(
     assert got.dtype == jnp.float16, name
     assert np.isfinite(np.asarray(got, np.float32)).all(), name
     errors[name] = (rel_err(got, want), rel_err(base, want))
-    bound = factor * errors[name][1]
+    bound = factor * errors[name][1] + extra
     assert errors[name][0] <= bound, (name, errors[name])
   return errors
 
@@ -272,14 +272,18 @@ def test_unit_sums_do_not_overflow(rng, perf):
   of the label column's dweight over 8200 rows is about -164000, past
   float16's 65504; held in float32, or scaled as each float16 sum is
   rounded, the mean's gradient (about -20) is finite and accurate. A float16
-  ``dweight`` adds a rounding per chunk of rows (9 here): a looser bound."""
+  ``dweight`` or ``dbias`` rounds the partial sum of each chunk of rows (9
+  here); every entry's terms share a sign, so the sums grow to the total and
+  their roundings add at most (1 + 2 + ... + 9) / 9 = 5 half-ulps (2^-11) of
+  it beyond the naive head's error (which can be a tiny fraction of that:
+  seeds measured 4.2x and 5.7x it)."""
   n_rows, vocab, dim = 8200, 67, 16
   problem = make_problem(rng, (n_rows,), dim, vocab, "float16", mask="none", bias=True)
   problem.hidden = jnp.asarray(20.0 + rng.standard_normal((n_rows, dim)), jnp.float16)
   problem.labels = jnp.zeros((n_rows,), jnp.int32)
   in_place = "accum_dtype" in perf or "vocab_block_size" in perf
   check_float16(
-    "cross_entropy", problem, "vd", factor=4.0 if in_place else None, **perf
+    "cross_entropy", problem, "vd", extra=5 * 2.0**-11 if in_place else 0.0, **perf
   )
 
 
