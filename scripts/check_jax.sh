@@ -5,9 +5,11 @@
 #   scripts/check_jax.sh [OUT_DIR]        # default OUT_DIR: check_out
 #
 # 1. env.txt: the GPU, jax, jaxlib and the CUDA plugin versions;
-# 2. tests.txt: the GPU tests (python -m pytest -m gpu), the 65 GiB one alone,
-#    then the rest on $WORKERS xdist workers (default 3: more workers on one
-#    GPU run out of its memory);
+# 2. tests.txt: the GPU tests (python -m pytest -m gpu): the one holding up to
+#    65 GiB and the one reading the allocator's peak alone, then the rest on
+#    $WORKERS xdist workers (default 6) with JAX's platform allocator, which
+#    frees what a test drops (each worker's default pool keeps its peak: five
+#    such workers ran an H100 out of memory);
 # 3. bench/: the README's GPU case (python -m mst_jax.bench: the Llama-3 head,
 #    mst_jax against the naive head in the same run), with $BENCH_ARGS added.
 # STEPS="tests bench" (the default) picks the steps; TESTS (default: tests)
@@ -41,13 +43,18 @@ step() { # step NAME LIMIT COMMAND...: runs COMMAND under LIMIT seconds, logs to
 for what in ${STEPS:-tests bench}; do
   case $what in
     tests)
-      big=tests/test_peer_bugs.py # 65 GiB of GPU memory: alone
+      big=tests/test_peer_bugs.py # up to 65 GiB of GPU memory
+      peak=tests/test_reliability.py::test_repeated_train_steps_keep_peak_memory_flat
       paths=${TESTS:-tests}
-      if [ "$paths" = tests ] || [[ " $paths " == *" $big "* ]]; then
-        step tests "${TESTS_LIMIT:-1800}" python3 -m pytest -q -m gpu -rfEs "$big"
+      alone=()
+      [[ $paths = tests || " $paths " == *" $big "* ]] && alone+=("$big")
+      [[ $paths = tests || " $paths " == *" ${peak%::*} "* ]] && alone+=("$peak")
+      if ((${#alone[@]})); then
+        step tests "${TESTS_LIMIT:-1800}" python3 -m pytest -v -m gpu -rfEs "${alone[@]}"
       fi
-      step tests "${TESTS_LIMIT:-1800}" python3 -m pytest -v -m gpu -rfEs --durations=20 \
-        -n "${WORKERS:-3}" --ignore="$big" $paths
+      XLA_PYTHON_CLIENT_ALLOCATOR=platform step tests "${TESTS_LIMIT:-1800}" \
+        python3 -m pytest -v -m gpu -rfEs --durations=20 -n "${WORKERS:-6}" \
+        --ignore="$big" --deselect="$peak" $paths
       ;;
     bench)
       step bench "${BENCH_LIMIT:-1800}" python3 -m mst_jax.bench --out "$OUT/bench" ${BENCH_ARGS:-}
