@@ -380,21 +380,13 @@ def oracle_options(kwargs) -> dict:
   return {k: v for k, v in kwargs.items() if k not in PERF_ONLY}
 
 
-def _arrays_and_static(kwargs):
-  """``kwargs`` split into arrays (a compiled program's arguments) and the
-  rest, sorted (hashable: the program's key)."""
-  arrays = {k: v for k, v in kwargs.items() if isinstance(v, (jax.Array, np.ndarray))}
-  static = tuple(sorted((k, v) for k, v in kwargs.items() if k not in arrays))
-  return arrays, static
-
-
 def _compiled_value_and_grads(fn, problem, kwargs):
   """``value_and_grads(fn, problem, **kwargs)`` as one compiled program, under
   float64: the oracle's operations one by one take seconds for each new
   shape, a program well under one. Programs are kept per function and static
   options; arrays among ``kwargs`` (weights) are its arguments."""
-  arrays, static = _arrays_and_static(kwargs)
   with jax.enable_x64(True):
+    arrays, static = oracle64.arrays_and_static(kwargs)
     program = _value_and_grads_program(fn, static)
     return program(
       problem.hidden,
@@ -583,9 +575,9 @@ def reference_dlogits(problem, **kwargs):
   logits = rows.hidden @ rows.weight.T
   if problem.bias is not None:
     logits = logits + to64(problem.bias)
-  arrays, static = _arrays_and_static(options)
   logits_shape = (*problem.labels.shape, logits.shape[-1])
   with jax.enable_x64(True):
+    arrays, static = oracle64.arrays_and_static(options)
     dlogits = _dlogits_program(static)(
       jnp.asarray(logits.reshape(logits_shape)), problem.labels, problem.where, arrays
     )

@@ -454,6 +454,15 @@ def _is_array(x) -> bool:
   return isinstance(x, (jax.Array, np.ndarray))
 
 
+def arrays_and_static(kwargs: dict) -> tuple[dict, tuple]:
+  """``kwargs`` split into arrays (a compiled program's arguments, as jax
+  arrays of this x64 state: a compiled program's fast path would take a
+  float64 numpy array's buffer as float32) and the rest, sorted (hashable:
+  the program's key)."""
+  arrays = {k: jnp.asarray(v) for k, v in kwargs.items() if _is_array(v)}
+  return arrays, tuple(sorted((k, v) for k, v in kwargs.items() if k not in arrays))
+
+
 @functools.cache
 def _program(fn, positions, static):
   """``fn`` jitted with ``static`` (sorted ``(name, value)`` pairs, and the
@@ -476,11 +485,8 @@ def _compiled(fn):
   @functools.wraps(fn)
   def wrapper(*args, **kwargs):
     positions = tuple((i, a) for i, a in enumerate(args) if not _is_array(a))
-    # numpy arrays as jax arrays of this x64 state: a compiled program's
-    # fast path would take a float64 numpy array's buffer as float32
     arrays = [jnp.asarray(a) if _is_array(a) else None for a in args]
-    dynamic = {k: jnp.asarray(v) for k, v in kwargs.items() if _is_array(v)}
-    static = tuple(sorted((k, v) for k, v in kwargs.items() if k not in dynamic))
+    dynamic, static = arrays_and_static(kwargs)
     try:
       program = _program(fn, positions, static)
     except TypeError:  # an unhashable option
