@@ -583,8 +583,17 @@ def test_the_oracle_is_finite_where_probabilities_underflow(rng, divergence):
   )
   ref_loss, ref_grads, _ = oracle(pair, cotangent, **options)
   assert_close(loss, ref_loss, 1e-4, "float32 reference")
-  for got_grad, ref_grad in zip(grads, ref_grads, strict=True):
-    assert_close(got_grad, ref_grad, 1e-3, "float32 reference gradient")
+  # Where every row is saturated (disjoint supports) the gradient is near 0
+  # and made of O(1) terms that cancel: float32 math leaves about one rounding
+  # of them, times 1 / T, in each row's dlogits, whatever the true gradient.
+  floor = 4 * 2.0**-24 / temperature
+  h, w = to64(pair.student_hidden), to64(pair.student_weight)
+  atols = (
+    floor * np.sqrt(h.shape[0]) * np.linalg.norm(w, axis=1).max(),  # dhidden
+    floor * np.linalg.norm(h),  # dweight
+  )
+  for got_grad, ref_grad, atol in zip(grads, ref_grads, atols, strict=True):
+    assert_close(got_grad, ref_grad, 1e-3, "float32 reference gradient", atol=atol)
 
 
 @pytest.mark.parametrize("ignore_index", [0, 5, -100])
