@@ -9,6 +9,7 @@ import itertools
 import os
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import oracle as oracle64
@@ -709,3 +710,33 @@ def check_against_oracle(
     atols = atols or _dlogits_rounding_bounds(problem, kwargs)
     assert_close(g, ref, rtol, name, atol=atols[index])
   return loss, grads
+
+
+def jaxpr_eqns(jaxpr):
+  """Every equation of a jaxpr, recursing into sub-jaxprs (scan, cond, jit...)."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          yield from jaxpr_eqns(sub.jaxpr)
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          yield from jaxpr_eqns(sub)
+
+
+def output_shapes(fn, *args, primitive):
+  """Output shapes of every ``primitive`` equation in ``fn``'s jaxpr."""
+  jaxpr = jax.make_jaxpr(fn)(*args)
+  return [
+    tuple(v.aval.shape)
+    for eqn in jaxpr_eqns(jaxpr.jaxpr)
+    if eqn.primitive.name == primitive
+    for v in eqn.outvars
+  ]
+
+
+def matmul_shapes(fn, *args):
+  """Output shapes of the matrix products in ``fn``'s jaxpr: its
+  ``dot_general``s with a matrix out (not the row sums that XLA:CPU's
+  cross-entropy forms as matrix-vector products: ``XlaChunkCE``)."""
+  return [s for s in output_shapes(fn, *args, primitive="dot_general") if len(s) >= 2]

@@ -105,7 +105,10 @@ def test_cpu_sweep_writes_table_and_json(tmp_path, capsys):
     + ["--rounds", "1", "--out", str(tmp_path)]
   )
   table = capsys.readouterr().out
-  assert "cpu@256: a small head for a CPU: N=256 D=128 V=16,384 float32" in table
+  assert (
+    "cpu@256: a narrow head with Qwen-2's vocabulary, for a CPU: N=256 D=64"
+    " V=151,936 float32" in table
+  )
   assert "ratios against naive, the faster naive head here" in table
   if importlib.util.find_spec("tokamax") is None:
     assert "Not installed, so not measured: tokamax." in table
@@ -250,7 +253,8 @@ def test_table_states_the_problem_the_baseline_and_what_is_missing():
   )
   lines = table.splitlines()
   assert lines[0] == (
-    "cpu@512: a small head for a CPU: N=512 D=128 V=16,384 float32, weight [V, D],"
+    "cpu@512: a narrow head with Qwen-2's vocabulary, for a CPU: N=512 D=64 V=151,936"
+    " float32, weight [V, D],"
     " gradients of hidden and weight"
   )
   assert "  ratios against naive_cast, the faster naive head here" in lines
@@ -340,7 +344,7 @@ def test_plot_has_both_legends_shapes_in_the_title_and_plain_ticks(tmp_path):
   markers = {line.get_marker() for line in memory_ax.get_lines()}
   assert len(markers) == 3
   title = fig._suptitle.get_text()
-  assert "D=128, V=16,384, float32" in title and "cpu" in title
+  assert "D=64, V=151,936, float32" in title and "cpu" in title
   ticks = [t.get_text() for t in time_ax.get_yticklabels() if t.get_text()]
   assert ticks and all(t.endswith(" ms") and "10^" not in t for t in ticks)
   assert [t.get_text() for t in time_ax.get_xticklabels()] == ["512", "1,024"]
@@ -447,10 +451,13 @@ def test_plots_tables_are_the_documents_tables():
   )
 
 
-def test_profile_step_sums_device_kernels_per_step(tmp_path):
+def test_profile_step_sums_device_kernels_per_step(tmp_path, monkeypatch):
   """tools/profile_step.py: device kernels summed by name and divided by
   the steps (host events left out); a traced CPU step runs end to end."""
   profile_step = _script("tools", "profile_step")
+  monkeypatch.setitem(
+    profile_step.CASES, "cpu", dataclasses.replace(CASES["cpu"], **SMALL)
+  )
   meta = lambda pid, name: dict(
     ph="M", name="process_name", pid=pid, args={"name": name}
   )

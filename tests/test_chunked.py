@@ -5,11 +5,18 @@ from __future__ import annotations
 import re
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import GRAD_RTOL, LOSS_RTOL, assert_close, make_problem, oracle
+from conftest import (
+  GRAD_RTOL,
+  LOSS_RTOL,
+  assert_close,
+  make_problem,
+  matmul_shapes,
+  oracle,
+  output_shapes,
+)
 
 import mst_jax
 from mst_jax import _kernels as backends
@@ -108,28 +115,6 @@ def test_fully_masked_chunks_are_skipped(rng, grad_mode, windows):
     np.testing.assert_array_equal(np.asarray(grads[0])[~valid], 0.0)
 
 
-def _eqns(jaxpr):
-  """Every equation of a jaxpr, recursing into sub-jaxprs (scan, cond, jit...)."""
-  for eqn in jaxpr.eqns:
-    yield eqn
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (tuple, list)) else (param,):
-        if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          yield from _eqns(sub.jaxpr)
-        elif isinstance(sub, jax.extend.core.Jaxpr):
-          yield from _eqns(sub)
-
-
-def _output_shapes(fn, *args, primitive):
-  jaxpr = jax.make_jaxpr(fn)(*args)
-  return [
-    tuple(v.aval.shape)
-    for eqn in _eqns(jaxpr.jaxpr)
-    if eqn.primitive.name == primitive
-    for v in eqn.outvars
-  ]
-
-
 @pytest.mark.parametrize("grad_mode", ["fused", "recompute"])
 @pytest.mark.parametrize("weight_layout", ["vd", "dv"])
 def test_frozen_inputs_skip_their_gradient_work(rng, weight_layout, grad_mode):
@@ -153,7 +138,7 @@ def test_frozen_inputs_skip_their_gradient_work(rng, weight_layout, grad_mode):
 
   def shapes(argnums, primitive="dot_general"):
     fn = jax.grad(loss, argnums=argnums)
-    return _output_shapes(
+    return output_shapes(
       fn, problem.hidden, problem.weight, problem.bias, primitive=primitive
     )
 
@@ -187,7 +172,7 @@ def test_masked_cpu_step_holds_one_copy_of_the_matmuls(rng):
     )
     step = jax.value_and_grad(loss, argnums=(0, 1))
     args = (problem.hidden, problem.weight)
-    assert len(_output_shapes(step, *args, primitive="dot_general")) == 3, mask
+    assert len(matmul_shapes(step, *args)) == 3, mask
     value, grads = step(*args)
     ref_loss, ref_grads = oracle(problem)
     assert_close(value, ref_loss, LOSS_RTOL["float32"], "loss")

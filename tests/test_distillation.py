@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import oracle as oracle64
 import pytest
-from conftest import NAIVE_FACTOR, NAIVE_FLOOR, assert_close, to64
+from conftest import NAIVE_FACTOR, NAIVE_FLOOR, assert_close, matmul_shapes, to64
 
 import mst_jax
 from mst_jax._sweep import distill_driver as _distill_driver
@@ -613,28 +613,6 @@ def test_without_labels_every_token_counts(rng, ignore_index):
       assert_close(got_grad, ref_grad, GRAD_RTOL["float32"], "gradient")
 
 
-def _dot_general_shapes(fn, *args):
-  """Output shapes of every dot_general in ``fn``'s jaxpr (sub-jaxprs too)."""
-
-  def eqns(jaxpr):
-    for eqn in jaxpr.eqns:
-      yield eqn
-      for param in eqn.params.values():
-        for sub in param if isinstance(param, (tuple, list)) else (param,):
-          if isinstance(sub, jax.extend.core.ClosedJaxpr):
-            yield from eqns(sub.jaxpr)
-          elif isinstance(sub, jax.extend.core.Jaxpr):
-            yield from eqns(sub)
-
-  jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
-  return [
-    tuple(v.aval.shape)
-    for eqn in eqns(jaxpr)
-    if eqn.primitive.name == "dot_general"
-    for v in eqn.outvars
-  ]
-
-
 @pytest.mark.parametrize(
   "options",
   [dict(), dict(grad_mode="recompute"), dict(reduction="none"), dict(impl="reference")],
@@ -660,10 +638,10 @@ def test_no_matmul_forms_a_teacher_gradient(rng, options):
     pair.teacher_hidden,
     pair.teacher_weight,
   )
-  shapes = _dot_general_shapes(jax.grad(loss, argnums=(0, 1, 2, 3)), *args)
+  shapes = matmul_shapes(jax.grad(loss, argnums=(0, 1, 2, 3)), *args)
   assert pair.student_weight.shape in shapes, shapes  # the student's dweight
   assert not [s for s in shapes if D_T in s], shapes
-  frozen_weight = _dot_general_shapes(jax.grad(loss, argnums=0), *args)
+  frozen_weight = matmul_shapes(jax.grad(loss, argnums=0), *args)
   assert pair.student_weight.shape not in frozen_weight, frozen_weight
   if options.get("grad_mode") is None and options.get("impl") is None:
     grads = jax.grad(loss, argnums=(0, 1, 2, 3))(*args)
@@ -680,7 +658,7 @@ def test_fewer_rows_than_d_recompute_by_default(rng):
     loss = lambda h, w: mst_jax.linear_distillation_loss(
       h, w, pair.teacher_hidden, pair.teacher_weight, chunk_size=CHUNK, **options
     )
-    shapes = _dot_general_shapes(jax.grad(loss, argnums=(0, 1)), *pair_args(pair)[:2])
+    shapes = matmul_shapes(jax.grad(loss, argnums=(0, 1)), *pair_args(pair)[:2])
     return sum(s == (CHUNK, V) for s in shapes)
 
   recompute = logits_matmuls(grad_mode="recompute")

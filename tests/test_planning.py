@@ -94,7 +94,8 @@ def test_accumulator_plans_fit_the_budget(n_rows, vocab, dim, budget, cpu):
   n_groups = -(-n_rows // group)
   accumulator = 4 * vocab * dim
   counted = accumulator - (0 if cpu else 2 * vocab * dim)
-  fixed = _plan.cpu_fixed_bytes(n_rows, dim, BF16) if cpu else 0
+  tile = _plan.matmul_tile("cpu", vocab, dim, budget) or vocab
+  fixed = _plan.cpu_fixed_bytes(n_rows, dim, BF16, tile) if cpu else 0
   rest = max(budget - fixed, budget // 4)
   fits = accumulator <= rest and counted <= rest // 2
   if accum is None:  # in place: few groups, or no room for an accumulator
@@ -150,3 +151,17 @@ def test_a_bias_plans_its_float32_product_into_the_budget(n_rows, vocab, budget)
   assert plan(biased=True, logits_dtype=np.dtype(np.float32)) == plan(
     logits_dtype=np.dtype(np.float32)
   )
+
+
+@pytest.mark.parametrize("budget", [2**28, _plan.DEFAULT_MEMORY_BUDGET])
+@pytest.mark.parametrize("vocab, dim", [(128256, 4096), (151552, 64), (32000, 1024)])
+def test_cpu_matmuls_are_tiled_where_whole_weight_copies_outgrow_the_budget(
+  budget, vocab, dim
+):
+  """On XLA:CPU the matmuls go in column tiles exactly where two float32
+  ``[V, D]`` temporaries would take over an eighth of the budget; never
+  elsewhere."""
+  whole = 2 * 4 * vocab * dim
+  tile = _plan.matmul_tile("cpu", vocab, dim, budget)
+  assert tile == (_plan.MATMUL_TILE if whole * _plan.UNTILED_SHARE > budget else None)
+  assert _plan.matmul_tile("gpu", vocab, dim, budget) is None

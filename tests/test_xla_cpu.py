@@ -68,10 +68,12 @@ def test_tiled_matmuls_match_float64(rng, layout, dtype, width, tile):
 
 @pytest.fixture
 def small_tiles(monkeypatch):
-  """Tiles of 96 columns. The plan reads the constant at trace time, and the
-  constant is not part of jax.jit's cache key, so the tests using it have
-  shapes of their own (D=13, 3 x 41 tokens: no other test traces them)."""
+  """Tiles of 96 columns, whatever the weight's size. The plan reads the
+  constants at trace time, and they are not part of jax.jit's cache key, so
+  the tests using them have shapes of their own (D=13, 3 x 41 tokens: no
+  other test traces them)."""
   monkeypatch.setattr(_plan, "MATMUL_TILE", 96)
+  monkeypatch.setattr(_plan, "UNTILED_SHARE", 2**62)
 
 
 @pytest.mark.parametrize(
@@ -96,10 +98,10 @@ def test_tiled_loss_matches_the_oracle(rng, small_tiles, weight_layout, options)
 _D, _V = 4096, 128256
 
 
-def _temps(n_rows, dtype, fn):
+def _temps(n_rows, dtype, fn, dim=_D, vocab=_V):
   shapes = (
-    jax.ShapeDtypeStruct((n_rows, _D), dtype),
-    jax.ShapeDtypeStruct((_V, _D), dtype),
+    jax.ShapeDtypeStruct((n_rows, dim), dtype),
+    jax.ShapeDtypeStruct((vocab, dim), dtype),
     jax.ShapeDtypeStruct((n_rows,), jnp.int32),
   )
   step = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))
@@ -134,6 +136,26 @@ def test_llama_head_temporaries_within_budget(n_rows, dtype, budget):
     lambda h, w, y: mst_jax.linear_cross_entropy(h, w, y, **options),
   )
   limit = 1.15 * (budget or _plan.DEFAULT_MEMORY_BUDGET)
+  assert temps <= limit, (temps / 2**20, limit / 2**20)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("budget", [None, 1 << 30])
+def test_untiled_head_temporaries_within_budget(dtype, budget):
+  """A narrow head whose matmuls run untiled (``_plan.matmul_tile``), its
+  logits beyond the budget: temporaries <= 1.15x the budget."""
+  dim, vocab = 64, 151552
+  default = _plan.DEFAULT_MEMORY_BUDGET
+  assert _plan.matmul_tile("cpu", vocab, dim, budget or default) is None
+  options = {} if budget is None else {"memory_budget": budget}
+  temps = _temps(
+    4096,
+    dtype,
+    lambda h, w, y: mst_jax.linear_cross_entropy(h, w, y, **options),
+    dim=dim,
+    vocab=vocab,
+  )
+  limit = 1.15 * (budget or default)
   assert temps <= limit, (temps / 2**20, limit / 2**20)
 
 

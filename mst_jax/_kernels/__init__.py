@@ -101,7 +101,7 @@ def select(
 
     return mosaic_ce.MosaicChunkCE()
   if not _use_pallas(impl, platform, not_on_triton):
-    return XlaChunkCE()
+    return XlaChunkCE(sum_by_product=platform == "cpu")
   from mst_jax._kernels.triton import ce as triton_ce
 
   return triton_ce.PallasTritonChunkCE(interpret=platform != "gpu")

@@ -295,6 +295,7 @@ def resolve(
   kernels, the weight's layout, the loop order and its accumulators, the
   rows appended, the gradient mode."""
   n_rows, devices = rows.hidden.shape[0], _mesh.row_devices(layout)
+  vocab_devices = 1 if layout is None else layout.axis_size(layout.vocab_axis)
   logits_dtype = _options.resolve_logits_dtype(perf.logits_dtype, rows.hidden.dtype)
   platform = _platform(layout)
   backend = _kernels.select(
@@ -305,7 +306,12 @@ def resolve(
     logits_dtype,
     dataclasses.replace(options.ce, entropy=entropy),
     rows.vocab_size,
-    matmul_tile=_plan.matmul_tile(platform),
+    matmul_tile=_plan.matmul_tile(
+      platform,
+      rows.vocab_size // vocab_devices,
+      rows.hidden.shape[1],
+      _budget(perf, vocab_devices),
+    ),
     gemm=_kernels.select_gemm(perf.impl, platform),
   )
   if (transposed := _transposed_perf(rows, backend, head, perf, layout)) is not None:

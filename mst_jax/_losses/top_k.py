@@ -105,7 +105,12 @@ def linear_top_k(
     np.dtype(dtype),
     options.ce,
     _chunk_rows(rows, dtype, chunk_size, memory_budget),
-    _plan.matmul_tile(jax.default_backend()),
+    _plan.matmul_tile(
+      jax.default_backend(),
+      rows.vocab_size,
+      rows.hidden.shape[1],
+      memory_budget or _plan.DEFAULT_MEMORY_BUDGET,
+    ),
   )
   log_probs, ids = _top_k(head, rows.hidden, rows.weight, rows.bias)
   shape = (*rows.batch_shape, k)
@@ -145,9 +150,7 @@ def _top_k(head: _Head, hidden, weight, bias):
     logits = matmul.logits_matmul(
       h, weight, bias, head.weight_layout, head.logits_dtype, tile=head.tile
     )
-    scores = ce_math.scores(
-      logits.astype(ce_math.at_least_float32(logits.dtype)), head.ce
-    )
+    scores = ce_math.scores(ce_math.upcast(logits), head.ce)
     values, ids = lax.top_k(scores, head.k)
     lse = jax.nn.logsumexp(scores, axis=-1, keepdims=True)
     return values - lse, ids.astype(jnp.int32)

@@ -133,6 +133,19 @@ class RowStats(NamedTuple):
     return self.row_max + self.log_sum_exp
 
 
+def upcast(x: jax.Array) -> jax.Array:
+  """16-bit values (logits) in float32 (other dtypes as they are), rounded to
+  their own dtype first: XLA may fold the convert into the matmul that forms
+  them and read its float32 result unrounded, while a later pass reads the
+  logits rounded; statistics and gradients would then see different logits
+  (bfloat16 gradients 2.4x the naive head's error at N=87, V=1031 on XLA:CPU)."""
+  dtype = at_least_float32(x.dtype)
+  if dtype == x.dtype:
+    return x
+  info = jnp.finfo(x.dtype)
+  return lax.reduce_precision(x.astype(dtype), info.nexp, info.nmant)
+
+
 def max_shift(row_max: jax.Array) -> jax.Array:
   """What a row's scores are shifted by before ``exp``: its max, or 0 where
   every score is -inf (banned tokens: no mass, not ``-inf - -inf = NaN``)."""

@@ -407,7 +407,8 @@ def chunk_loss(
     (None without ``g_loss``).
   """
   dtype = at_least_float32(student_logits.dtype)
-  raw, teacher = student_logits.astype(dtype), teacher_logits.astype(dtype)
+  raw = ce_math.upcast(student_logits)
+  teacher = ce_math.upcast(teacher_logits).astype(dtype)
   vocab_size = raw.shape[-1]
   scores, u, v = tempered(raw, teacher, options)
   stats = block_stats(scores, u, v, options)

@@ -362,7 +362,9 @@ def resolve(x: Heads, options: DistillOptions, perf: PerfOptions, layout: str) -
     teacher_logits_dtype=teacher_logits_dtype,
     dweight_dtype=np.dtype(accum or x.weight.dtype),
     dbias_dtype=np.dtype(accum or at_least_float32(bias_dtype)),
-    matmul_tile=_plan.matmul_tile(platform),
+    matmul_tile=_plan.matmul_tile(
+      platform, vocab, max(x.hidden.shape[1], x.teacher_hidden.shape[1]), budget
+    ),
     gemm=gemm,
     kernel=kernel,
     pad_logits=pad,

@@ -113,7 +113,14 @@ def _dv(case: Case) -> Case:
 CASES = {
   c.name: c
   for c in [
-    Case("cpu", 2048, 128, 16384, "float32", description="a small head for a CPU"),
+    Case(
+      "cpu",
+      4096,
+      64,
+      151936,
+      "float32",
+      description="a narrow head with Qwen-2's vocabulary, for a CPU",
+    ),
     Case("llama", 8192, **_LLAMA, description="Llama-3-8B head"),
     Case("gemma", 8192, 2304, 256000, description="Gemma-2-2B head"),
     Case(
