@@ -23,7 +23,7 @@ OUT_TOL = {"float32": 2e-5, "bfloat16": 2e-5}
 GRAD_TOL = {"float32": 2e-4, "bfloat16": 2e-2}
 
 
-def _problem(rng, batch, dim, vocab, k, dtype, weight_layout, bias):
+def ids_problem(rng, batch, dim, vocab, k, dtype, weight_layout, bias):
   hidden = rng.standard_normal((*batch, dim))
   weight = rng.standard_normal((vocab, dim)) * 1.5 / np.sqrt(dim)
   if weight_layout == "dv":
@@ -47,7 +47,7 @@ def _shifted(x, fill):
   return np.concatenate([x[:, 1:], last], axis=1)
 
 
-def _oracle(arrays, ids, where, cotangents, *, shift, **head):
+def ids_oracle(arrays, ids, where, cotangents, *, shift, **head):
   """float64 ``(log_probs [..., K], entropy, grads)``: column k from the
   oracle with ``ids[..., k]`` as the labels; the gradient of
   ``sum(g_lp * log_probs) + sum(g_h * entropy)``."""
@@ -105,11 +105,11 @@ CASES = [
 def test_log_probs_at_ids_match_the_oracle(
   rng, dtype, k, shift, weight_layout, bias, options
 ):
-  arrays, ids, where = _problem(rng, (3, 11), 24, 301, k, dtype, weight_layout, bias)
+  arrays, ids, where = ids_problem(rng, (3, 11), 24, 301, k, dtype, weight_layout, bias)
   lp_shape, h_shape = ids.shape, ids.shape[:-1]
   cotangents = (rng.standard_normal(lp_shape), rng.standard_normal(h_shape))
   head = {n: options[n] for n in ("logit_scale", "logit_softcap") if n in options}
-  ref_lp, ref_h, ref_grads = _oracle(
+  ref_lp, ref_h, ref_grads = ids_oracle(
     arrays, ids, where, cotangents, shift=shift, weight_layout=weight_layout, **head
   )
   names = [n for n in ("hidden", "weight", "bias") if arrays[n] is not None]
@@ -145,7 +145,7 @@ def test_ids_gathered_in_blocks_match_one_block(rng, monkeypatch):
   """Positions whose gathered weight rows pass the block size go in blocks
   (the backward gathers again); their values and gradients are the same.
   Shapes of their own: the block size is read at trace time."""
-  arrays, ids, where = _problem(rng, (2, 13), 17, 211, 4, "float32", "vd", True)
+  arrays, ids, where = ids_problem(rng, (2, 13), 17, 211, 4, "float32", "vd", True)
   args = (arrays["hidden"], arrays["weight"], arrays["bias"])
 
   def run():
@@ -165,7 +165,7 @@ def test_ids_gathered_in_blocks_match_one_block(rng, monkeypatch):
 
 
 def test_an_id_out_of_range_is_nan_alone(rng):
-  arrays, ids, _ = _problem(rng, (2, 5), 8, 41, 3, "float32", "vd", False)
+  arrays, ids, _ = ids_problem(rng, (2, 5), 8, 41, 3, "float32", "vd", False)
   ids = np.asarray(ids).copy()
   ids[0, 2] = [3, 41, IGNORE]  # in range, out of range, ignored
   lp = mst_jax.linear_log_probs(arrays["hidden"], arrays["weight"], jnp.asarray(ids))
@@ -175,7 +175,7 @@ def test_an_id_out_of_range_is_nan_alone(rng):
 
 
 def test_ids_per_position_errors(rng):
-  arrays, ids, where = _problem(rng, (2, 5), 8, 41, 3, "float32", "vd", False)
+  arrays, ids, where = ids_problem(rng, (2, 5), 8, 41, 3, "float32", "vd", False)
   hidden, weight = arrays["hidden"], arrays["weight"]
   with pytest.raises(ValueError, match="leading shape"):
     mst_jax.linear_log_probs(hidden, weight, ids[:, :4])
@@ -184,5 +184,5 @@ def test_ids_per_position_errors(rng):
   with pytest.raises(TypeError, match="integer"):
     mst_jax.linear_log_probs(hidden, weight, ids.astype(jnp.float32))
   mesh = jax.make_mesh((1,), ("data",))
-  with pytest.raises(NotImplementedError, match="mesh"):
-    mst_jax.linear_log_probs(hidden, weight, ids, mesh=mesh, batch_axis="data")
+  with pytest.raises(ValueError, match="batch_axis, vocab_axis or both"):
+    mst_jax.linear_log_probs(hidden, weight, ids, mesh=mesh)

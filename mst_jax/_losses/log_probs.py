@@ -80,7 +80,8 @@ def linear_log_probs(
   chunk whatever K is (the log-sum-exp of one id per position, the others'
   scores from their weight rows), gradients flow through all of them, and
   ``ignore_index`` entries give 0.0. ``where`` and ``return_entropy`` stay per
-  position; no ``mesh``.
+  position; ``mesh`` splits the log-sum-exp pass as with one id (arrays typed
+  with Explicit mesh axes are not taken yet).
 
   Precision: with bfloat16 inputs the logits are bfloat16 by default (as in
   a bfloat16 ``Dense`` head), so a log-prob is off by up to about 1e-2 (a
@@ -132,15 +133,11 @@ def linear_log_probs(
   options, perf = _options.from_arguments({**locals(), **LOG_PROBS_FIXED})
   labels = jnp.asarray(labels)
   if labels.ndim == jnp.ndim(hidden) and labels.ndim >= 2:  # [..., K] ids
-    if mesh is not None:
-      raise NotImplementedError(
-        "linear_log_probs with several ids per position (labels [..., K]) takes"
-        " no mesh= yet; pass one id per position, or call it inside your own"
-        " shard_map."
-      )
+    mesh_axes = (mesh, batch_axis, vocab_axis)
     return _at_ids(
-      hidden, weight, labels, bias, where, options, perf, weight_layout, return_entropy
-    )
+      hidden, weight, labels, bias, where, options, perf, weight_layout,
+      return_entropy, mesh_axes,
+    )  # fmt: skip
   rows = _inputs.prepare(hidden, weight, labels, bias, where, options, weight_layout)
   layout = _mesh.layout_for(mesh, batch_axis, vocab_axis, weight_layout, rows)
   return _per_position(rows, options, perf, weight_layout, layout, return_entropy)
@@ -164,7 +161,9 @@ def _per_position(rows, options, perf, weight_layout, layout, entropy: bool):
 _GATHER_BYTES = 64 << 20
 
 
-def _at_ids(hidden, weight, ids, bias, where, options, perf, weight_layout, entropy):
+def _at_ids(
+  hidden, weight, ids, bias, where, options, perf, weight_layout, entropy, mesh_axes
+):
   """Log-probs at K ids per position (``ids [..., K]``).
 
   ``log_softmax(s)[id] = log_prob(anchor) + s[id] - s[anchor]``: the chunked
@@ -173,6 +172,13 @@ def _at_ids(hidden, weight, ids, bias, where, options, perf, weight_layout, entr
   with their weight rows (``_scores_at``), so the logits are formed once.
   """
   hidden, weight = jnp.asarray(hidden), jnp.asarray(weight)
+  if _inputs.explicit_mesh(hidden, weight, ids, bias) is not None:
+    raise NotImplementedError(
+      "linear_log_probs at several ids per position (labels [..., K]) does not"
+      " take arrays sharded over a mesh with Explicit axes yet (gathering the"
+      " ids' weight rows needs an output sharding); pass mesh= with batch_axis"
+      " and vocab_axis and unsharded arrays, or one id per position."
+    )
   vocab_size = weight.shape[matmul.vocab_axis(weight_layout)]
   if not jnp.issubdtype(ids.dtype, jnp.integer):
     raise TypeError(f"labels must have an integer dtype, got {ids.dtype}.")
@@ -204,7 +210,8 @@ def _at_ids(hidden, weight, ids, bias, where, options, perf, weight_layout, entr
   rows = _inputs.prepare(
     hidden, weight, anchor[..., 0], bias, anchored, options, weight_layout
   )
-  out = _per_position(rows, options, perf, weight_layout, None, entropy)
+  layout = _mesh.layout_for(*mesh_axes, weight_layout, rows)
+  out = _per_position(rows, options, perf, weight_layout, layout, entropy)
   anchor_log_probs, entropy = out if entropy else (out, None)
   log_probs = jnp.broadcast_to(anchor_log_probs[..., None], ids.shape)
   if ids.shape[-1] > 1:  # the other ids: their scores less the anchor's
@@ -238,7 +245,9 @@ def _scores_at(rows, ids, weight_layout: str, logits_dtype, ce_options) -> jax.A
     logit = jnp.einsum(spec, h, w, preferred_element_type=acc)
     if bias is not None:
       logit = logit + bias[i].astype(acc)
-    return ce_math.scores(logit.astype(logits_dtype).astype(acc), ce_options)
+    return ce_math.scores(
+      ce_math.upcast(logit.astype(logits_dtype)).astype(acc), ce_options
+    )
 
   per_row = k * dim * np.dtype(weight.dtype).itemsize
   size = int(max(1, min(n_rows, _GATHER_BYTES // per_row)))

@@ -321,3 +321,14 @@ def test_distillation_picks_its_gradient_mode_by_a_devices_rows(monkeypatch):
   assert fused == []
   jax.jit(jax.grad(loss)).trace(*args)
   assert fused == [True]
+
+
+def test_log_probs_at_several_ids_refuse_explicit_arrays_clearly(rng):
+  """Several ids per position on Explicit-typed arrays: a clear error, not
+  JAX's gather sharding error."""
+  mesh = _mesh()
+  problem = make_problem(rng, (B, T), dim=D, vocab=V)
+  ids = jnp.stack([problem.labels] * 3, axis=-1)
+  hidden = _put(problem.hidden, mesh, "data", None, None)
+  with pytest.raises(NotImplementedError, match="Explicit axes"):
+    mst_jax.linear_log_probs(hidden, problem.weight, ids)

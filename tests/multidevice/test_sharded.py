@@ -27,6 +27,7 @@ from conftest import (
 )
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_log_probs_at_ids import ids_oracle, ids_problem
 
 import mst_jax
 
@@ -292,6 +293,30 @@ def test_log_probs_and_entropy_on_a_mesh(rng, shape, options):
     (_, ref_outputs), ref_grads = step(oracle64.log_probs, *args64)
   for out, ref in zip((*outputs, *grads), (*ref_outputs, *ref_grads), strict=True):
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("shape", [(8, 1), (1, 8), (2, 4)], ids=str)
+def test_log_probs_at_several_ids_on_a_mesh(rng, shape):
+  """``labels [..., K]`` on a mesh: values, entropy and gradients against the
+  float64 oracle column by column (tests/test_log_probs_at_ids.py's)."""
+  arrays, ids, where = ids_problem(rng, (4, 12), D, V, 5, "float32", "vd", True)
+  cotangents = [rng.standard_normal(s) for s in (ids.shape, ids.shape[:-1])]
+  mesh = dict(mesh=_mesh(shape), batch_axis="data", vocab_axis="model")
+  names = ("hidden", "weight", "bias")
+
+  ref_lp, ref_h, ref_grads = ids_oracle(arrays, ids, where, cotangents, shift=True)
+
+  def total(*args):
+    lp, h = mst_jax.linear_log_probs(
+      *args[:2], ids, args[2], where=where, return_entropy=True, shift=True, **mesh
+    )
+    g_lp, g_h = (jnp.asarray(c, lp.dtype) for c in cotangents)
+    return jnp.sum(lp * g_lp) + jnp.sum(h * g_h), (lp, h)
+
+  step = jax.jit(jax.value_and_grad(total, argnums=(0, 1, 2), has_aux=True))
+  (_, (lp, h)), grads = step(*(arrays[n] for n in names))
+  for out, ref in zip((lp, h, *grads), (ref_lp, ref_h, *ref_grads), strict=True):
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=2e-4, atol=2e-5)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
