@@ -28,6 +28,7 @@ from mst_jax._kernels.mosaic.ce import MosaicBlocks
 from mst_jax._kernels.mosaic.distill import MosaicDistill, takes
 from mst_jax._kernels.triton import distill as triton_distill
 from mst_jax._kernels.triton.common import KernelBlocks
+from mst_jax._kernels.xla import XlaDistill
 from mst_jax._math import distill as distill_math
 
 # 64 x 128 tiles: 200 rows are 4 row blocks (the last ragged), 1216 columns
@@ -136,7 +137,7 @@ def test_what_the_kernels_do_not_take_goes_to_the_fallback(rng, case, fallback):
   assert not takes(*heads, out_dtype)
   opts = kernel_options(KERNEL_OPTIONS[1])
   g = jnp.asarray(g_loss, jnp.float32)
-  kernel = dataclasses.replace(INTERPRET, fallback=lambda: fallback)
+  kernel = dataclasses.replace(INTERPRET, fallback=lambda: fallback or XlaDistill())
   loss, dlogits = kernel.chunk_loss(*heads, labels, valid, g, opts, out_dtype)
   ref_loss, ref_grad = kernel_oracle(heads, labels, valid, g_loss, opts)
   assert dlogits.dtype == out_dtype
@@ -261,11 +262,11 @@ def test_selection_on_hopper(monkeypatch):
   for impl in (None, "mosaic"):
     chosen = backends.select_distill(impl, "gpu")
     assert isinstance(chosen, MosaicDistill) and not chosen.interpret
-    assert chosen.fallback() is None
+    assert isinstance(chosen.fallback(), backends.XlaDistill)
   chosen = backends.select_distill("pallas", "gpu")
   assert isinstance(chosen, triton_distill.PallasTritonDistill)
-  assert backends.select_distill("xla", "gpu") is None
-  assert backends.select_distill(None, "cpu") is None
+  assert isinstance(backends.select_distill("xla", "gpu"), backends.XlaDistill)
+  assert isinstance(backends.select_distill(None, "cpu"), backends.XlaDistill)
   monkeypatch.setattr(mosaic_gemm, "unavailable_reason", lambda: "compute 8.0")
   chosen = backends.select_distill(None, "gpu")
   assert isinstance(chosen, triton_distill.PallasTritonDistill)

@@ -21,7 +21,7 @@ from mst_jax._kernels.base import (
   Columns,
   HeadSpec,
 )
-from mst_jax._kernels.xla import XlaChunkCE
+from mst_jax._kernels.xla import XlaChunkCE, XlaDistill
 
 __all__ = [
   "AllColumns",
@@ -30,6 +30,7 @@ __all__ = [
   "Columns",
   "HeadSpec",
   "XlaChunkCE",
+  "XlaDistill",
   "mosaic_is_slow",
   "pallas_unavailable_reason",
   "refuse_second_order",
@@ -108,16 +109,16 @@ def select(
 
 
 def select_distill(impl: str | None, platform: str):
-  """The per-chunk distillation kernel for ``impl`` on ``platform``, or None
-  for the XLA chunk (``_math.distill.chunk_loss``); chosen as ``select``
-  chooses: ``mosaic.distill.MosaicDistill`` (with XLA's chunk for what it
-  does not take) or ``triton.distill.PallasTritonDistill``."""
+  """The per-chunk distillation kernel for ``impl`` on ``platform``, chosen as
+  ``select`` chooses: ``mosaic.distill.MosaicDistill`` (with XLA's chunk for
+  what it does not take), ``triton.distill.PallasTritonDistill`` or
+  ``XlaDistill`` (``_math.distill.chunk_loss``)."""
   if impl in (None, "mosaic") and select_gemm(impl, platform) == "mosaic":
     from mst_jax._kernels.mosaic import distill as mosaic_distill
 
     return mosaic_distill.MosaicDistill()
   if not _use_pallas(impl, platform):
-    return None
+    return XlaDistill()
   from mst_jax._kernels.triton import distill as triton_distill
 
   return triton_distill.PallasTritonDistill(interpret=platform != "gpu")

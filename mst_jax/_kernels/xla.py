@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from mst_jax._kernels import base
 from mst_jax._math import ce as ce_math
+from mst_jax._math import distill as distill_math
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,3 +120,39 @@ class XlaChunkCE(base.MatmulThenCE):
       class_weights=class_weights,
       classes=classes,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaDistill:
+  """A chunk's distillation loss and ``dlogits`` in plain XLA
+  (``_math.distill.chunk_loss``); the kernels' interface
+  (``triton.distill.PallasTritonDistill``, ``mosaic.distill.MosaicDistill``).
+
+  Attributes:
+    work_bytes: what XLA holds a logit besides both heads' logits and
+      ``dlogits``: two float32 arrays between its elementwise passes (XLA:CPU
+      holds 12 to 16 bytes a logit in all; XLA:GPU fuses the passes and
+      holds fewer).
+  """
+
+  work_bytes: int = 2 * 4
+
+  def in_place(self, student_logits, teacher_logits, out_dtype) -> bool:
+    """Never: XLA forms ``dlogits`` as a new array."""
+    del student_logits, teacher_logits, out_dtype
+    return False
+
+  def pads_logits(self, *dtypes) -> bool:
+    """Never: this chunk takes logits of any width."""
+    del dtypes
+    return False
+
+  def chunk_loss(
+    self, student_logits, teacher_logits, labels, valid, g_loss, options, out_dtype
+  ):
+    """``_math.distill.chunk_loss``'s ``(loss, dlogits)``, ``dlogits`` in
+    ``out_dtype`` (None without ``g_loss``)."""
+    loss, dlogits = distill_math.chunk_loss(
+      student_logits, teacher_logits, labels, valid, g_loss, options
+    )
+    return loss, None if dlogits is None else dlogits.astype(out_dtype)

@@ -3,9 +3,9 @@
 Rows are walked in chunks (``_sweep.rows.sweep_chunks``, valid rows compacted to the
 front, chunks without a valid row skipped by ``lax.cond``); per chunk both
 heads' logits are formed (``_gemm.matmul.logits_matmul``, the teacher's under
-``lax.stop_gradient``), ``_math.distill.chunk_loss`` (XLA) or the Pallas
-kernel of ``_kernels.select_distill`` scores them, and the student's
-``dlogits`` go into its ``dhidden`` rows, ``dweight`` and ``dbias``.
+``lax.stop_gradient``), the kernel of ``_kernels.select_distill`` (XLA's
+chunk, Triton's or Mosaic GPU's) scores them, and the student's ``dlogits``
+go into its ``dhidden`` rows, ``dweight`` and ``dbias``.
 Two custom VJPs:
 
 * ``fused_loss`` (a scalar reduction): the gradients are formed in the same
@@ -34,9 +34,14 @@ from jax import lax
 from mst_jax import _plan
 from mst_jax._args.options import PerfOptions, resolve_logits_dtype
 from mst_jax._gemm import matmul
-from mst_jax._kernels import refuse_second_order, select_distill, select_gemm
+from mst_jax._kernels import (
+  XlaDistill,
+  refuse_second_order,
+  select_distill,
+  select_gemm,
+)
 from mst_jax._math.ce import at_least_float32
-from mst_jax._math.distill import DistillOptions, chunk_loss
+from mst_jax._math.distill import DistillOptions
 from mst_jax._plan import unit_weights
 from mst_jax._sweep.gradients import add_bias_gradient, row_products
 from mst_jax._sweep.rows import (
@@ -50,12 +55,6 @@ from mst_jax._sweep.rows import (
   sweep_chunks,
   unwrap_primals,
 )
-
-# Bytes a chunk holds per logit besides both heads' logits and the student's
-# dlogits: two float32 arrays between the elementwise passes. XLA:CPU holds
-# 12 (bfloat16 heads) to 16 (float32 heads, or the JSD) bytes a logit in all;
-# XLA:GPU fuses the passes and holds fewer.
-_WORK_BYTES = 2 * 4
 
 # A plan may compute this fraction of rows twice (the last chunk ends at row
 # N and overlaps the previous one) rather than add chunks.
@@ -78,8 +77,7 @@ class Plan:
     matmul_tile: vocabulary columns per matmul tile (XLA:CPU), or None.
     gemm: what runs the matmuls, ``"xla"`` or ``"mosaic"`` (``_gemm.matmul``).
     compact: move valid rows to the front before chunking.
-    kernel: the per-chunk Pallas kernel (``_kernels.select_distill``), or
-      None for the XLA chunk (``_math.distill.chunk_loss``).
+    kernel: the per-chunk kernel (``_kernels.select_distill``).
     pad_logits: form each chunk's logits by the Mosaic GEMM padded to whole
       64-column tiles (``_gemm.matmul.mosaic_logits``), which the kernel reads
       against the weights' columns (``_pads_logits``).
@@ -198,13 +196,10 @@ def _sweep(plan: Plan, x: Heads, g_loss, diff: Differentiated, *, want_loss=True
     student, teacher = logits(h, chunk.hidden(teacher_hidden))
     g_rows = chunk.take(g_loss) if want_grads else None
     inputs = (student, lax.stop_gradient(teacher), chunk.take(labels), chunk.valid)
-    if plan.kernel is None:
-      rows, dlogits = chunk_loss(*inputs, g_rows, plan.options)
-    else:
-      padded = dict(n_cols=matmul.vocab_size(x.weight, layout))
-      rows, dlogits = plan.kernel.chunk_loss(
-        *inputs, g_rows, plan.options, h.dtype, **(padded if plan.pad_logits else {})
-      )
+    padded = dict(n_cols=matmul.vocab_size(x.weight, layout))
+    rows, dlogits = plan.kernel.chunk_loss(
+      *inputs, g_rows, plan.options, h.dtype, **(padded if plan.pad_logits else {})
+    )
     if loss is not None:
       loss = chunk.put(loss, rows.astype(loss.dtype))
     if want_grads:
@@ -221,7 +216,7 @@ def _sweep(plan: Plan, x: Heads, g_loss, diff: Differentiated, *, want_loss=True
 
 def _runs_kernels(plan: Plan) -> bool:
   """Whether the sweep runs Pallas or Mosaic kernels (no second derivatives)."""
-  return plan.kernel is not None or plan.gemm != "xla"
+  return not isinstance(plan.kernel, XlaDistill) or plan.gemm != "xla"
 
 
 # Cotangents of the arrays that are never differentiated: the teacher's
@@ -342,9 +337,9 @@ def resolve(x: Heads, options: DistillOptions, perf: PerfOptions, layout: str) -
     (x.teacher_bias, teacher_logits_dtype),
   ):
     per_logit += 0 if bias is None else _plan.bias_bytes(head_dtype)
-  if kernel is None:
-    per_logit += np.dtype(dtype).itemsize + _WORK_BYTES  # dlogits, XLA's passes
-  elif not kernel.in_place(
+  if isinstance(kernel, XlaDistill):  # its elementwise passes' arrays
+    per_logit += kernel.work_bytes
+  if not kernel.in_place(
     *_chunk_heads(vocab, logits_dtype, teacher_logits_dtype), dtype
   ):
     per_logit += np.dtype(dtype).itemsize
@@ -408,7 +403,7 @@ def _pads_logits(x: Heads, layout: str, kernel, gemm: str, *dtypes) -> bool:
   added) by the Mosaic GEMM, in ``dtypes`` (the heads' logits', the
   gradients') that ``kernel`` takes whole (``pads_logits``)."""
   vocab = matmul.vocab_size(x.weight, layout)
-  if gemm != "mosaic" or kernel is None or not kernel.pads_logits(*dtypes):
+  if gemm != "mosaic" or not kernel.pads_logits(*dtypes):
     return False
   if matmul.padded_width(vocab) == vocab:
     return False

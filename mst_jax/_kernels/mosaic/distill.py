@@ -34,6 +34,7 @@ from mst_jax._gemm import matmul
 from mst_jax._gemm.mosaic import gemm as mosaic_gemm
 from mst_jax._kernels.mosaic import launch as mosaic_launch
 from mst_jax._kernels.mosaic import stats as mosaic_stats
+from mst_jax._kernels.xla import XlaDistill
 from mst_jax._math import ce as ce_math
 from mst_jax._math import distill as distill_math
 
@@ -173,9 +174,9 @@ def takes(student_logits, teacher_logits, out_dtype) -> bool:
   )
 
 
-def _xla_chunk() -> None:
+def _xla_chunk() -> XlaDistill:
   """``MosaicDistill``'s default fallback: XLA's chunk."""
-  return None
+  return XlaDistill()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,8 +186,8 @@ class MosaicDistill:
 
   Attributes:
     fallback: makes the kernel for what these do not take
-      (``PallasTritonDistill``), or returns None for XLA's chunk
-      (``_math.distill.chunk_loss``); called only when a chunk needs it.
+      (``PallasTritonDistill``, or ``XlaDistill``: XLA's chunk); called only
+      when a chunk needs it.
     tiles: the kernels' tiles.
     interpret: run the kernels in Pallas interpret mode (on a CPU too).
   """
@@ -201,8 +202,11 @@ class MosaicDistill:
     take the two heads, or where the fallback does (the Triton kernel; XLA's
     chunk never does). Heads these kernels take never ask for the fallback."""
     same = jnp.dtype(student_logits.dtype) == jnp.dtype(out_dtype)
-    whole = takes(student_logits, teacher_logits, out_dtype)
-    return same and (whole or self.fallback() is not None)
+    if not same:
+      return False
+    if takes(student_logits, teacher_logits, out_dtype):
+      return True
+    return self.fallback().in_place(student_logits, teacher_logits, out_dtype)
 
   def _launch(self, kernel, name, grid, rows, out_type, arrays, options, new=None):
     return mosaic_launch.launch(
@@ -252,11 +256,7 @@ class MosaicDistill:
       if n_cols < width:  # the fallback reads the weights' columns only
         heads = [x[:, :n_cols] for x in heads]
       args = (*heads, labels, valid, g_loss, options)
-      if (fallback := self.fallback()) is None:
-        loss, dlogits = distill_math.chunk_loss(*args)
-        dlogits = None if dlogits is None else dlogits.astype(out_dtype)
-      else:
-        loss, dlogits = fallback.chunk_loss(*args, out_dtype)
+      loss, dlogits = self.fallback().chunk_loss(*args, out_dtype)
       if dlogits is not None and n_cols < width:
         dlogits = jnp.pad(dlogits, ((0, 0), (0, width - n_cols)))
       return loss, dlogits
