@@ -26,7 +26,6 @@ from hypothesis import strategies as st
 import mst_jax
 from mst_jax import _plan
 from mst_jax._args import inputs as _inputs
-from mst_jax._args import options as _options
 from mst_jax._sweep import distill_driver as _distill_driver
 
 BF16 = np.dtype(jnp.bfloat16)
@@ -134,12 +133,22 @@ def test_appended_rows_leave_the_gradient_mode_as_it_was(appended, rng):
   assert np.isfinite(np.asarray(grad)).all() and appended == [39]
 
 
-def test_a_chunk_size_of_all_rows_holds_the_appended_ones():
-  perf = mst_jax.PerfOptions(chunk_size=1004)
-  assert _options.with_rows_appended(perf, 1001, 7).chunk_size == 1008
-  assert _options.with_rows_appended(perf, 2001, 7) is perf
-  unset = mst_jax.PerfOptions()
-  assert _options.with_rows_appended(unset, 1001, 7) is unset
+@pytest.mark.parametrize("chunk_size, want", [(1004, 1008), (None, 1008), (512, 512)])
+def test_a_distillation_chunk_of_all_rows_holds_the_appended_ones(
+  as_if_on_hopper, monkeypatch, chunk_size, want
+):
+  """Planned once: a chunk of all 1001 rows (given or planned) holds the 7
+  appended ones; chunks of 512 rows are whole TMA tiles and get none."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  zeros = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+  x = _distill_driver.Heads(
+    zeros(1001, 64), zeros(1024, 64), None, zeros(1001, 96), zeros(1024, 96),
+    None, None, None,
+  )  # fmt: skip
+  perf = mst_jax.PerfOptions(chunk_size=chunk_size)
+  plan, heads, appended = _distill_driver.resolve(x, None, perf, "vd")
+  assert plan.rows_per_chunk == want and appended == (7 if want == 1008 else 0)
+  assert heads is x
 
 
 @pytest.mark.parametrize("return_entropy", [False, True], ids=str)

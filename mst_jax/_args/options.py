@@ -309,15 +309,6 @@ def for_manual_axes(perf: PerfOptions, x: jax.Array) -> PerfOptions:
   return dataclasses.replace(perf, impl="xla")
 
 
-def with_rows_appended(perf: PerfOptions, n_rows: int, count: int) -> PerfOptions:
-  """``perf`` for ``n_rows`` rows and ``count`` more appended after them (to
-  make the Mosaic kernels' tiles whole): a ``chunk_size`` that held all
-  ``n_rows`` holds all of them, rather than cutting the appended rows off."""
-  if perf.chunk_size is None or perf.chunk_size < n_rows:
-    return perf
-  return dataclasses.replace(perf, chunk_size=n_rows + count)
-
-
 def check_combination(loss: LossOptions, perf: PerfOptions) -> None:
   """Raises for valid options that do not work together."""
   if perf.grad_mode == "fused" and loss.reduction == "none":

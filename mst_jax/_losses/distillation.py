@@ -230,18 +230,9 @@ def linear_distillation_loss(
     fused = _grad_mode(perf, options.reduction, per_device) == "fused"
 
     def chunked(x: Heads, weights):
-      plan = _distill_driver.resolve(x, distill, perf, weight_layout)
-      heads_perf, heads_layout = perf, weight_layout
-      if (flipped := _distill_driver.transposed(x, plan, perf)) is not None:
-        # Outside the custom VJPs: autodiff transposes dweight back.
-        (x, heads_perf), heads_layout = flipped, "vd"
-        plan = _distill_driver.resolve(x, distill, heads_perf, heads_layout)
-      n_rows, dtype = x.hidden.shape[0], x.hidden.dtype
-      blocks = (plan.rows_per_chunk,)
-      if pad := _plan.tma_row_padding(n_rows, blocks, plan.gemm, dtype):
+      plan, x, pad = _distill_driver.resolve(x, distill, perf, weight_layout)
+      if pad:
         x, weights = _rows_appended(x, pad), _inputs.append_rows(weights, pad)
-        appended_perf = _options.with_rows_appended(heads_perf, n_rows, pad)
-        plan = _distill_driver.resolve(x, distill, appended_perf, heads_layout)
       if fused:
         return _distill_driver.fused_loss(plan, *x, weights)
       return _distill_driver.row_losses(plan, *x)[:n_rows]

@@ -319,15 +319,32 @@ def _chunk_heads(vocab: int, *dtypes) -> list[jax.ShapeDtypeStruct]:
   return [jax.ShapeDtypeStruct((_plan.TMA_ROWS, vocab), d) for d in dtypes]
 
 
-def resolve(x: Heads, options: DistillOptions, perf: PerfOptions, layout: str) -> Plan:
-  """Every default decided: the plan of the chunked sweep."""
+class Planned(NamedTuple):
+  """``resolve``'s result: the plan, the heads it runs on (``[D, V]``
+  weights transposed where ``transposed`` says so), and the rows to append
+  to them (``_plan.tma_row_padding``; the plan counts them)."""
+
+  plan: Plan
+  heads: Heads
+  rows_appended: int
+
+
+def resolve(
+  x: Heads, options: DistillOptions, perf: PerfOptions, layout: str
+) -> Planned:
+  """Every default decided once: the kernels, the weights' layout, the rows
+  per chunk, the rows appended, the accumulators."""
   dtype, teacher_dtype = x.hidden.dtype, x.teacher_hidden.dtype
   logits_dtype = resolve_logits_dtype(perf.logits_dtype, dtype)
   teacher_logits_dtype = resolve_logits_dtype(perf.logits_dtype, teacher_dtype)
   platform = jax.default_backend()
   kernel, gemm = select_distill(perf.impl, platform), select_gemm(perf.impl, platform)
-  n_rows, vocab = x.hidden.shape[0], matmul.vocab_size(x.weight, layout)
   dtypes = (logits_dtype, teacher_logits_dtype, dtype)
+  budget = perf.memory_budget or _plan.DEFAULT_MEMORY_BUDGET
+  if (flipped := transposed(x, layout, kernel, gemm, dtypes, budget)) is not None:
+    # Outside the custom VJPs: autodiff transposes dweight back.
+    x, layout, budget = flipped
+  n_rows, vocab = x.hidden.shape[0], matmul.vocab_size(x.weight, layout)
   pad = _pads_logits(x, layout, kernel, gemm, *dtypes)
   if pad:  # the chunks' logits are this wide
     vocab = matmul.padded_width(vocab)
@@ -343,13 +360,16 @@ def resolve(x: Heads, options: DistillOptions, perf: PerfOptions, layout: str) -
     *_chunk_heads(vocab, logits_dtype, teacher_logits_dtype), dtype
   ):
     per_logit += np.dtype(dtype).itemsize
-  budget = perf.memory_budget or _plan.DEFAULT_MEMORY_BUDGET
   chunk = perf.chunk_size and min(perf.chunk_size, n_rows)
   chunk = chunk or plan_rows(n_rows, vocab, per_logit, budget)
+  # Rows appended only where one chunk holds all rows: it holds them too.
+  appended = _plan.tma_row_padding(n_rows, (chunk,), gemm, dtype)
+  chunk += appended
   # As linear_cross_entropy's: in place for a few chunks, else float32.
   accum = perf.accum_dtype or _plan.default_accum_dtype(n_rows, chunk, x.weight.dtype)
   bias_dtype = x.weight.dtype if x.bias is None else x.bias.dtype
-  return Plan(
+  width = matmul.vocab_size(x.weight, layout)
+  plan = Plan(
     options=options,
     weight_layout=layout,
     rows_per_chunk=chunk,
@@ -358,43 +378,41 @@ def resolve(x: Heads, options: DistillOptions, perf: PerfOptions, layout: str) -
     dweight_dtype=np.dtype(accum or x.weight.dtype),
     dbias_dtype=np.dtype(accum or at_least_float32(bias_dtype)),
     matmul_tile=_plan.matmul_tile(
-      platform, vocab, max(x.hidden.shape[1], x.teacher_hidden.shape[1]), budget
+      platform, width, max(x.hidden.shape[1], x.teacher_hidden.shape[1]), budget
     ),
     gemm=gemm,
     kernel=kernel,
     pad_logits=pad,
   )
+  return Planned(plan, x, appended)
 
 
-def transposes_weights(x: Heads, plan: Plan) -> bool:
+def transposes_weights(x: Heads, layout: str, kernel, gemm: str, dtypes) -> bool:
   """Whether the sweep runs faster on both heads' ``[D, V]`` weights given
   transposed (a copy of each per step): where the Mosaic GEMM would pad the
   logits of ``[V, D]`` weights of this vocabulary, but TMA cannot copy the
   rows of ``[D, V]`` ones (V not whole 64-column tiles: GPT-2's 50257), which
   leaves the sweep to XLA's GEMMs and the fallback kernel."""
-  if plan.weight_layout != "dv" or plan.pad_logits:
+  if layout != "dv" or _pads_logits(x, layout, kernel, gemm, *dtypes):
     return False
   flip = lambda w: jax.ShapeDtypeStruct(w.shape[::-1], w.dtype)
   flipped = x._replace(weight=flip(x.weight), teacher_weight=flip(x.teacher_weight))
-  dtypes = (plan.logits_dtype, plan.teacher_logits_dtype, x.hidden.dtype)
-  return _pads_logits(flipped, "vd", plan.kernel, plan.gemm, *dtypes)
+  return _pads_logits(flipped, "vd", kernel, gemm, *dtypes)
 
 
-def transposed(x: Heads, plan: Plan, perf: PerfOptions):
-  """``(heads, perf)``: both heads with their ``[D, V]`` weights transposed
-  and the ``perf`` to plan them with, where ``transposes_weights`` and the
-  copies (both weights' and the student's gradient's) take at most half the
-  memory budget, which plans the rows with the rest; else None."""
-  if not transposes_weights(x, plan):
+def transposed(x: Heads, layout: str, kernel, gemm: str, dtypes, budget: int):
+  """``(heads, "vd", budget)``: both heads with their ``[D, V]`` weights
+  transposed and the budget left to plan the rows with, where
+  ``transposes_weights`` and the copies (both weights' and the student's
+  gradient's) take at most half the memory budget; else None."""
+  if not transposes_weights(x, layout, kernel, gemm, dtypes):
     return None
   nbytes = lambda w: w.size * np.dtype(w.dtype).itemsize
   copies = 2 * nbytes(x.weight) + nbytes(x.teacher_weight)
-  budget = perf.memory_budget or _plan.DEFAULT_MEMORY_BUDGET
   if copies > budget // 2:
     return None
-  if perf.chunk_size is None:  # else the rows are given, not planned
-    perf = dataclasses.replace(perf, memory_budget=budget - copies)
-  return x._replace(weight=x.weight.T, teacher_weight=x.teacher_weight.T), perf
+  flipped = x._replace(weight=x.weight.T, teacher_weight=x.teacher_weight.T)
+  return flipped, "vd", budget - copies
 
 
 def _pads_logits(x: Heads, layout: str, kernel, gemm: str, *dtypes) -> bool:
