@@ -350,3 +350,18 @@ def write_into(into: tuple[jax.Array, jax.Array] | None, dlogits: jax.Array):
     return dlogits
   buffer, row = into  # XLA fuses an elementwise dlogits into this, in place
   return lax.dynamic_update_slice_in_dim(buffer, dlogits, row, 0)
+
+
+class DistillKernel:
+  """A chunk's distillation loss and ``dlogits`` (``_kernels.select_distill``:
+  ``XlaDistill``, ``triton.distill.PallasTritonDistill``,
+  ``mosaic.distill.MosaicDistill``): ``in_place``, ``pads_logits`` and
+  ``chunk_loss(student_logits, teacher_logits, labels, valid, g_loss,
+  options, out_dtype)``, which returns ``_math.distill.chunk_loss``'s
+  ``(loss, dlogits)`` with ``dlogits`` in ``out_dtype``."""
+
+  def pads_logits(self, *dtypes) -> bool:
+    """Whether logits padded to whole 64-column tiles are taken (Mosaic's);
+    by default never: logits of any width."""
+    del dtypes
+    return False

@@ -123,7 +123,7 @@ class XlaChunkCE(base.MatmulThenCE):
 
 
 @dataclasses.dataclass(frozen=True)
-class XlaDistill:
+class XlaDistill(base.DistillKernel):
   """A chunk's distillation loss and ``dlogits`` in plain XLA
   (``_math.distill.chunk_loss``); the kernels' interface
   (``triton.distill.PallasTritonDistill``, ``mosaic.distill.MosaicDistill``).
@@ -142,16 +142,9 @@ class XlaDistill:
     del student_logits, teacher_logits, out_dtype
     return False
 
-  def pads_logits(self, *dtypes) -> bool:
-    """Never: this chunk takes logits of any width."""
-    del dtypes
-    return False
-
   def chunk_loss(
     self, student_logits, teacher_logits, labels, valid, g_loss, options, out_dtype
   ):
-    """``_math.distill.chunk_loss``'s ``(loss, dlogits)``, ``dlogits`` in
-    ``out_dtype`` (None without ``g_loss``)."""
     loss, dlogits = distill_math.chunk_loss(
       student_logits, teacher_logits, labels, valid, g_loss, options
     )

@@ -32,6 +32,7 @@ from jax import lax
 
 from mst_jax._gemm import matmul
 from mst_jax._gemm.mosaic import gemm as mosaic_gemm
+from mst_jax._kernels.base import DistillKernel
 from mst_jax._kernels.mosaic import launch as mosaic_launch
 from mst_jax._kernels.mosaic import stats as mosaic_stats
 from mst_jax._kernels.xla import XlaDistill
@@ -180,7 +181,7 @@ def _xla_chunk() -> XlaDistill:
 
 
 @dataclasses.dataclass(frozen=True)
-class MosaicDistill:
+class MosaicDistill(DistillKernel):
   """A chunk's distillation loss and ``dlogits`` as Mosaic GPU kernels where
   they take the logits (``takes``), else by ``fallback``.
 

@@ -27,6 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from mst_jax._kernels.base import DistillKernel
 from mst_jax._kernels.triton.common import (
   TritonKernels,
   label_logits,
@@ -114,7 +115,7 @@ def _distill_kernel(
 
 
 @dataclasses.dataclass(frozen=True)
-class PallasTritonDistill(TritonKernels):
+class PallasTritonDistill(TritonKernels, DistillKernel):
   """A chunk's distillation loss and ``dlogits`` as one Pallas Triton kernel
   (``blocks`` and ``interpret``: ``TritonKernels``)."""
 
@@ -123,11 +124,6 @@ class PallasTritonDistill(TritonKernels):
     logits (arrays or their shapes): of the same dtype, whatever the shapes
     and the teacher's dtype."""
     return jnp.dtype(student_logits.dtype) == jnp.dtype(out_dtype)
-
-  def pads_logits(self, *dtypes) -> bool:
-    """Never: this kernel takes logits of any width."""
-    del dtypes
-    return False
 
   def chunk_loss(
     self, student_logits, teacher_logits, labels, valid, g_loss, options, out_dtype
