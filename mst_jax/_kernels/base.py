@@ -358,7 +358,13 @@ class DistillKernel:
   ``mosaic.distill.MosaicDistill``): ``in_place``, ``pads_logits`` and
   ``chunk_loss(student_logits, teacher_logits, labels, valid, g_loss,
   options, out_dtype)``, which returns ``_math.distill.chunk_loss``'s
-  ``(loss, dlogits)`` with ``dlogits`` in ``out_dtype``."""
+  ``(loss, dlogits)`` with ``dlogits`` in ``out_dtype``.
+
+  ``work_bytes``: what the kernel holds a logit besides both heads' logits
+  and ``dlogits`` (the planner counts it).
+  """
+
+  work_bytes: int = 0
 
   def pads_logits(self, *dtypes) -> bool:
     """Whether logits padded to whole 64-column tiles are taken (Mosaic's);

@@ -354,8 +354,7 @@ def resolve(
     (x.teacher_bias, teacher_logits_dtype),
   ):
     per_logit += 0 if bias is None else _plan.bias_bytes(head_dtype)
-  if isinstance(kernel, XlaDistill):  # its elementwise passes' arrays
-    per_logit += kernel.work_bytes
+  per_logit += kernel.work_bytes
   if not kernel.in_place(
     *_chunk_heads(vocab, logits_dtype, teacher_logits_dtype), dtype
   ):
