@@ -194,6 +194,39 @@ def plan_vocab_blocked_rows(
   return int(min(n_rows, _aligned_rows(memory_budget // per_row)))
 
 
+# A distillation plan may compute this fraction of rows twice (the last
+# chunk ends at row N and overlaps the previous one) rather than add chunks.
+_MAX_OVERLAP = 1 / 32
+
+
+def plan_distill_rows(
+  n_rows: int, vocab_size: int, bytes_per_logit: int, budget: int
+) -> int:
+  """Rows per chunk of the distillation sweep whose temporaries
+  (``bytes_per_logit`` per logit) fit ``budget``.
+
+  Chunks are multiples of 128 rows (of 8, below 128), as few as fit, unless
+  the last one (which ends at row ``N``) would overlap its predecessor by
+  more than ``_MAX_OVERLAP`` of the rows: then the fewest chunks (up to
+  twice as many) that overlap least. 8192 rows at most 1280 a chunk are 8
+  chunks of 1024, not 7 of 1280.
+  """
+  most = budget // (bytes_per_logit * vocab_size)
+  if most >= n_rows:
+    return n_rows
+  align = 128 if most >= 128 else 8
+  most = max(most // align * align, min(8, n_rows))
+  fewest = -(-n_rows // most)
+
+  def rows(n_chunks):
+    even = -(-n_rows // n_chunks)
+    return min(most, -(-even // align) * align, n_rows)
+
+  counts = range(fewest, 2 * fewest + 1)
+  good = [k for k in counts if k * rows(k) - n_rows <= n_rows * _MAX_OVERLAP]
+  return rows(good[0] if good else min(counts, key=lambda k: k * rows(k)))
+
+
 # Up to this many groups, dweight accumulates in the weight's dtype in place.
 MAX_GROUPS_IN_PLACE = 2
 

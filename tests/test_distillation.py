@@ -26,6 +26,7 @@ import pytest
 from conftest import NAIVE_FACTOR, NAIVE_FLOOR, assert_close, matmul_shapes, to64
 
 import mst_jax
+from mst_jax import _plan
 from mst_jax._sweep import distill_driver as _distill_driver
 
 D_S, D_T, V = 24, 40, 203
@@ -357,14 +358,14 @@ def test_transposed_weights_give_the_given_ones_gradients(
   and ``dweight`` back in ``[D, V]``, against the float64 oracle; the
   copies come out of the memory budget."""
   planned = []  # (weight layout, memory budget) of each rows' plan
-  plan_rows = _distill_driver.plan_rows
+  plan_rows = _plan.plan_distill_rows
 
   def recording_plan_rows(n_rows, vocab, per_logit, budget):
     planned.append(budget)
     return plan_rows(n_rows, vocab, per_logit, budget)
 
   monkeypatch.setattr(_distill_driver, "transposes_weights", lambda *args: True)
-  monkeypatch.setattr(_distill_driver, "plan_rows", recording_plan_rows)
+  monkeypatch.setattr(_plan, "plan_distill_rows", recording_plan_rows)
   pair = make_pair(rng, (3, 13), layout="dv", mask="prefix")
   check(pair, "float32", reduction, weight_layout="dv", memory_budget=10**6, **options)
   copies = 4 * (2 * D_S * V + D_T * V)  # float32
@@ -749,7 +750,7 @@ def test_bad_input_raises_at_trace_time(rng, overrides, options, error, match):
 
 
 def test_plan_rows_splits_evenly():
-  plan = _distill_driver.plan_rows
+  plan = _plan.plan_distill_rows
   budget = 9 << 28
   assert plan(8192, 128256, 14, budget) == 1024  # 8 chunks, not 7 of 1280
   assert plan(8192, 128256, 14, 1 << 40) == 8192

@@ -56,10 +56,6 @@ from mst_jax._sweep.rows import (
   unwrap_primals,
 )
 
-# A plan may compute this fraction of rows twice (the last chunk ends at row
-# N and overlaps the previous one) rather than add chunks.
-_MAX_OVERLAP = 1 / 32
-
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
@@ -286,32 +282,6 @@ row_losses.defvjp(_row_losses_fwd, _row_losses_bwd, symbolic_zeros=True)
 # ---- Planning, at trace time. ----
 
 
-def plan_rows(n_rows: int, vocab_size: int, bytes_per_logit: int, budget: int) -> int:
-  """Rows per chunk whose temporaries (``bytes_per_logit`` per logit) fit
-  ``budget``.
-
-  Chunks are multiples of 128 rows (of 8, below 128), as few as fit, unless
-  the last one (which ends at row ``N``) would overlap its predecessor by
-  more than ``_MAX_OVERLAP`` of the rows: then the fewest chunks (up to
-  twice as many) that overlap least. 8192 rows at most 1280 a chunk are 8
-  chunks of 1024, not 7 of 1280.
-  """
-  most = budget // (bytes_per_logit * vocab_size)
-  if most >= n_rows:
-    return n_rows
-  align = 128 if most >= 128 else 8
-  most = max(most // align * align, min(8, n_rows))
-  fewest = -(-n_rows // most)
-
-  def rows(n_chunks):
-    even = -(-n_rows // n_chunks)
-    return min(most, -(-even // align) * align, n_rows)
-
-  counts = range(fewest, 2 * fewest + 1)
-  good = [k for k in counts if k * rows(k) - n_rows <= n_rows * _MAX_OVERLAP]
-  return rows(good[0] if good else min(counts, key=lambda k: k * rows(k)))
-
-
 def _chunk_heads(vocab: int, *dtypes) -> list[jax.ShapeDtypeStruct]:
   """The shapes of a chunk's logits of each head (``dtypes``): ``vocab``
   columns, rows a multiple of ``_plan.TMA_ROWS`` (what the chunks are,
@@ -360,7 +330,7 @@ def resolve(
   ):
     per_logit += np.dtype(dtype).itemsize
   chunk = perf.chunk_size and min(perf.chunk_size, n_rows)
-  chunk = chunk or plan_rows(n_rows, vocab, per_logit, budget)
+  chunk = chunk or _plan.plan_distill_rows(n_rows, vocab, per_logit, budget)
   # Rows appended only where one chunk holds all rows: it holds them too.
   appended = _plan.tma_row_padding(n_rows, (chunk,), gemm, dtype)
   chunk += appended
