@@ -23,7 +23,14 @@ import jax.numpy as jnp
 import numpy as np
 import oracle as oracle64
 import pytest
-from conftest import NAIVE_FACTOR, NAIVE_FLOOR, assert_close, matmul_shapes, to64
+from conftest import (
+  NAIVE_FACTOR,
+  NAIVE_FLOOR,
+  assert_close,
+  matmul_shapes,
+  rounded,
+  to64,
+)
 
 import mst_jax
 from mst_jax import _plan
@@ -199,7 +206,7 @@ def naive_heads(
     out = jax.lax.dot_general(hidden, weight, dims, preferred_element_type=jnp.float32)
     if bias is not None:
       out = out + bias.astype(jnp.float32)
-    return out.astype(hidden.dtype)
+    return rounded(out, hidden.dtype)
 
   return oracle64.distillation_of_logits(
     logits(student_hidden, student_weight, student_bias),

@@ -23,6 +23,7 @@ from conftest import (
   NAIVE_FLOOR,
   make_problem,
   matmul_shapes,
+  rounded,
   to64,
 )
 
@@ -67,7 +68,7 @@ def _oracle(problem, g_lp, g_h, *, weight_layout, shift, scale, softcap, naive=N
     if bias is not None:
       logits = logits + bias.astype(jnp.float32)
     return oracle64.log_probs_of_logits(
-      logits.astype(naive), problem.labels, return_entropy=True, **options
+      rounded(logits, naive), problem.labels, return_entropy=True, **options
     )
 
   with jax.enable_x64(True):
