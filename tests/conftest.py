@@ -23,7 +23,7 @@ from mst_jax._kernels.mosaic import ce as mosaic_ce
 from mst_jax._kernels.mosaic import distill as mosaic_distill
 from mst_jax._kernels.xla import XlaChunkCE
 from mst_jax._losses import cross_entropy as _cross_entropy
-from mst_jax._sweep import distill_driver as _distill_driver
+from mst_jax._sweep import distill as _distill_sweep
 
 
 def _cuda_plugin() -> bool:
@@ -202,7 +202,7 @@ def mosaic_on_cpu(as_if_on_hopper, monkeypatch):
   backend = mosaic_ce.MosaicChunkCE(fallback=XlaChunkCE, interpret=True)
   monkeypatch.setattr(_kernels, "select", lambda *args, **kwargs: backend)
   kernel = mosaic_distill.MosaicDistill(interpret=True)
-  monkeypatch.setattr(_distill_driver, "select_distill", lambda *args: kernel)
+  monkeypatch.setattr(_distill_sweep, "select_distill", lambda *args: kernel)
   yield widths
 
 

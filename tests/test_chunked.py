@@ -62,11 +62,11 @@ def _run_recorded(problem, grad_mode, compact, chunk=8, group=None, windows=True
   )
 
   def loss_fn(hidden, weight, labels, bias, where):
-    args = (plan, hidden, weight, bias, labels, where)
+    args = (hidden, weight, bias, labels, where)
     scale = where / jnp.sum(where)
     if grad_mode == "fused":
-      return reduced_loss(*args, scale)[0]
-    return jnp.sum(row_losses(*args)[0] * scale)
+      return reduced_loss(plan, scale, *args)[0]
+    return jnp.sum(row_losses(plan, *args)[0] * scale)
 
   loss, grads = jax.value_and_grad(loss_fn, argnums=(0, 1, 3))(
     *problem.args, problem.where

@@ -34,7 +34,7 @@ from conftest import (
 
 import mst_jax
 from mst_jax import _plan
-from mst_jax._sweep import distill_driver as _distill_driver
+from mst_jax._sweep import distill as _distill_sweep
 
 D_S, D_T, V = 24, 40, 203
 CHUNK = 8
@@ -371,7 +371,7 @@ def test_transposed_weights_give_the_given_ones_gradients(
     planned.append(budget)
     return plan_rows(n_rows, vocab, per_logit, budget)
 
-  monkeypatch.setattr(_distill_driver, "transposes_weights", lambda *args: True)
+  monkeypatch.setattr(_distill_sweep, "transposes_weights", lambda *args: True)
   monkeypatch.setattr(_plan, "plan_distill_rows", recording_plan_rows)
   pair = make_pair(rng, (3, 13), layout="dv", mask="prefix")
   check(pair, "float32", reduction, weight_layout="dv", memory_budget=10**6, **options)
@@ -383,14 +383,14 @@ def test_transposed_weights_give_the_given_ones_gradients(
 def test_weights_are_transposed_only_within_half_the_budget(monkeypatch):
   """The copies (both weights and the student's gradient) may take at most
   half the memory budget; the rows are planned with the rest, unless given."""
-  monkeypatch.setattr(_distill_driver, "transposes_weights", lambda *args: True)
+  monkeypatch.setattr(_distill_sweep, "transposes_weights", lambda *args: True)
   zeros = lambda *s: jnp.zeros(s, jnp.bfloat16)
   v, d_s, d_t = 50257, 96, 160
-  x = _distill_driver.Heads(
+  x = _distill_sweep.Heads(
     zeros(8, d_s), zeros(d_s, v), None, zeros(8, d_t), zeros(d_t, v), None, None, None
   )
   copies = 2 * (2 * d_s * v + d_t * v)
-  flip = lambda budget: _distill_driver.transposed(x, "dv", None, "xla", (), budget)
+  flip = lambda budget: _distill_sweep.transposed(x, "dv", None, "xla", (), budget)
   for budget in (2 * copies - 2, 2 * copies - 1):
     assert flip(budget) is None
   heads, layout, budget = flip(2 * copies)
@@ -406,11 +406,11 @@ def test_biases_plan_their_float32_products_into_the_budget():
 
   def chunk_rows(bias):
     b = zeros(v) if bias else None
-    x = _distill_driver.Heads(
+    x = _distill_sweep.Heads(
       zeros(n, d), zeros(v, d), b, zeros(n, d), zeros(v, d), b, None, None
     )
     perf = mst_jax.PerfOptions(memory_budget=2**28)
-    return _distill_driver.resolve(x, None, perf, "vd").plan.rows_per_chunk
+    return _distill_sweep.resolve(x, None, perf, "vd").plan.rows_per_chunk
 
   assert chunk_rows(True) < chunk_rows(False)
 

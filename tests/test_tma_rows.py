@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 import mst_jax
 from mst_jax import _plan
 from mst_jax._args import inputs as _inputs
-from mst_jax._sweep import distill_driver as _distill_driver
+from mst_jax._sweep import distill as _distill_sweep
 
 BF16 = np.dtype(jnp.bfloat16)
 
@@ -141,12 +141,12 @@ def test_a_distillation_chunk_of_all_rows_holds_the_appended_ones(
   appended ones; chunks of 512 rows are whole TMA tiles and get none."""
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   zeros = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
-  x = _distill_driver.Heads(
+  x = _distill_sweep.Heads(
     zeros(1001, 64), zeros(1024, 64), None, zeros(1001, 96), zeros(1024, 96),
     None, None, None,
   )  # fmt: skip
   perf = mst_jax.PerfOptions(chunk_size=chunk_size)
-  plan, heads, appended = _distill_driver.resolve(x, None, perf, "vd")
+  plan, heads, appended = _distill_sweep.resolve(x, None, perf, "vd")
   assert plan.rows_per_chunk == want and appended == (7 if want == 1008 else 0)
   assert heads is x
 

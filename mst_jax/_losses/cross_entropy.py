@@ -259,7 +259,7 @@ def per_row_outputs(
   if not planned.fused:
     outputs = row_losses(plan, *rows.arrays)
   else:
-    outputs = reduced_loss(plan, *rows.arrays[:5], weights, *rows.arrays[5:])
+    outputs = reduced_loss(plan, weights, *rows.arrays)
   if not pad:
     return outputs
   drop = lambda x: _inputs.drop_appended(x, pad, groups=devices)

@@ -2,7 +2,7 @@
 
 The public function validates its arguments at trace time, turns both heads
 into rows (``_args.inputs.prepare``) and dispatches: to the chunked sweep
-(``_sweep.distill_driver``: neither head's ``[N, V]`` logits exist) or, with
+(``_sweep.distill``: neither head's ``[N, V]`` logits exist) or, with
 ``impl="reference"``, to the full-logits oracle (``_math.full_distill``).
 """
 
@@ -22,9 +22,10 @@ from mst_jax._args import options as _options
 from mst_jax._gemm import matmul
 from mst_jax._math import full_distill
 from mst_jax._math.distill import DistillOptions
-from mst_jax._sweep import distill_driver as _distill_driver
+from mst_jax._sweep import distill as _distill_sweep
 from mst_jax._sweep import mesh as _mesh
-from mst_jax._sweep.distill_driver import Heads
+from mst_jax._sweep.distill import Heads
+from mst_jax._sweep.driver import reduced_loss, row_losses
 from mst_jax._sweep.rows import stat_dtype
 
 # The cross-entropy options that do not apply to a distillation loss.
@@ -230,12 +231,12 @@ def linear_distillation_loss(
     fused = _grad_mode(perf, options.reduction, per_device) == "fused"
 
     def chunked(x: Heads, weights):
-      plan, x, pad = _distill_driver.resolve(x, distill, perf, weight_layout)
+      plan, x, pad = _distill_sweep.resolve(x, distill, perf, weight_layout)
       if pad:
         x, weights = _rows_appended(x, pad), _inputs.append_rows(weights, pad)
       if fused:
-        return _distill_driver.fused_loss(plan, *x, weights)
-      return _distill_driver.row_losses(plan, *x)[:n_rows]
+        return reduced_loss(plan, weights, *x)[0]
+      return row_losses(plan, *x)[0][:n_rows]
 
     loss = _per_device(chunked, x, weights, fused, layout)
     if fused:

@@ -1,12 +1,14 @@
-"""The custom-VJP driver: the loss without ``[N, V]`` logits, and its gradient.
+"""The two custom VJPs every chunked loss runs through, whatever its math.
 
-Two custom VJPs run a ``Plan`` (a loop order with its configuration):
+A ``Plan`` (cross-entropy's: a loop order with its configuration, here;
+distillation's: ``_sweep.distill.Plan``) says how to sweep a loss's arrays
+``(hidden, weight, bias, *rest)``; only ``hidden``, ``weight`` and ``bias`` are
+differentiated (``rest``: labels, validity, class weights, a teacher's head).
 
 * ``row_losses`` (the Mini-Sequence Transformer design): the forward keeps
-  only the per-row lse; the backward recomputes each chunk's logits. Per-row
-  outputs, so every reduction works, and the lse is differentiable. When all
-  rows' logits fit the memory budget as one group (``Plan.keep_logits``), the
-  forward keeps them instead and the backward forms ``dlogits`` over them.
+  its inputs and, where the plan asks, a few per-row outputs (cross-entropy's
+  lse) or all rows' logits (``Plan.keep_logits``); the backward forms each
+  chunk's ``dlogits`` again. Per-row outputs, so every reduction works.
 * ``reduced_loss`` (gradient in the forward): for a scalar loss the forward
   forms the gradients in the same sweep as the loss; the backward only scales
   them by the incoming cotangent.
@@ -20,7 +22,7 @@ program at all. The residuals have one structure whatever is differentiated
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +39,125 @@ from mst_jax._sweep.rows import (
   scale_gradient,
   unwrap_primals,
 )
+
+
+class SweepPlan(Protocol):
+  """What the custom VJPs ask of a loss's plan (static, hashable)."""
+
+  @property
+  def runs_kernels(self) -> bool:
+    """Whether the sweep runs Pallas or Mosaic kernels, which have no
+    derivatives (so no second derivative goes through them)."""
+    ...
+
+  def inputs(self, *arrays) -> Any:
+    """The sweep's inputs from ``(hidden, weight, bias, *rest)``."""
+    ...
+
+  def forward(self, x) -> tuple:
+    """Per-row outputs, the loss first."""
+    ...
+
+  def forward_keeping(self, x) -> tuple[tuple, Any]:
+    """``forward`` and what the backward reuses: ``(outputs, kept)``."""
+    ...
+
+  def saved(self, outputs: tuple) -> tuple:
+    """The outputs the backward reads."""
+    ...
+
+  def backward(self, x, saved: tuple, cotangents: tuple, diff, kept) -> Grads:
+    """``(dhidden, dweight, dbias)`` of the outputs weighted by ``cotangents``."""
+    ...
+
+  def fused(self, x, row_scale, diff) -> tuple[tuple, Grads]:
+    """``((sum(loss * row_scale), *per_row), grads)``: the gradients of that sum."""
+    ...
+
+  def loss_cotangent(self, cotangents: tuple):
+    """``reduced_loss``'s cotangent of the scalar loss (raising where the
+    other outputs' are not zero: only the loss is differentiable there)."""
+    ...
+
+
+def _zero(cotangent) -> bool:
+  return isinstance(cotangent, jax.custom_derivatives.SymbolicZero)
+
+
+def _instantiate(cotangent, like: jax.Array) -> jax.Array:
+  return jnp.zeros_like(like) if _zero(cotangent) else cotangent
+
+
+# ---- The recompute custom VJP: per-row outputs. ----
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def row_losses(plan: SweepPlan, hidden, weight, bias, *rest):
+  """``plan``'s per-row outputs of ``(hidden, weight, bias, *rest)``; the
+  backward recomputes the logits (or, where the plan keeps them, reuses
+  them). Only ``hidden``, ``weight`` and ``bias`` get cotangents."""
+  return plan.forward(plan.inputs(hidden, weight, bias, *rest))
+
+
+def _row_losses_fwd(plan: SweepPlan, hidden, weight, bias, *rest):
+  diff = differentiated(hidden, weight, bias)
+  x = plan.inputs(*unwrap_primals(hidden, weight, bias, *rest))
+  x = refuse_second_order(x, plan.runs_kernels)
+  outputs, kept = plan.forward_keeping(x)
+  untouched = (None,) * len(rest)
+  return outputs, (x, plan.saved(outputs), diff.as_residual(), kept, untouched)
+
+
+def _row_losses_bwd(plan: SweepPlan, residuals: tuple, cotangents: tuple) -> tuple:
+  x, saved, flags, kept, untouched = residuals
+  if all(map(_zero, cotangents)):
+    return (None, None, None, *untouched)
+  diff = Differentiated.from_residual(flags)
+  return (*plan.backward(x, saved, cotangents, diff, kept), *untouched)
+
+
+row_losses.defvjp(_row_losses_fwd, _row_losses_bwd, symbolic_zeros=True)
+
+
+# ---- The gradient-in-forward custom VJP: a scalar loss. ----
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def reduced_loss(plan: SweepPlan, row_scale, hidden, weight, bias, *rest):
+  """``(sum(loss * row_scale), *per_row)``; the gradients formed in the forward.
+
+  ``row_scale``: float32 ``[N]``, each row's weight in the scalar loss (for a
+  mean, ``valid / n_valid``); not differentiated. Only the scalar is
+  differentiable (``plan.loss_cotangent``).
+  """
+  loss, *per_row = plan.forward(plan.inputs(hidden, weight, bias, *rest))
+  return jnp.sum(loss * row_scale.astype(loss.dtype)), *per_row
+
+
+def _reduced_loss_fwd(plan: SweepPlan, row_scale, hidden, weight, bias, *rest):
+  diff = differentiated(hidden, weight, bias)
+  (row_scale,) = unwrap_primals(row_scale)
+  x = plan.inputs(*unwrap_primals(hidden, weight, bias, *rest))
+  x = refuse_second_order(x, plan.runs_kernels)
+  outputs, grads = plan.fused(x, row_scale, diff)
+  untouched = (None,) * len(rest)
+  return outputs, (diff.fill(grads), diff.as_residual(), untouched)
+
+
+def _reduced_loss_bwd(plan: SweepPlan, residuals: tuple, cotangents: tuple) -> tuple:
+  grads, flags, untouched = residuals
+  g_loss = plan.loss_cotangent(cotangents)
+  if _zero(g_loss):
+    return (None, None, None, None, *untouched)
+  grads = Differentiated.from_residual(flags).unfill(grads)
+  scale = functools.partial(scale_gradient, g_loss=g_loss)
+  return (None, *map(scale, grads), *untouched)
+
+
+reduced_loss.defvjp(_reduced_loss_fwd, _reduced_loss_bwd, symbolic_zeros=True)
+
+
+# ---- Cross-entropy's plan: a loop order and its configuration. ----
 
 
 class LoopOrder(Protocol):
@@ -63,7 +184,14 @@ class LoopOrder(Protocol):
 
 
 class Plan(NamedTuple):
-  """A loop order and its configuration (a static, hashable value).
+  """Cross-entropy's ``SweepPlan``: a loop order and its configuration.
+
+  The arrays are ``RowInputs``' ``(hidden, weight, bias, labels, valid,
+  *classes)``; the outputs per-row ``(loss, lse, correct, entropy)``: float32
+  (float64 for float64 inputs), float32, bool and float32 (zeros unless the
+  options ask for the entropy); ``loss``, ``lse`` and ``entropy`` are
+  differentiable through ``row_losses``, the loss alone through
+  ``reduced_loss``.
 
   ``keep_logits``: ``row_losses``' forward keeps the logits of all rows (per
   device, one ``[rows, columns]`` buffer of the compute dtype, which the
@@ -77,131 +205,46 @@ class Plan(NamedTuple):
   order: LoopOrder
   keep_logits: bool = False
 
+  @property
+  def runs_kernels(self) -> bool:
+    config = self.config
+    return not (isinstance(config.backend, XlaChunkCE) and config.head.gemm == "xla")
 
-def _runs_kernels(config: SweepConfig) -> bool:
-  """Whether the sweep runs Pallas or Mosaic kernels (which have no
-  derivatives, so no second derivative goes through them)."""
-  return not (isinstance(config.backend, XlaChunkCE) and config.head.gemm == "xla")
+  def inputs(self, *arrays) -> RowInputs:
+    return RowInputs(*arrays)
 
+  def forward(self, x: RowInputs) -> Outputs:
+    return self.order.forward(self.config, x)
 
-def _instantiate(cotangent, like: jax.Array) -> jax.Array:
-  if isinstance(cotangent, jax.custom_derivatives.SymbolicZero):
-    return jnp.zeros_like(like)
-  return cotangent
+  def forward_keeping(self, x: RowInputs):
+    if self.keep_logits:
+      return self.order.forward_keeping(self.config, x)
+    return self.forward(x), None
 
+  def saved(self, outputs: Outputs) -> tuple:
+    _, lse, _, entropy = outputs
+    return lse, entropy
 
-# ---- The recompute custom VJP: per-row outputs. ----
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def row_losses(plan: Plan, hidden, weight, bias, labels, valid, *classes):
-  """Per-row loss, lse, argmax-correctness and entropy; the backward recomputes
-  logits (or, with ``plan.keep_logits``, uses the forward's).
-
-  Args:
-    plan: a ``Plan``.
-    hidden: ``[N, D]`` float.
-    weight: ``[V, D]`` or ``[D, V]`` (``plan.config.layout``), hidden's dtype.
-    bias: ``[V]`` float or None.
-    labels: int32 ``[N]``.
-    valid: bool ``[N]``; False rows give 0 loss, 0 lse and zero gradients.
-    *classes: with class weights, ``RowInputs``' ``class_weights``,
-      ``target_weight`` and ``mean_weight`` (not differentiated).
-
-  Returns:
-    ``(loss, lse, correct, entropy)``: ``[N]`` float32 (float64 for float64
-    inputs), ``[N]`` float32, ``[N]`` bool and ``[N]`` float32 (zeros unless
-    the options ask for the entropy). ``loss``, ``lse`` and ``entropy`` are
-    differentiable.
-  """
-  x = RowInputs(hidden, weight, bias, labels, valid, *classes)
-  return plan.order.forward(plan.config, x)
-
-
-def _row_losses_fwd(plan: Plan, hidden, weight, bias, labels, valid, *classes):
-  diff = differentiated(hidden, weight, bias)
-  x = RowInputs(*unwrap_primals(hidden, weight, bias, labels, valid, *classes))
-  x = refuse_second_order(x, _runs_kernels(plan.config))
-  if plan.keep_logits:
-    outputs, logits = plan.order.forward_keeping(plan.config, x)
-  else:
-    outputs, logits = plan.order.forward(plan.config, x), None
-  no_classes = (None,) * len(classes)
-  flags = diff.as_residual()
-  return outputs, (x, outputs[1], outputs[3], flags, logits, no_classes)
-
-
-def _row_losses_bwd(plan: Plan, residuals: tuple, cotangents: tuple) -> tuple:
-  x, lse, entropy, flags, logits, no_classes = residuals
-  diff = Differentiated.from_residual(flags)
-  g_loss, g_lse, _, g_entropy = cotangents
-  g_loss, g_lse, g_entropy = (_instantiate(g, lse) for g in (g_loss, g_lse, g_entropy))
-  cot = RowCotangents(lse, g_loss, g_lse, entropy, g_entropy)
-  if plan.keep_logits:
-    grads = plan.order.backward_kept(plan.config, x, cot, diff, logits)
-  else:
-    grads = plan.order.backward(plan.config, x, cot, diff)
-  return (*grads, None, None, *no_classes)  # labels, valid, class weights
-
-
-row_losses.defvjp(_row_losses_fwd, _row_losses_bwd, symbolic_zeros=True)
-
-
-# ---- The gradient-in-forward custom VJP: a scalar loss. ----
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def reduced_loss(plan: Plan, hidden, weight, bias, labels, valid, row_scale, *classes):
-  """``sum(loss * row_scale)``, per-row lse and correctness; grads in the forward.
-
-  Args:
-    plan, hidden, weight, bias, labels, valid: as for ``row_losses``.
-    row_scale: float32 ``[N]``, each row's weight in the scalar loss (for a
-      mean, ``valid / n_valid``); not differentiated.
-    *classes: as for ``row_losses``.
-
-  Returns:
-    ``(loss, lse, correct, entropy)``: the scalar loss, ``[N]`` lse, ``[N]``
-    bool and ``[N]`` entropy. Only ``loss`` is differentiable:
-    differentiating through ``lse`` raises (use ``row_losses``).
-  """
-  x = RowInputs(hidden, weight, bias, labels, valid, *classes)
-  loss, *per_row = plan.order.forward(plan.config, x)
-  return jnp.sum(loss * row_scale), *per_row
-
-
-def _reduced_loss_fwd(
-  plan: Plan, hidden, weight, bias, labels, valid, row_scale, *classes
-):
-  diff = differentiated(hidden, weight, bias)
-  arrays = unwrap_primals(hidden, weight, bias, labels, valid, *classes)
-  (row_scale,) = unwrap_primals(row_scale)
-  x = RowInputs(*arrays)
-  x = refuse_second_order(x, _runs_kernels(plan.config))
-  outputs, grads = plan.order.fused(plan.config, x, row_scale, diff)
-  no_classes = (None,) * len(classes)
-  return outputs, (diff.fill(grads), diff.as_residual(), no_classes)
-
-
-def _reduced_loss_bwd(plan: Plan, residuals: tuple, cotangents: tuple) -> tuple:
-  del plan
-  grads, flags, no_classes = residuals
-  undifferentiated = (None, None, None, *no_classes)  # labels, valid, row_scale
-  g_loss, g_lse, _, g_entropy = cotangents
-  zero = jax.custom_derivatives.SymbolicZero
-  if not (isinstance(g_lse, zero) and isinstance(g_entropy, zero)):
-    raise NotImplementedError(
-      "The per-token lse (aux.lse, aux.z_loss) is not differentiable with"
-      " grad_mode='fused', which forms the gradient during the forward pass;"
-      " use grad_mode='recompute' to differentiate through it."
+  def backward(self, x: RowInputs, saved, cotangents, diff, kept) -> Grads:
+    lse, entropy = saved
+    g_loss, g_lse, _, g_entropy = cotangents
+    g_loss, g_lse, g_entropy = (
+      _instantiate(g, lse) for g in (g_loss, g_lse, g_entropy)
     )
-  if isinstance(g_loss, jax.custom_derivatives.SymbolicZero):
-    return (None, None, None, *undifferentiated)
+    cot = RowCotangents(lse, g_loss, g_lse, entropy, g_entropy)
+    if self.keep_logits:
+      return self.order.backward_kept(self.config, x, cot, diff, kept)
+    return self.order.backward(self.config, x, cot, diff)
 
-  scale = functools.partial(scale_gradient, g_loss=g_loss)
-  grads = Differentiated.from_residual(flags).unfill(grads)
-  dhidden, dweight, dbias = map(scale, grads)
-  return (dhidden, dweight, dbias, *undifferentiated)
+  def fused(self, x: RowInputs, row_scale, diff):
+    return self.order.fused(self.config, x, row_scale, diff)
 
-
-reduced_loss.defvjp(_reduced_loss_fwd, _reduced_loss_bwd, symbolic_zeros=True)
+  def loss_cotangent(self, cotangents):
+    g_loss, g_lse, _, g_entropy = cotangents
+    if not (_zero(g_lse) and _zero(g_entropy)):
+      raise NotImplementedError(
+        "The per-token lse (aux.lse, aux.z_loss) is not differentiable with"
+        " grad_mode='fused', which forms the gradient during the forward pass;"
+        " use grad_mode='recompute' to differentiate through it."
+      )
+    return g_loss

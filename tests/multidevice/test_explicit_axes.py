@@ -22,7 +22,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mst_jax
-from mst_jax._sweep import distill_driver as _distill_driver
+from mst_jax._losses import distillation as _distillation
 
 B, T, D, V = 8, 12, 16, 1032
 OPTIONS = dict(label_smoothing=0.1, z_loss=1e-3, logit_softcap=4.0)
@@ -303,13 +303,13 @@ def test_distillation_picks_its_gradient_mode_by_a_devices_rows(monkeypatch):
   shape = lambda *s: jnp.zeros(s, jnp.float32)
   args = (shape(96, 32), shape(V, 32), shape(96, 8), shape(V, 8))
   labels = jnp.zeros((96,), jnp.int32)
-  fused, real = [], _distill_driver.fused_loss
+  fused, real = [], _distillation.reduced_loss
 
   def counted(*arrays):
     fused.append(True)
     return real(*arrays)
 
-  monkeypatch.setattr(_distill_driver, "fused_loss", counted)
+  monkeypatch.setattr(_distillation, "reduced_loss", counted)
 
   def loss(hidden, weight, t_hidden, t_weight):
     return mst_jax.linear_distillation_loss(

@@ -1,4 +1,4 @@
-"""The chunked sweep of both heads behind ``linear_distillation_loss``, and its VJPs.
+"""The chunked sweep of both heads behind ``linear_distillation_loss``.
 
 Rows are walked in chunks (``_sweep.rows.sweep_chunks``, valid rows compacted to the
 front, chunks without a valid row skipped by ``lax.cond``); per chunk both
@@ -6,15 +6,13 @@ heads' logits are formed (``_gemm.matmul.logits_matmul``, the teacher's under
 ``lax.stop_gradient``), the kernel of ``_kernels.select_distill`` (XLA's
 chunk, Triton's or Mosaic GPU's) scores them, and the student's ``dlogits``
 go into its ``dhidden`` rows, ``dweight`` and ``dbias``.
-Two custom VJPs:
 
-* ``fused_loss`` (a scalar reduction): the gradients are formed in the same
-  sweep as the loss, ``6 N D_s V + 2 N D_t V`` FLOPs like full-logits
-  autodiff; the backward scales them by the incoming cotangent.
-* ``row_losses`` (per-token losses, or ``grad_mode="recompute"``): the
-  forward keeps only its inputs; the backward forms each chunk's logits of
-  both heads again (``8 N D_s V + 4 N D_t V`` FLOPs in all).
-
+``Plan`` is a ``_sweep.driver.SweepPlan``: the loss runs through the custom
+VJPs cross-entropy's does. ``reduced_loss`` (a scalar reduction) forms the
+gradients in the same sweep as the loss, ``6 N D_s V + 2 N D_t V`` FLOPs like
+full-logits autodiff; ``row_losses`` (per-token losses, or
+``grad_mode="recompute"``) keeps only the inputs and forms each chunk's logits
+of both heads again in the backward (``8 N D_s V + 4 N D_t V`` FLOPs in all).
 No cotangent ever reaches the teacher's arrays, so the program holds no
 matmul for a teacher gradient. ``resolve`` decides every default (chunk rows
 from a memory budget, logits and accumulator dtypes).
@@ -23,7 +21,6 @@ from a memory budget, logits and accumulator dtypes).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -36,7 +33,6 @@ from mst_jax._args.options import PerfOptions, resolve_logits_dtype
 from mst_jax._gemm import matmul
 from mst_jax._kernels import (
   XlaDistill,
-  refuse_second_order,
   select_distill,
   select_gemm,
 )
@@ -48,12 +44,9 @@ from mst_jax._sweep.rows import (
   Differentiated,
   Permuted,
   compaction,
-  differentiated,
   gradient_finish,
-  scale_gradient,
   stat_dtype,
   sweep_chunks,
-  unwrap_primals,
 )
 
 
@@ -91,6 +84,40 @@ class Plan:
   compact: bool = True
   kernel: Any = None
   pad_logits: bool = False
+
+  @property
+  def runs_kernels(self) -> bool:
+    """Whether the sweep runs Pallas or Mosaic kernels (no second derivatives)."""
+    return not isinstance(self.kernel, XlaDistill) or self.gemm != "xla"
+
+  def inputs(self, *arrays) -> Heads:
+    return Heads(*arrays)
+
+  def forward(self, x: Heads) -> tuple:
+    """``(loss,)``: the per-row losses ``[N]``."""
+    loss, _ = _chunk_sweep(self, x, None, Differentiated(False, False, False))
+    return (loss,)
+
+  def forward_keeping(self, x: Heads):
+    return self.forward(x), None
+
+  def saved(self, outputs: tuple) -> tuple:
+    del outputs
+    return ()
+
+  def backward(self, x: Heads, saved, cotangents, diff, kept):
+    del saved, kept
+    (g_loss,) = cotangents
+    _, grads = _chunk_sweep(self, x, g_loss, diff, want_loss=False)
+    return grads
+
+  def fused(self, x: Heads, row_scale, diff):
+    loss, grads = _chunk_sweep(self, x, row_scale, diff)
+    return (jnp.sum(loss * row_scale.astype(loss.dtype)),), grads
+
+  def loss_cotangent(self, cotangents):
+    (g_loss,) = cotangents
+    return g_loss
 
 
 class Heads(NamedTuple):
@@ -145,7 +172,7 @@ def _accumulate(plan: Plan, grads, chunk, h, dlogits, weight, scale):
   return dhidden, dweight, dbias
 
 
-def _sweep(plan: Plan, x: Heads, g_loss, diff: Differentiated, *, want_loss=True):
+def _chunk_sweep(plan: Plan, x: Heads, g_loss, diff: Differentiated, *, want_loss=True):
   """``(loss, grads)``: per-row losses ``[N]`` (None without ``want_loss``) and
   the gradients of ``sum(g_loss * loss)`` (None where ``diff`` says an input
   is not differentiated, or without ``g_loss``)."""
@@ -205,78 +232,6 @@ def _sweep(plan: Plan, x: Heads, g_loss, diff: Differentiated, *, want_loss=True
 
   loss, grads = sweep_chunks(plan.rows_per_chunk, valid, update, (loss, grads))
   return None if loss is None else scatter(loss), gradient_finish(grads, x, scale)
-
-
-# ---- The custom VJPs. ----
-
-
-def _runs_kernels(plan: Plan) -> bool:
-  """Whether the sweep runs Pallas or Mosaic kernels (no second derivatives)."""
-  return not isinstance(plan.kernel, XlaDistill) or plan.gemm != "xla"
-
-
-# Cotangents of the arrays that are never differentiated: the teacher's
-# hidden, weight and bias, the labels and the validity.
-_NO_COTANGENTS = (None,) * 5
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def fused_loss(plan: Plan, *arrays_and_scale):
-  """``sum(loss * row_scale)`` over the rows of ``Heads(*arrays)``."""
-  *arrays, row_scale = arrays_and_scale
-  loss, _ = _sweep(plan, Heads(*arrays), None, Differentiated(False, False, False))
-  return jnp.sum(loss * row_scale.astype(loss.dtype))
-
-
-def _fused_loss_fwd(plan: Plan, *arrays_and_scale):
-  *arrays, row_scale = arrays_and_scale
-  diff = differentiated(*arrays[:3])
-  x, (row_scale,) = Heads(*unwrap_primals(*arrays)), unwrap_primals(row_scale)
-  x = refuse_second_order(x, _runs_kernels(plan))
-  loss, grads = _sweep(plan, x, row_scale, diff)
-  loss = jnp.sum(loss * row_scale.astype(loss.dtype))
-  return loss, (diff.fill(grads), diff.as_residual())
-
-
-def _fused_loss_bwd(plan: Plan, residuals, g_loss):
-  del plan
-  grads, flags = residuals
-  grads = Differentiated.from_residual(flags).unfill(grads)
-  undifferentiated = (*_NO_COTANGENTS, None)  # and row_scale
-  if isinstance(g_loss, jax.custom_derivatives.SymbolicZero):
-    return (None, None, None, *undifferentiated)
-
-  scale = functools.partial(scale_gradient, g_loss=g_loss)
-  return (*map(scale, grads), *undifferentiated)
-
-
-fused_loss.defvjp(_fused_loss_fwd, _fused_loss_bwd, symbolic_zeros=True)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def row_losses(plan: Plan, *arrays):
-  """Per-row losses ``[N]`` of ``Heads(*arrays)``; the backward recomputes."""
-  loss, _ = _sweep(plan, Heads(*arrays), None, Differentiated(False, False, False))
-  return loss
-
-
-def _row_losses_fwd(plan: Plan, *arrays):
-  diff = differentiated(*arrays[:3])
-  x = refuse_second_order(Heads(*unwrap_primals(*arrays)), _runs_kernels(plan))
-  loss, _ = _sweep(plan, x, None, diff)
-  return loss, (x, diff.as_residual())
-
-
-def _row_losses_bwd(plan: Plan, residuals, g_loss):
-  x, flags = residuals
-  diff = Differentiated.from_residual(flags)
-  if isinstance(g_loss, jax.custom_derivatives.SymbolicZero):
-    return (None, None, None, *_NO_COTANGENTS)
-  _, grads = _sweep(plan, x, g_loss, diff, want_loss=False)
-  return (*grads, *_NO_COTANGENTS)
-
-
-row_losses.defvjp(_row_losses_fwd, _row_losses_bwd, symbolic_zeros=True)
 
 
 # ---- Planning, at trace time. ----
