@@ -251,11 +251,14 @@ def mosaic_logits(
   With ``row_epilogue`` (not with a bias), returns ``(logits, outputs,
   part_cols)``: also the epilogue's per-row reductions of each output tile
   (computed as it is stored), each output ``[parts, rows]`` over parts of
-  ``part_cols`` columns.
+  ``part_cols`` columns; None where the GEMM does not fuse row epilogues on
+  this jaxlib (``mosaic_gemm.fuses_row_epilogues``).
   """
   dims = _LOGITS_DIMS[layout]
   out_shape = (hidden.shape[0], padded_width(vocab_size(weight, layout)))
   if not mosaic_takes_logits(hidden, weight, layout, dtype, bias=bias):
+    return None
+  if row_epilogue is not None and not mosaic_gemm.fuses_row_epilogues():
     return None
   if bias is not None:
     if row_epilogue is not None:

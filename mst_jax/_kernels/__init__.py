@@ -10,10 +10,8 @@ import functools
 import warnings
 
 import jax
-import jaxlib
 
 from mst_jax._gemm.mosaic import gemm as mosaic_gemm
-from mst_jax._gemm.mosaic.config import relocatable_ptx
 from mst_jax._kernels.base import (
   AllColumns,
   ChunkBackend,
@@ -31,7 +29,6 @@ __all__ = [
   "HeadSpec",
   "XlaChunkCE",
   "XlaDistill",
-  "mosaic_is_slow",
   "pallas_unavailable_reason",
   "refuse_second_order",
   "select",
@@ -139,25 +136,11 @@ def select_gemm(impl: str | None, platform: str) -> str:
   reason = mosaic_gemm.unavailable_reason()
   if platform != "gpu":
     reason = f"it needs a Hopper GPU, the platform is a {platform}"
-  if reason is None and impl is None and mosaic_is_slow(jaxlib.__version__):
-    return "xla"
   if reason is None:
     return "mosaic"
   if impl == "mosaic":
     _warn_fallback(reason, what="GEMMs")
   return "xla"
-
-
-def mosaic_is_slow(jaxlib_version: str) -> bool:
-  """Whether ``impl=None`` leaves the Mosaic GPU kernels for XLA's GEMMs and
-  the Triton kernels on this jaxlib: from 0.12, whose libnvJitLink ignores
-  the GEMMs' register split (``setmaxnreg``). There the default Llama-3 step
-  took 198 ms against the naive head's 41 ms (H200, jax 0.12.0.1), and
-  ``impl="pallas"`` 40 ms. ``impl="mosaic"`` runs the Mosaic kernels with
-  tiles that fit the registers left (``accumulator_limit``): 51.1 ms against
-  the naive head's 41.5 ms and this default's 41.1 ms (H100, jax 0.12.0.1).
-  """
-  return relocatable_ptx(jaxlib_version)
 
 
 _INSTEAD = {

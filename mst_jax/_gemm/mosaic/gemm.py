@@ -53,6 +53,7 @@ from mst_jax._gemm.mosaic.config import (
   fit_narrow,
   fit_ragged,
   fit_shared_memory,
+  relocatable_ptx,
 )
 from mst_jax._gemm.mosaic.epilogue import RowEpilogue
 from mst_jax._gemm.mosaic.kernels import IMPORT_ERROR, gemm
@@ -119,6 +120,16 @@ def _check(
   return Problem(
     m, n, k, lc == 0, rc == 1, in_dtype, out_dtype, has_accumulate, tuple(ragged)
   )
+
+
+def fuses_row_epilogues() -> bool:
+  """Whether the head's logits take their row epilogue (the cross-entropy's
+  statistics) in the GEMM on this jaxlib: not from 0.12 (``relocatable_ptx``),
+  where the ping-pong schedule a row epilogue needs holds only 128 x 128
+  tiles. There the Llama-3 head's logits with the statistics epilogue took
+  21.4 ms, a cooperative GEMM 11.9 ms and a statistics kernel over its
+  output 0.93 ms (H100, jax 0.12.0.1)."""
+  return not relocatable_ptx(jaxlib.__version__)
 
 
 def _accumulator() -> int:

@@ -21,7 +21,8 @@ them, and ``dlogits`` read each column's weight (``ce_math.dlogits_block``).
 A loss and its gradient in one sweep are the two kernels in turn (the Triton
 backend fuses them into one launch, which measured faster on the H200:
 docs/benchmarks.md). Where the Mosaic GEMM forms the chunk's 16-bit logits (no
-bias, no class weights with smoothing), the statistics come from that GEMM's
+bias, no class weights with smoothing; before jaxlib 0.12:
+``mosaic_gemm.fuses_row_epilogues``), the statistics come from that GEMM's
 epilogue instead (``mosaic_stats.TileStats``) and only ``_dlogits_kernel``
 reads the logits.
 
@@ -212,7 +213,8 @@ class MosaicChunkCE(base.MatmulThenCE):
     ``RowStats`` from one Mosaic GEMM, computed in its epilogue
     (``mosaic_stats.TileStats``), so nothing reads the logits back for them;
     the logits alone (statistics None) where that GEMM does not run (XLA's
-    GEMMs, a bias, shapes it does not take), with class weights (label
+    GEMMs, a bias, shapes it does not take) or fuse the epilogue (jaxlib
+    0.12 on), with class weights (label
     smoothing's, which the epilogue does not weigh the scores by) and for
     float32 logits (whose tile would take all of the epilogue's registers).
 
