@@ -50,8 +50,8 @@ GPU_CASES = [
   "llama_sft_random",
   "llama_frozen",
 ]
-# On a GPU naive_cast's bfloat16 logits GEMM makes it the faster naive head
-# (docs/data/h200_heads.json), so the default leaves naive (float32 logits) out.
+# On a GPU naive_cast (a bfloat16 logits GEMM) is the faster naive head, the
+# one the README's figures compare against; the default leaves naive out.
 DEFAULT_IMPLS = ["naive_cast", "mst_jax", "jax_cce", "tokamax"]
 IMPLEMENTATIONS = ["naive", *DEFAULT_IMPLS]  # every name a spec may have
 # The CPU case's float32 logits (2.3 GiB) outgrow the default memory budget:
