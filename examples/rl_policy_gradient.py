@@ -22,7 +22,7 @@ advantages are 0). The last line is the verdict: whether the reward rose
 (exit status 1 if not).
 
 It needs the examples extra (``pip install -e ".[examples]"``, for optax); the
-defaults take about 5 seconds on a two-core CPU.
+defaults take about 8 seconds on a two-core CPU.
 
   pip install -e ".[examples]"
   python examples/rl_policy_gradient.py
