@@ -42,9 +42,9 @@ from mst_jax._plan import unit_weights
 from mst_jax._sweep.gradients import add_bias_gradient, row_products
 from mst_jax._sweep.rows import (
   Differentiated,
-  Permuted,
   compaction,
   gradient_finish,
+  gradient_init,
   stat_dtype,
   sweep_chunks,
 )
@@ -136,20 +136,6 @@ class Heads(NamedTuple):
 # ---- The sweep: chunks of rows, both heads' logits per chunk. ----
 
 
-def _gradient_init(plan: Plan, x: Heads, hidden, diff: Differentiated):
-  """Zero ``(dhidden, dweight, dbias)``; ``dhidden`` seen like ``hidden``."""
-  dhidden = dweight = dbias = None
-  if diff.hidden:
-    dhidden = jnp.zeros(x.hidden.shape, x.hidden.dtype)
-    if isinstance(hidden, Permuted):
-      dhidden = hidden.like(dhidden)
-  if diff.weight:
-    dweight = jnp.zeros(x.weight.shape, plan.dweight_dtype)
-  if diff.bias:
-    dbias = jnp.zeros(x.bias.shape, plan.dbias_dtype)
-  return dhidden, dweight, dbias
-
-
 def _accumulate(plan: Plan, grads, chunk, h, dlogits, weight, scale):
   """Adds a chunk's ``dlogits`` (of unit row weights: ``scale``) to
   ``(dhidden, dweight, dbias)``."""
@@ -184,7 +170,7 @@ def _chunk_sweep(plan: Plan, x: Heads, g_loss, diff: Differentiated, *, want_los
     diff = Differentiated(False, False, False)
   else:
     (g_loss,), scale = unit_weights((gather(g_loss),), valid, x.hidden.dtype)
-  grads = _gradient_init(plan, x, hidden, diff)
+  grads = gradient_init(plan, x._replace(hidden=hidden), diff)
   want_grads = any(g is not None for g in grads)
   loss = jnp.zeros(x.labels.shape, stat_dtype(x.hidden)) if want_loss else None
   layout, tile, gemm = plan.weight_layout, plan.matmul_tile, plan.gemm

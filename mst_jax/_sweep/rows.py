@@ -501,10 +501,13 @@ def _zeros_if(flag: bool, shape, dtype):
   return jnp.zeros(shape, dtype) if flag else None
 
 
-def gradient_init(config: SweepConfig, x: RowInputs, diff: Differentiated) -> Grads:
+def gradient_init(config, x, diff: Differentiated) -> Grads:
   """Zero ``(dhidden, dweight, dbias)`` accumulators (None: not differentiated).
 
-  ``dhidden`` is ``Permuted`` like ``hidden``.
+  ``config``: what holds the accumulators' dtypes (``dweight_dtype``,
+  ``dbias_dtype``): a ``SweepConfig``, or the distillation's plan. ``x``: the
+  sweep's arrays (``hidden``, ``weight``, ``bias``). ``dhidden`` is
+  ``Permuted`` like ``hidden``.
   """
   hidden, weight, bias = x.hidden, x.weight, x.bias
   dhidden = _zeros_if(diff.hidden, hidden.shape, hidden.dtype)
