@@ -218,11 +218,42 @@ def xla_gemm(
   row_inputs=(),
   out_shape=None,
   zero_extend=False,
+  bound=None,
+  bounded=None,
 ):
   """``_gemm.mosaic.gemm.matmul``'s contract as an XLA product: float32
   accumulation rounded once, operands zero-extended, the output trimmed or
   zero-padded to ``out_shape``, ``accumulate`` added; a ``row_epilogue`` run
-  over each ``config.tile_n`` columns of the rounded output, as stored."""
+  over each ``config.tile_n`` columns of the rounded output, as stored.
+  ``bounded="m"``: the output's rows (and the epilogue's) from the first
+  multiple of 64 at or past ``bound`` are NaN (unspecified); ``"k"``: the
+  contracted rows from there on are never read (NaN there leaves no trace)."""
+  if bounded is not None:
+    (lc,), (rc,) = dimension_numbers[0]
+    cut = -(-bound // 64) * 64
+    if bounded == "k":
+      lhs, rhs = (_zero_from(x, cut, axis) for x, axis in ((lhs, lc), (rhs, rc)))
+    out = xla_gemm(
+      lhs,
+      rhs,
+      dimension_numbers,
+      out_dtype,
+      accumulate=accumulate,
+      config=config,
+      row_epilogue=row_epilogue,
+      row_inputs=row_inputs,
+      out_shape=out_shape,
+      zero_extend=zero_extend,
+    )
+    if bounded == "k":
+      return out
+    nan_from = lambda x, axis: jnp.where(
+      lax.broadcasted_iota(jnp.int32, x.shape, axis) < cut, x, jnp.nan
+    ).astype(x.dtype)
+    if row_epilogue is None:
+      return nan_from(out, 0)
+    out, parts = out
+    return nan_from(out, 0), [nan_from(x, 1) for x in parts]
   if row_epilogue is not None:
     out = xla_gemm(lhs, rhs, dimension_numbers, out_dtype, out_shape=out_shape)
     width = config.tile_n
@@ -244,6 +275,12 @@ def xla_gemm(
   return out.astype(
     out_dtype or (lhs.dtype if accumulate is None else accumulate.dtype)
   )
+
+
+def _zero_from(x, row, axis):
+  """``x`` with its entries from ``row`` on along ``axis`` zeroed."""
+  keep = lax.broadcasted_iota(jnp.int32, x.shape, axis) < row
+  return jnp.where(keep, x, jnp.zeros_like(x))
 
 
 @pytest.fixture

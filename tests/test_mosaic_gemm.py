@@ -371,6 +371,55 @@ def test_logits_in_float32(rng):
   _run(rng, "logits", "dv", (1000, 512, 4160), "bfloat16", "float32")
 
 
+BOUNDED_CONFIGS = [None, TURNS[0], GemmConfig(split="n"), TURNS[2]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", BOUNDED_CONFIGS, ids=str)
+@pytest.mark.parametrize("bound", [1, 64, 437, 1000])
+@pytest.mark.parametrize("product,layout", list(PRODUCTS))
+def test_a_bound_cuts_the_rows(rng, product, layout, bound, config):
+  """``bound`` on the rows of a block (1000 rows): the logits and ``dhidden``
+  match the product before it (``bounded="m"``), and ``dweight`` (``"k"``,
+  accumulated) is the product over the rows before the first multiple of 64
+  at or past it, the rows from there on of both operands NaN: never read."""
+  n, d, v = 1000, 512, 4160
+  if config is not None and config.k_splits > 1 and product == "dweight":
+    config = None  # an accumulated product is not split
+  lhs_name, rhs_name, dims = PRODUCTS[product, layout]
+  arrays = _operands(rng, n, d, v, layout, "bfloat16")
+  read = -(-bound // 64) * 64
+  if product == "dweight":
+    for name in ("hidden", "dlogits"):
+      arrays[name][read:] = np.nan
+  lhs, rhs = (jnp.asarray(arrays[name], jnp.bfloat16) for name in (lhs_name, rhs_name))
+  rows = slice(None, read) if product == "dweight" else slice(None)
+  cut = lambda name: np.asarray(
+    jnp.asarray(arrays[name][rows], jnp.bfloat16), np.float64
+  )
+  ref = np.asarray(jax.lax.dot_general(cut(lhs_name), cut(rhs_name), dims))
+  init, bounded = None, "m"
+  if product == "dweight":
+    init = jnp.asarray(rng.standard_normal(ref.shape), jnp.float32)
+    ref, bounded = ref + np.asarray(init, np.float64), "k"
+  out = mosaic_gemm.matmul(
+    lhs,
+    rhs,
+    dims,
+    jnp.float32 if product == "dweight" else jnp.bfloat16,
+    accumulate=init,
+    config=config,
+    bound=jnp.int32(bound),
+    bounded=bounded,
+  )
+  out = np.asarray(out, np.float64)
+  if bounded == "m":
+    out, ref = out[:bound], ref[:bound]
+  assert np.isfinite(out).all()
+  out_dtype = "float32" if product == "dweight" else "bfloat16"
+  _check_rounding(out, ref, out_dtype, (product, layout, bound))
+
+
 def test_rejects_bad_arguments():
   x = jnp.zeros((64, 128), jnp.bfloat16)
   with pytest.raises(ValueError, match="contracted dimensions differ"):
@@ -391,6 +440,10 @@ def test_rejects_bad_arguments():
     mosaic_gemm.matmul(ragged, ragged, _dims(0, 0))
   with pytest.raises(ValueError, match="contracted dimensions differ"):
     mosaic_gemm.matmul(x, jnp.zeros((192, 64), jnp.bfloat16), _dims(1, 0))
+  with pytest.raises(ValueError, match="bounded must be one of"):
+    mosaic_gemm.matmul(x, x, _dims(1, 1), bound=jnp.int32(8), bounded="n")
+  with pytest.raises(ValueError, match="given with a bound"):
+    mosaic_gemm.matmul(x, x, _dims(1, 1), bounded="m")
 
 
 @pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])

@@ -134,14 +134,17 @@ def test_kept_logits_take_their_statistics_from_the_epilogue(
   assert text.count("custom_call @mosaic_gpu") == 4
 
 
-@pytest.mark.parametrize("kwargs", [dict(), dict(chunk_size=256)], ids=str)
-def test_the_default_on_hopper_is_the_mosaic_program(as_if_on_hopper, kwargs):
+@pytest.mark.parametrize(
+  ("kwargs", "rows"), [(dict(), 1000), (dict(chunk_size=256), 256)], ids=str
+)
+def test_the_default_on_hopper_is_the_mosaic_program(as_if_on_hopper, kwargs, rows):
   """impl=None on a Hopper GPU lowers to the program impl="mosaic" does (the
   statistics in the logits GEMM's epilogue), not to XLA's GEMMs; "pallas"
   keeps XLA's GEMMs and the Triton kernels. By default the 1000 rows are one
-  group of 8 chunks of 128: besides the whole group, the group where masked
-  tokens leave chunks empty runs a window of 1 to 8 chunks
-  (``_sweep.gradients._by_window``), each count its own Mosaic products."""
+  group; masked or not, it runs its products to a bound on its valid rows
+  read on the device (``_sweep.rows.with_bound``): one logits GEMM, one
+  ``dlogits`` kernel, one ``dhidden`` and one ``dweight`` GEMM in the whole
+  step, whatever the memory budget's chunks."""
   h = jax.ShapeDtypeStruct((1000, 320), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((32000, 320), jnp.bfloat16)
   y = jax.ShapeDtypeStruct((1000,), jnp.int32)
@@ -154,12 +157,63 @@ def test_the_default_on_hopper_is_the_mosaic_program(as_if_on_hopper, kwargs):
   default = text()
   assert "_rows_mosaic" in default and "triton" not in default
   assert "stablehlo.dot_general" not in default
-  logits_rows = re.findall(r"mst_jax_mosaic_gemm_(\d+)x32000x320_rows\b", default)
-  windows = [128 * count for count in range(1, 8)] + [1000]
-  assert sorted(set(map(int, logits_rows))) == (windows if not kwargs else [256])
+  logits = re.findall(r"mst_jax_mosaic_gemm_(\d+)x32000x320_bounded_m_rows\b", default)
+  assert set(map(int, logits)) == {rows}
+  assert default.count("custom_call @mosaic_gpu") == 4
   assert default == text(impl="mosaic")
   pallas = text(impl="pallas")
   assert "mosaic_gpu" not in pallas and "triton" in pallas
+
+
+@pytest.mark.parametrize(
+  "kwargs",
+  [
+    dict(),
+    dict(grad_mode="recompute", bias=True),
+    dict(reduction="none", weight_layout="dv"),
+    dict(chunk_size=128, label_smoothing=0.1, z_loss=1e-3),
+    dict(grad_mode="fused", accum_dtype=jnp.bfloat16),
+  ],
+  ids=str,
+)
+def test_a_masked_group_runs_to_its_bound(rng, mosaic_on_cpu, monkeypatch, kwargs):
+  """The Hopper program on the CPU, half of each sequence masked: each group
+  or chunk runs its products to a bound past its last valid row (compacted
+  first), read on the device. The stand-in GEMM writes NaN in the rows it
+  may leave unspecified and never reads contracted rows past the bound, so
+  the loss and gradients match the float64 oracle only if nothing reads past
+  it unmasked; and some bound falls short of its block's rows."""
+  bounds = []
+  gemm = mosaic_gemm.matmul  # mosaic_on_cpu's stand-in
+
+  def recorded(lhs, rhs, dims, *args, bound=None, bounded=None, **kw):
+    if bound is not None:  # (bound, the rows it cuts)
+      (lc,), _ = dims[0]
+      rows = lhs.shape[lc if bounded == "k" else 1 - lc]
+      jax.debug.callback(lambda b: bounds.append((int(b), rows)), bound)
+    return gemm(lhs, rhs, dims, *args, bound=bound, bounded=bounded, **kw)
+
+  monkeypatch.setattr(mosaic_gemm, "matmul", recorded)
+  layout = kwargs.pop("weight_layout", "vd")
+  bias = kwargs.pop("bias", False)
+  problem = make_problem(
+    rng,
+    (2, 301),
+    dim=64,
+    vocab=4133,
+    dtype="bfloat16",
+    mask="prefix",
+    bias=bias,
+    weight_layout=layout,
+  )
+  check_against_oracle(
+    problem, "bfloat16", impl="mosaic", weight_layout=layout, **kwargs
+  )
+  assert bounds and all(b % 64 == 0 or b == rows for b, rows in bounds)
+  # Kept logits (per-token losses) stay in row order: the second sequence's
+  # valid rows end at the last row.
+  kept = kwargs.get("reduction") == "none"
+  assert kept or any(b < rows for b, rows in bounds), bounds
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,13 @@ autotunes each GEMM it compiles on fresh buffers of its operands' and
 output's sizes, weight-sized at an LM head; the Mosaic kernel is not
 autotuned, so a step's first call needs no more memory than the next.
 
+With ``bound`` (an int32 scalar known on the device only: the rows of a
+block from which on none counts, ``rows_below``), the Mosaic GEMM runs each
+product only to the rows that count; the logits past the bound are then
+unspecified, the ``dhidden`` rows there zero, and the ``dweight`` and
+``dbias`` sums leave them out (XLA's products are masked instead). One shape
+of each product serves every number of valid rows.
+
 With ``tile`` set, each matmul runs over the vocabulary in tiles of that many
 columns. XLA:CPU computes 16-bit matmuls in float32 and converts their
 operands whole: untiled, a ``[V, D]`` bfloat16 weight gets a float32 copy
@@ -100,11 +107,33 @@ def over_columns(
   return carry
 
 
+def rows_below(x: jax.Array, bound: jax.Array | None, axis: int = 0) -> jax.Array:
+  """``x`` with its entries from ``bound`` on along ``axis`` zeroed (a
+  ``bound`` of None: ``x`` as it is)."""
+  if bound is None:
+    return x
+  index = lax.broadcasted_iota(jnp.int32, x.shape, axis)
+  return jnp.where(index < bound, x, jnp.zeros_like(x))
+
+
 def _dot(
-  lhs, rhs, dims, dtype, gemm: str, accumulate=None, out_shape=None
+  lhs,
+  rhs,
+  dims,
+  dtype,
+  gemm: str,
+  accumulate=None,
+  out_shape=None,
+  bound=None,
+  bounded=None,
 ) -> jax.Array:
   """``accumulate + lax.dot_general(lhs, rhs, dims)`` written in ``dtype``
   (``accumulate`` None: the product alone), run by ``gemm``.
+
+  ``bound`` with ``bounded`` (``mosaic_gemm.matmul``'s): ``"m"``, the
+  product's rows from ``bound`` on are not needed; ``"k"``, the operands'
+  contracted rows from ``bound`` on count for nothing (they may hold
+  anything: XLA's product reads them zeroed).
 
   ``dlogits`` may be padded past the weight's columns (``padded_width``):
   then the contraction runs over the shorter operand's extent (the longer
@@ -114,7 +143,11 @@ def _dot(
   (lc,), (rc,) = dims[0]
   kw = dict(out_shape=out_shape, zero_extend=lhs.shape[lc] != rhs.shape[rc])
   if gemm == "mosaic" and mosaic_gemm.takes(lhs, rhs, dims, dtype, accumulate, **kw):
+    if bound is not None:
+      kw.update(bound=bound, bounded=bounded)
     return mosaic_gemm.matmul(lhs, rhs, dims, dtype, accumulate=accumulate, **kw)
+  if bounded == "k":
+    lhs, rhs = rows_below(lhs, bound, lc), rows_below(rhs, bound, rc)
   k = min(lhs.shape[lc], rhs.shape[rc])
   lhs, rhs = _trim(lhs, k, lc), _trim(rhs, k, rc)
   if out_shape is not None:  # trimmed operands, then a zero-padded product
@@ -171,12 +204,14 @@ def logits_matmul(
   *,
   tile: int | None = None,
   gemm: str = "xla",
+  bound: jax.Array | None = None,
 ) -> jax.Array:
   """``hidden @ weight (+ bias)`` in ``dtype`` (default: at least float32).
 
   ``dtype`` is what the matmul writes (with a bias, after adding it in float32:
   one rounding). For a narrower ``dtype`` the accumulation precision is the
   backend's: cuBLAS and XLA:CPU accumulate bfloat16 products in float32.
+  Rows from ``bound`` on may be left unspecified.
   """
   if tile is not None:
     width = vocab_size(weight, layout)
@@ -197,9 +232,10 @@ def logits_matmul(
     return lax.optimization_barrier(logits)
   acc = at_least_float32(hidden.dtype)
   dtype = dtype or acc
+  cut = dict(bound=bound, bounded=None if bound is None else "m")
   if bias is None:
-    return _dot(hidden, weight, _LOGITS_DIMS[layout], dtype, gemm)
-  logits = _dot(hidden, weight, _LOGITS_DIMS[layout], acc, gemm)
+    return _dot(hidden, weight, _LOGITS_DIMS[layout], dtype, gemm, **cut)
+  logits = _dot(hidden, weight, _LOGITS_DIMS[layout], acc, gemm, **cut)
   return _add_bias(logits, bias, dtype)
 
 
@@ -212,10 +248,11 @@ def _add_bias(logits: jax.Array, bias: jax.Array, dtype) -> jax.Array:
   return (logits + bias[None, :]).astype(dtype)
 
 
-def bias_gradient(dlogits: jax.Array, width: int, dtype) -> jax.Array:
-  """``dbias``'s ``width`` columns, ``dlogits`` summed over its rows in
-  ``dtype`` (``dlogits`` may be padded past them: ``padded_width``)."""
-  return jnp.sum(_trim(dlogits, width, 1), axis=0, dtype=dtype)
+def bias_gradient(dlogits: jax.Array, width: int, dtype, bound=None) -> jax.Array:
+  """``dbias``'s ``width`` columns, ``dlogits`` summed over its rows (those
+  before ``bound``) in ``dtype`` (``dlogits`` may be padded past them:
+  ``padded_width``)."""
+  return jnp.sum(rows_below(_trim(dlogits, width, 1), bound), axis=0, dtype=dtype)
 
 
 def mosaic_takes_logits(
@@ -241,6 +278,7 @@ def mosaic_logits(
   row_inputs: tuple = (),
   *,
   bias: jax.Array | None = None,
+  bound: jax.Array | None = None,
 ):
   """``hidden @ weight (+ bias)`` in ``dtype`` by the Mosaic GEMM,
   ``padded_width`` columns wide (the columns past the weight's are zeros),
@@ -252,10 +290,12 @@ def mosaic_logits(
   part_cols)``: also the epilogue's per-row reductions of each output tile
   (computed as it is stored), each output ``[parts, rows]`` over parts of
   ``part_cols`` columns; None where the GEMM does not fuse row epilogues on
-  this jaxlib (``mosaic_gemm.fuses_row_epilogues``).
+  this jaxlib (``mosaic_gemm.fuses_row_epilogues``). Rows from ``bound``
+  on (of the logits and the epilogue's outputs) may be left unspecified.
   """
   dims = _LOGITS_DIMS[layout]
   out_shape = (hidden.shape[0], padded_width(vocab_size(weight, layout)))
+  cut = {} if bound is None else dict(bound=bound, bounded="m")
   if not mosaic_takes_logits(hidden, weight, layout, dtype, bias=bias):
     return None
   if row_epilogue is not None and not mosaic_gemm.fuses_row_epilogues():
@@ -264,10 +304,10 @@ def mosaic_logits(
     if row_epilogue is not None:
       raise ValueError("a row_epilogue sees the GEMM's output, without the bias")
     acc = at_least_float32(hidden.dtype)
-    logits = mosaic_gemm.matmul(hidden, weight, dims, acc, out_shape=out_shape)
+    logits = mosaic_gemm.matmul(hidden, weight, dims, acc, out_shape=out_shape, **cut)
     return _add_bias(logits, bias, dtype)
   if row_epilogue is None:
-    return mosaic_gemm.matmul(hidden, weight, dims, dtype, out_shape=out_shape)
+    return mosaic_gemm.matmul(hidden, weight, dims, dtype, out_shape=out_shape, **cut)
   config = mosaic_gemm.row_epilogue_config(
     hidden, weight, dims, dtype, row_epilogue, out_shape
   )
@@ -280,6 +320,7 @@ def mosaic_logits(
     row_epilogue=row_epilogue,
     row_inputs=row_inputs,
     out_shape=out_shape,
+    **cut,
   )
   return logits, outputs, config.tile_n
 
@@ -292,9 +333,11 @@ def dhidden_matmul(
   *,
   tile: int | None = None,
   gemm: str = "xla",
+  bound: jax.Array | None = None,
 ) -> jax.Array:
   """``dlogits @ weight`` written in ``dtype`` (``dlogits`` may be padded
-  past the weight's columns: ``padded_width``).
+  past the weight's columns: ``padded_width``); rows from ``bound`` on are
+  zero.
 
   The matmul accumulates in float32 and rounds once to ``dtype``, as the naive
   head's backward pass does; asking for a float32 result and converting would
@@ -311,8 +354,11 @@ def dhidden_matmul(
 
     total = jnp.zeros((dlogits.shape[0], weight.shape[1 - vocab_axis(layout)]), acc)
     width = vocab_size(weight, layout)
-    return over_columns(step, total, (dlogits, weight), width, tile).astype(dtype)
-  return _dot(dlogits, weight, _DHIDDEN_DIMS[layout], dtype, gemm)
+    total = over_columns(step, total, (dlogits, weight), width, tile)
+    return rows_below(total, bound).astype(dtype)
+  cut = dict(bound=bound, bounded=None if bound is None else "m")
+  rows = _dot(dlogits, weight, _DHIDDEN_DIMS[layout], dtype, gemm, **cut)
+  return rows_below(rows, bound)
 
 
 def dweight_matmul(
@@ -326,8 +372,10 @@ def dweight_matmul(
   tile: int | None = None,
   gemm: str = "xla",
   width: int | None = None,
+  bound: jax.Array | None = None,
 ) -> jax.Array:
-  """The weight gradient of a block of rows, in the weight's layout, in ``dtype``.
+  """The weight gradient of a block of rows (those before ``bound``), in the
+  weight's layout, in ``dtype``.
 
   With ``into`` (a weight-shaped ``dweight``), returns ``into`` plus the
   product (``add``) or the product in its place (``add=False``: ``into`` is
@@ -339,6 +387,7 @@ def dweight_matmul(
   if width is None:
     width = dlogits.shape[1] if into is None else into.shape[axis]
   if tile is not None and into is not None:
+    dlogits = rows_below(dlogits, bound)
 
     def step(total, start, size, dlogits, hidden):
       part = dweight_matmul(_columns(dlogits, start, size), hidden, layout, dtype)
@@ -361,7 +410,8 @@ def dweight_matmul(
   if width != dlogits.shape[1]:
     d = hidden.shape[1]
     out_shape = (width, d) if layout == "vd" else (d, width)
-  return _dot(*operands, _CONTRACT_ROWS, dtype, gemm, accumulate, out_shape)
+  cut = dict(bound=bound, bounded=None if bound is None else "k")
+  return _dot(*operands, _CONTRACT_ROWS, dtype, gemm, accumulate, out_shape, **cut)
 
 
 def row_gradients(
@@ -374,23 +424,20 @@ def row_gradients(
   dweight: jax.Array | None,
   tile: int | None = None,
   gemm: str = "xla",
+  bound: jax.Array | None = None,
 ) -> tuple[jax.Array | None, jax.Array | None]:
   """A block of rows' ``(dhidden rows, dweight)`` from its ``dlogits``.
 
   The rows are ``dlogits @ weight`` in ``dhidden_dtype`` (None: not formed);
-  ``dweight`` gets the rows' weight gradient added, or stays None.
+  ``dweight`` gets the rows' weight gradient added, or stays None. Rows
+  from ``bound`` on count for nothing (their ``dhidden`` rows are zero).
   """
   rows = None
+  run = dict(tile=tile, gemm=gemm, bound=bound)
   if dhidden_dtype is not None:
-    rows = dhidden_matmul(dlogits, weight, layout, dhidden_dtype, tile=tile, gemm=gemm)
+    rows = dhidden_matmul(dlogits, weight, layout, dhidden_dtype, **run)
   if dweight is not None:
     dweight = dweight_matmul(
-      dlogits,
-      hidden,
-      layout,
-      dweight.dtype,
-      into=dweight,
-      tile=tile,
-      gemm=gemm,
+      dlogits, hidden, layout, dweight.dtype, into=dweight, **run
     )
   return rows, dweight

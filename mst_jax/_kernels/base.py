@@ -104,6 +104,9 @@ class ChunkInputs(NamedTuple):
     labels: int32 ``[rows]``, indices into the whole vocabulary.
     class_weights: ``[columns]`` class weights (with label smoothing), or None.
     classes: the rows' class-weight factors, or None (no class weights).
+    bound: None, or an int32 scalar: no row from it on counts (all excluded),
+      and a backend may leave their logits, statistics and ``dlogits``
+      unspecified (``_gemm.matmul``'s products leave them out).
   """
 
   hidden: jax.Array
@@ -112,6 +115,7 @@ class ChunkInputs(NamedTuple):
   labels: jax.Array
   class_weights: jax.Array | None = None
   classes: ClassRows | None = None
+  bound: jax.Array | None = None
 
 
 class ChunkBackend(Protocol):
@@ -232,6 +236,7 @@ class MatmulThenCE:
       head.logits_dtype,
       tile=head.matmul_tile,
       gemm=head.gemm,
+      bound=x.bound,
     )
 
   def logits_and_stats(self, x: ChunkInputs, head: HeadSpec, offset):

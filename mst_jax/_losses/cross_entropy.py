@@ -318,7 +318,9 @@ def resolve(
     rows, perf = rows._replace(weight=rows.weight.T), transposed
     head = dataclasses.replace(head, weight_layout="vd")
     layout = layout and dataclasses.replace(layout, weight_layout="vd")
-  order, accum = _loop_order(rows, perf, logits_dtype, layout, cpu=platform == "cpu")
+  order, accum = _loop_order(
+    rows, perf, logits_dtype, layout, cpu=platform == "cpu", gemm=head.gemm
+  )
   pad = _plan.tma_row_padding(
     n_rows // devices, _blocks(order), head.gemm, rows.hidden.dtype
   )
@@ -419,9 +421,17 @@ def _not_on_triton(class_weights) -> str | None:
   return None if class_weights is None else "class weights with label smoothing"
 
 
-def _loop_order(rows: Rows, perf: PerfOptions, logits_dtype, layout, *, cpu: bool):
+def _loop_order(
+  rows: Rows, perf: PerfOptions, logits_dtype, layout, *, cpu: bool, gemm: str
+):
   """``(order, accum_dtype)``: the loop order planned for the rows and the
-  vocabulary one device holds, and the accumulators' dtype (None: in place)."""
+  vocabulary one device holds, and the accumulators' dtype (None: in place).
+
+  With the Mosaic GEMMs the row chunks are bounded (``RowChunks.bounded``):
+  a block with excluded rows runs its products to its last valid row, one
+  copy of each in the program; with XLA's, on a GPU, it runs a window of
+  its chunks (``_plan.skips_empty_chunks``)."""
+  bounded = gemm == "mosaic"
   vocab_devices = 1 if layout is None else layout.axis_size(layout.vocab_axis)
   n_rows = rows.hidden.shape[0] // _mesh.row_devices(layout)
   vocab = rows.vocab_size // vocab_devices
@@ -442,7 +452,7 @@ def _loop_order(rows: Rows, perf: PerfOptions, logits_dtype, layout, *, cpu: boo
     accum = perf.accum_dtype or _plan.default_accum_dtype(
       n_rows, chunk, rows.weight.dtype
     )
-    return RowChunks(chunk, chunk), accum
+    return RowChunks(chunk, chunk, bounded=bounded), accum
   chunk, group, accum = _plan.plan_with_accumulator(
     n_rows,
     vocab,
@@ -455,7 +465,8 @@ def _loop_order(rows: Rows, perf: PerfOptions, logits_dtype, layout, *, cpu: boo
     biased=rows.bias is not None,
     accum_dtype=perf.accum_dtype,
   )
-  return RowChunks(chunk, group, windows=_plan.skips_empty_chunks(cpu)), accum
+  windows = _plan.skips_empty_chunks(cpu) and not bounded
+  return RowChunks(chunk, group, windows=windows, bounded=bounded), accum
 
 
 def _budget(perf: PerfOptions, vocab_devices: int) -> int:

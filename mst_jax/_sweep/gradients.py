@@ -51,10 +51,11 @@ def row_products(
   *,
   tile: int | None = None,
   gemm: str = "xla",
+  bound: jax.Array | None = None,
 ):
   """A block of rows' ``dhidden`` rows (None without ``grads[0]``) and
   ``grads[1]`` (``dweight``) with its product added, by
-  ``_gemm.matmul.row_gradients``.
+  ``_gemm.matmul.row_gradients`` (to ``bound``).
 
   ``dlogits`` are of unit row weights; with a ``scale`` (float16) the rows
   are formed in float32 and scaled as they are rounded, and a float16
@@ -71,11 +72,12 @@ def row_products(
     dweight=dweight if into else None,
     tile=tile,
     gemm=gemm,
+    bound=bound,
   )
   if not into:
     width = matmul.vocab_size(weight, layout)
     part = matmul.dweight_matmul(
-      dlogits, h, layout, jnp.float32, gemm=gemm, width=width
+      dlogits, h, layout, jnp.float32, gemm=gemm, width=width, bound=bound
     )
     summed = add_scaled(dweight, part, scale)
   if rows is not None and scale is not None:
@@ -83,10 +85,11 @@ def row_products(
   return rows, summed
 
 
-def add_bias_gradient(dbias, dlogits, scale):
-  """``dbias`` with a block of rows' ``dlogits`` summed in (``add_scaled``)."""
+def add_bias_gradient(dbias, dlogits, scale, bound=None):
+  """``dbias`` with a block of rows' ``dlogits`` (those before ``bound``)
+  summed in (``add_scaled``)."""
   part = matmul.bias_gradient(
-    dlogits, dbias.shape[0], product_dtype(dbias.dtype, scale)
+    dlogits, dbias.shape[0], product_dtype(dbias.dtype, scale), bound
   )
   return add_scaled(dbias, part, scale)
 
@@ -102,22 +105,23 @@ def accumulate(
   scale: jax.Array | None = None,
   local: bool = False,
 ) -> Grads:
-  """Adds one group's ``dlogits`` to ``(dhidden, dweight, dbias)``.
+  """Adds one group's ``dlogits`` (to its ``bound``) to ``(dhidden, dweight,
+  dbias)``.
 
   ``local``: ``dhidden`` is the
   enclosing group's rows, not all rows. ``scale``: of the unit row weights
   of ``dlogits`` (``row_products``).
   """
   dhidden, dweight, dbias = grads
-  tile, gemm = config.head.matmul_tile, config.head.gemm
+  tile, gemm, bound = config.head.matmul_tile, config.head.gemm, group.bound
   dh, dweight = row_products(
-    grads, dlogits, h, weight, config.layout, scale, tile=tile, gemm=gemm
+    grads, dlogits, h, weight, config.layout, scale, tile=tile, gemm=gemm, bound=bound
   )
   if dhidden is not None:
     dh = config.columns.sum_partial(dh)
     dhidden = group.put(dhidden, dh, local=local)
   if dbias is not None:
-    dbias = add_bias_gradient(dbias, dlogits, scale)
+    dbias = add_bias_gradient(dbias, dlogits, scale, bound)
   return dhidden, dweight, dbias
 
 
@@ -130,7 +134,7 @@ class Sweep:
   ``buffer`` from ``row`` on, and the buffer returned).
   """
 
-  order: Any  # the RowChunks: rows_per_chunk, rows_per_group, compact, windows
+  order: Any  # the RowChunks: rows_per_chunk, rows_per_group, windows, bounded
   config: SweepConfig
   x: RowInputs
   chunk_dlogits: Callable
@@ -168,6 +172,12 @@ class Sweep:
     return sweep_chunks(
       self.order.rows_per_chunk, group.valid, self.chunk_update, carry, group=group
     )
+
+  def each(self, size: int, update, carry, **kwargs):
+    """``sweep_chunks`` over all rows in blocks of ``size``, bounded as the
+    loop order says."""
+    bounded = self.order.bounded
+    return sweep_chunks(size, self.valid, update, carry, bounded=bounded, **kwargs)
 
 
 def _held(group: Chunk, chunk_size: int) -> jax.Array:
@@ -243,9 +253,7 @@ def _by_window(whole, chunk_size: int, row_zeros):
 
 def _per_chunk(sweep: Sweep, outputs, grads):
   """Chosen when a group is one chunk: every chunk does its own matmuls."""
-  return sweep_chunks(
-    sweep.order.rows_per_chunk, sweep.valid, sweep.chunk_update, (outputs, grads)
-  )
+  return sweep.each(sweep.order.rows_per_chunk, sweep.chunk_update, (outputs, grads))
 
 
 def _whole_groups_in_place(sweep: Sweep, outputs, grads):
@@ -262,8 +270,11 @@ def _whole_groups_in_place(sweep: Sweep, outputs, grads):
   kinds run in two loops: a ``lax.cond`` between them inside one loop made
   XLA copy the carried ``dweight``. Without ``order.windows`` every group with
   a valid row runs whole (excluded rows' ``dlogits`` are zero): one copy of
-  the matmuls in the program. Each group's ``dhidden`` rows come back as
-  ``[group, D]`` and are written outside.
+  the matmuls in the program. With ``order.bounded`` (the Mosaic GEMMs)
+  every group with a valid row runs whole, to its ``bound``
+  (``_sweep.rows.with_bound``): the products skip the rows past its last
+  valid one on the device, one copy of them in the program. Each group's
+  ``dhidden`` rows come back as ``[group, D]`` and are written outside.
   """
   config, hidden, weight = sweep.config, sweep.hidden, sweep.weight
   group_size, chunk_size = sweep.order.rows_per_group, sweep.order.rows_per_chunk
@@ -286,7 +297,13 @@ def _whole_groups_in_place(sweep: Sweep, outputs, grads):
     if want_rows:
       tile, gemm = config.head.matmul_tile, config.head.gemm
       rows = matmul.dhidden_matmul(
-        dlogits, weight, layout, product_dtype(dh_dtype, scale), tile=tile, gemm=gemm
+        dlogits,
+        weight,
+        layout,
+        product_dtype(dh_dtype, scale),
+        tile=tile,
+        gemm=gemm,
+        bound=group.bound,
       )
       if scale is not None:
         rows = rounded(rows, dh_dtype, scale)
@@ -306,8 +323,8 @@ def _whole_groups_in_place(sweep: Sweep, outputs, grads):
   def row_zeros(group):
     return jnp.zeros((group.size, hidden.shape[1]), dh_dtype) if want_rows else None
 
-  if not sweep.order.windows:
-    return sweep_chunks(group_size, sweep.valid, group_update(whole), (outputs, grads))
+  if sweep.order.bounded or not sweep.order.windows:
+    return sweep.each(group_size, group_update(whole), (outputs, grads))
   every_chunk = _every_chunk(chunk_size)
   carry = sweep_chunks(
     group_size,

@@ -39,6 +39,7 @@ from mst_jax._sweep.rows import (
   output_init,
   stat_dtype,
   sweep_chunks,
+  with_bound,
 )
 
 
@@ -55,12 +56,22 @@ class RowChunks:
     windows: a group with excluded rows runs its matmuls on the window of its
       chunks that hold valid rows, so the program holds them once per chunk
       count; False: it runs whole, one copy (``_plan.skips_empty_chunks``).
+    bounded: each block of rows runs whole, its products and kernels to one
+      past its last valid row, a bound known on the device
+      (``_sweep.rows.with_bound``; the Mosaic GEMMs): one copy of them,
+      windows or not.
   """
 
   rows_per_chunk: int
   rows_per_group: int
   compact: bool = True
   windows: bool = True
+  bounded: bool = False
+
+  def _all_rows(self, valid):
+    """All rows as one chunk (bounded as the order says)."""
+    chunk = chunk_of(valid.shape[0], valid, 0)
+    return with_bound(chunk) if self.bounded else chunk
 
   def forward(self, config, x):
     """Per-row ``(loss, lse, correct, entropy)``."""
@@ -79,13 +90,15 @@ class RowChunks:
       )
 
     init = output_init(x.hidden.shape[0], stat_dtype(x.hidden))
-    outputs = sweep_chunks(self.rows_per_chunk, x.valid, update, init)
+    outputs = sweep_chunks(
+      self.rows_per_chunk, x.valid, update, init, bounded=self.bounded
+    )
     return tuple(map(scatter, outputs))
 
   def forward_keeping(self, config, x):
     """``(forward, logits)``: all rows as one chunk, and its logits, which
     ``backward_kept`` forms ``dlogits`` over instead of recomputing them."""
-    chunk = chunk_of(x.hidden.shape[0], x.valid, 0)
+    chunk = self._all_rows(x.valid)
     config.announce("forward", chunk.start)
     rows = x.chunk(chunk)
     logits, stats = config.logits_and_row_stats(rows)
@@ -95,7 +108,7 @@ class RowChunks:
   def backward_kept(self, config, x, cot, diff, logits):
     """``backward`` from ``forward_keeping``'s logits (in place where the
     backend can): the dlogits, dhidden and dweight of one chunk of all rows."""
-    chunk = chunk_of(x.hidden.shape[0], x.valid, 0)
+    chunk = self._all_rows(x.valid)
     rows = x.chunk(chunk)
     cot, scale = cot.unit(x.valid, x.hidden.dtype)
     coefficients = config.backward_rows(cot, rows.labels, chunk.valid, rows.classes)

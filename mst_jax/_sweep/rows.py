@@ -178,6 +178,7 @@ class RowInputs(NamedTuple):
       chunk.take(self.labels),
       class_weights=self.class_weights,
       classes=classes,
+      bound=chunk.bound,
     )
 
 
@@ -383,6 +384,9 @@ class Chunk(NamedTuple):
     owned: bool ``[size]``: rows no earlier sibling or enclosing group covered.
     local_owned: bool ``[size]``: rows no earlier sibling in the group covered.
     valid: bool ``[size]``: owned rows that count.
+    bound: None, or an int32 scalar past its last valid row
+      (``with_bound``): its products and kernels stop there, and the rows
+      from it on of what they form are unspecified.
   """
 
   start: jax.Array
@@ -390,6 +394,7 @@ class Chunk(NamedTuple):
   owned: jax.Array
   local_owned: jax.Array
   valid: jax.Array
+  bound: jax.Array | None = None
 
   @property
   def size(self) -> int:
@@ -442,6 +447,27 @@ def chunk_of(
   return Chunk(start, offset, owned, local_owned, chunk_valid)
 
 
+# A chunk's bound is a multiple of this many rows (or its size): the Mosaic
+# GEMM contracts over rows in steps of 64 (``GemmConfig.tile_k``), which
+# then read no row past the bound, and every kernel forms the rows before it.
+BOUND_ROWS = 64
+
+
+def with_bound(chunk: Chunk) -> Chunk:
+  """``chunk`` with its ``bound``: one past its last valid row, rounded up
+  to a multiple of ``BOUND_ROWS`` (at most its size; 0 without a valid row).
+
+  With valid rows compacted to the front, a group's valid rows end where
+  the valid rows of all rows do, and the group's products run to there
+  only, at one shape for every count of valid rows (``_gemm.matmul``).
+  """
+  valid = chunk.valid
+  last = chunk.size - jnp.argmax(valid[::-1])
+  bound = jnp.minimum(-(-last // BOUND_ROWS) * BOUND_ROWS, chunk.size)
+  bound = jnp.where(jnp.any(valid), bound, 0).astype(jnp.int32)
+  return chunk._replace(bound=bound)
+
+
 Update = Callable[[Any, Chunk], Any]
 # Per-row (loss, lse, correct, entropy), each [N].
 Outputs = tuple[jax.Array, jax.Array, jax.Array, jax.Array]
@@ -457,16 +483,18 @@ def sweep_chunks(
   *,
   group: Chunk | None = None,
   visit: Callable[[Chunk], jax.Array] | None = None,
+  bounded: bool = False,
 ):
   """``carry = update(carry, chunk)`` for every chunk of ``size`` rows to visit.
 
   Walks the rows of ``valid`` (all rows, or those of ``group``) in chunks
-  (``chunk_of``). A chunk without a valid row (or, with ``visit``, one where
-  ``visit(chunk)`` is false) is skipped by ``lax.cond`` on a device-side
-  predicate (the carry passes through).
+  (``chunk_of``; ``bounded``: ``with_bound``). A chunk without a valid row
+  (or, with ``visit``, one where ``visit(chunk)`` is false) is skipped by
+  ``lax.cond`` on a device-side predicate (the carry passes through).
   """
   visit = visit or (lambda chunk: jnp.any(chunk.valid))
-  chunk_at = lambda index: chunk_of(size, valid, index, group)
+  bound = with_bound if bounded else lambda chunk: chunk
+  chunk_at = lambda index: bound(chunk_of(size, valid, index, group))
   skipped = lambda carry, chunk: carry
 
   def body(carry, index):

@@ -125,6 +125,10 @@ class Problem:
   # that is not a multiple of 8 (such as a [50257, D] weight): TMA copies
   # those a row at a time (``_gemm.mosaic.kernels``).
   ragged: tuple[bool, bool, bool] = (False, False, False)
+  # None, "m" or "k": a bound read from device memory cuts the output's rows
+  # (tiles from it on are not computed) or the contraction (steps from its
+  # tile_k step on are not taken).
+  bounded: str | None = None
 
 
 _SWIZZLE_SPAN = 128  # bytes: a shared-memory tile's row

@@ -39,6 +39,7 @@ The module imports on any jax (a missing Mosaic GPU is reported when
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -188,7 +189,9 @@ _STATIC_ARGS = (
   "row_epilogue",
   "out_shape",
   "zero_extend",
+  "bounded",
 )
+BOUNDED = (None, "m", "k")
 
 
 @functools.cache
@@ -235,6 +238,8 @@ def matmul(
   row_inputs: tuple = (),
   out_shape: tuple[int, int] | None = None,
   zero_extend: bool = False,
+  bound: jax.Array | None = None,
+  bounded: str | None = None,
 ):
   """``lax.dot_general(lhs, rhs, dimension_numbers)`` (2-D) on Hopper's wgmma.
 
@@ -277,6 +282,13 @@ def matmul(
       the product's first ones.
     zero_extend: contract operands whose contracted dimensions differ, the
       shorter read as zero-extended (else they must agree).
+    bound: an int32 scalar, known on the device only, with ``bounded``:
+      ``"m"``: the output's rows from ``bound`` on (from the first block of
+      rows starting there) are not computed, and hold unspecified values;
+      ``"k"``: the contraction stops at the first multiple of ``tile_k``
+      (64) at or past ``bound``, so the operands' rows or columns past it are
+      never read. A masked group of rows (valid rows first) runs its
+      products once, at one shape, to the rows that count.
 
   Returns:
     ``[M, N]`` in ``out_dtype``; with ``row_epilogue``, also a list of its
@@ -294,15 +306,22 @@ def matmul(
   problem = _check(
     lhs, rhs, dimension_numbers, out_dtype, accumulate, out_shape, zero_extend
   )
+  if bounded not in BOUNDED or (bound is None) != (bounded is None):
+    raise ValueError(
+      f"bounded must be one of {BOUNDED}, given with a bound; got {bounded!r}"
+      f" with bound {bound!r}"
+    )
   if (reason := unavailable_reason()) is not None:
     raise NotImplementedError(f"mosaic_gemm.matmul: {reason}; use lax.dot_general.")
-  p = problem
+  p = problem = dataclasses.replace(problem, bounded=bounded)
   if row_epilogue is None:
     config = config or _config(p)
     if accumulate is not None:  # (a Ref inside: no custom_vmap around it)
-      return gemm(lhs, rhs, accumulate, problem, config, _num_sms())
-    run = lambda lhs, rhs: gemm(lhs, rhs, None, problem, config, _num_sms())
-    return unbatched(run)(lhs, rhs)
+      return gemm(lhs, rhs, accumulate, problem, config, _num_sms(), bound=bound)
+    run = lambda lhs, rhs, *bound: gemm(
+      lhs, rhs, None, problem, config, _num_sms(), bound=(bound or (None,))[0]
+    )
+    return unbatched(run)(lhs, rhs, *_bound_args(bound))
   if accumulate is not None:
     raise ValueError("a row_epilogue does not run with accumulate")
   if len(row_inputs) != len(row_epilogue.input_dtypes) or any(
@@ -314,8 +333,17 @@ def matmul(
     )
   config = config or _config(p, row_epilogue)
 
-  def run(lhs, rhs, *row_inputs):
-    rows = (row_epilogue, list(row_inputs))
-    return gemm(lhs, rhs, None, problem, config, _num_sms(), rows=rows)
+  inputs = len(row_inputs)
 
-  return unbatched(run)(lhs, rhs, *row_inputs)
+  def run(lhs, rhs, *args):
+    rows = (row_epilogue, list(args[:inputs]))
+    bound = (args[inputs:] or (None,))[0]
+    return gemm(lhs, rhs, None, problem, config, _num_sms(), rows=rows, bound=bound)
+
+  return unbatched(run)(lhs, rhs, *row_inputs, *_bound_args(bound))
+
+
+def _bound_args(bound) -> tuple:
+  """``(bound,)`` as an int32 array, or ``()``: an argument of the kernels'
+  functions, not a constant they close over."""
+  return () if bound is None else (jnp.asarray(bound, jnp.int32),)

@@ -88,15 +88,25 @@ def _operand_specs(problem: Problem, config: GemmConfig) -> list:
   ]
 
 
-def _walk(problem: Problem, config: GemmConfig):
+def _walk(problem: Problem, config: GemmConfig, bound=None):
   """The persistent grid's work: ``(count, split_steps, at)``: ``count``
   pieces of ``split_steps`` contraction steps each, where ``at(index)`` gives
   the ``index``-th piece's output rows, columns, contraction range and
   split-K part. Neighbouring blocks take the parts of one tile, then the next
-  tile, along a planar snake (they share operand tiles in L2)."""
+  tile, along a planar snake (they share operand tiles in L2).
+
+  With ``problem.bounded``, ``bound`` (a scalar read in the kernel) cuts the
+  output's rows (``"m"``: the blocks of rows from ``bound`` on are left out)
+  or the contraction (``"k"``: its ``tile_k`` steps from ``bound`` on), so
+  ``count`` or ``split_steps`` are known on the device only."""
   p, c = problem, config
-  grid = (pl.cdiv(p.m, c.block_m), pl.cdiv(p.n, c.block_n))
-  split_steps = pl.cdiv(pl.cdiv(p.k, c.tile_k), c.k_splits)  # tile_k steps
+  m_rows, k = p.m, p.k
+  if p.bounded == "m":
+    m_rows = jnp.minimum(bound, p.m)
+  elif p.bounded == "k":
+    k = jnp.minimum(bound, p.k)
+  grid = (pl.cdiv(m_rows, c.block_m), pl.cdiv(p.n, c.block_n))
+  split_steps = pl.cdiv(pl.cdiv(k, c.tile_k), c.k_splits)  # tile_k steps
   minor = 0 if c.grid_minor == "m" else 1
 
   def at(index):
@@ -133,14 +143,14 @@ def _operand_views(problem: Problem, a_smem, b_smem, wg_m, wg_n):
 
 
 def _cooperative_kernel(
-  a_gmem, b_gmem, out_gmem, *, problem: Problem, config: GemmConfig
+  a_gmem, b_gmem, out_gmem, *, problem: Problem, config: GemmConfig, bound=None
 ):
   """One block: a persistent walk over ``[block_m, block_n]`` output tiles
   (and with split-K, over the contraction's parts: ``out_gmem`` is then
   ``[k_splits, m, n]``, one partial product per part), both compute
   warpgroups on each tile (``split="m"`` or ``"n"``)."""
   p, c = problem, config
-  count, split_steps, at = _walk(p, c)
+  count, split_steps, at = _walk(p, c, bound)
 
   def pipeline(body, compute_context):
     return plgpu.emit_pipeline_warp_specialized(
@@ -207,6 +217,7 @@ def _pingpong_kernel(
   config: GemmConfig,
   num_sms: int,
   rows_epilogue: epilogues.RowEpilogue | None = None,
+  bound=None,
 ):
   """One block (``split="tiles"``): the memory warpgroup copies the operand
   tiles of all the block's output tiles, in order, through one ring of
@@ -224,7 +235,7 @@ def _pingpong_kernel(
   else:
     inputs = len(rows_epilogue.input_dtypes)
     row_inputs, (out_gmem, *row_outputs) = refs[:inputs], refs[inputs:]
-  count, split_steps, at = _walk(p, c)
+  count, split_steps, at = _walk(p, c, bound)
   sm = lax.axis_index("sm")
   tiles = (count - sm + num_sms - 1) // num_sms  # this block's: sm + i num_sms
   a_smem, b_smem = (  # rings of the pipeline's operand tiles
@@ -337,12 +348,15 @@ def gemm(
   config: GemmConfig,
   num_sms: int,
   rows: tuple[epilogues.RowEpilogue, list] | None = None,
+  bound: jax.Array | None = None,
 ):
   """Launches the kernel; ``accumulate`` (or None) is updated through a Ref.
 
   Split along K, the blocks write float32 partial products, summed here.
   With ``rows=(epilogue, inputs)`` (ping-pong only), returns the output and
-  the epilogue's ``[n / tile_n, m]`` row outputs.
+  the epilogue's ``[n / tile_n, m]`` row outputs. ``bound``: the scalar
+  that cuts a ``problem.bounded`` product (``_walk``), passed to the kernel
+  as a ``[1]`` int32 array.
   """
   if config.k_splits > 1 and accumulate is not None:
     raise ValueError("split-K (k_splits > 1) does not accumulate")
@@ -366,30 +380,42 @@ def gemm(
     body = _cooperative_kernel
   # Named by shape, so that a profile tells a step's products apart.
   name = f"mst_jax_mosaic_gemm_{problem.m}x{problem.n}x{problem.k}"
+  body = functools.partial(body, problem=kernel_problem, config=config)
+  bound_args = ()
+  if problem.bounded is not None:
+    bound_args = (jnp.asarray(bound, jnp.int32).reshape(1),)
+    body = functools.partial(_read_bound, body)
   kernel = functools.partial(
     pl.kernel,
-    functools.partial(body, problem=kernel_problem, config=config),
+    body,
     mesh=mesh,
     compiler_params=plgpu.CompilerParams(
       approx_math=epilogue is not None and epilogue.approx_math,
       lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
     ),
     name=name
+    + (f"_bounded_{problem.bounded}" if problem.bounded is not None else "")
     + ("_add" if accumulate is not None else "")
     + ("_rows" if epilogue is not None else ""),
   )
+  operands = (*bound_args, lhs, rhs)
   if config.k_splits > 1:
     shape = (config.k_splits, problem.m, problem.n)
-    parts = kernel(out_type=jax.ShapeDtypeStruct(shape, jnp.float32))(lhs, rhs)
+    parts = kernel(out_type=jax.ShapeDtypeStruct(shape, jnp.float32))(*operands)
     return jnp.sum(parts, axis=0).astype(problem.out_dtype)
   out_type = jax.ShapeDtypeStruct((problem.m, problem.n), problem.out_dtype)
   if epilogue is not None:
     row_types = epilogues.row_out_types(epilogue, problem, config)
     padded = [epilogues.pad_rows(x, config) for x in inputs]
-    out, *row_outputs = kernel(out_type=[out_type, *row_types])(lhs, rhs, *padded)
+    out, *row_outputs = kernel(out_type=[out_type, *row_types])(*operands, *padded)
     return out, [x[:, : problem.m] for x in row_outputs]
   if accumulate is None:
-    return kernel(out_type=out_type)(lhs, rhs)
+    return kernel(out_type=out_type)(*operands)
   out_ref = jax.new_ref(accumulate)
-  kernel(out_type=())(lhs, rhs, out_ref)
+  kernel(out_type=())(*operands, out_ref)
   return jax.freeze(out_ref)
+
+
+def _read_bound(body, bound_ref, *refs):
+  """``body(*refs, bound=)`` with the bound read from its ``[1]`` array."""
+  return body(*refs, bound=bound_ref[0])

@@ -150,12 +150,16 @@ class MosaicChunkCE(base.MatmulThenCE):
     weight_columns: the weight's number of columns, where the logits are
       padded past them (set per chunk by ``_scoring``): the statistics leave
       the rest out, and ``dlogits`` are zero there.
+    bound: the chunk's ``ChunkInputs.bound`` (set per chunk by ``_scoring``,
+      an int32 scalar known on the device): the kernels skip the row blocks
+      from it on.
   """
 
   fallback: Callable[[], base.LogitsCE] = XlaChunkCE
   tiles: MosaicBlocks = MosaicBlocks()
   interpret: bool = False
   weight_columns: int | None = None
+  bound: jax.Array | None = None
 
   def _padded(self, x: base.ChunkInputs, head: base.HeadSpec) -> bool:
     """Whether the chunk's logits come from the Mosaic GEMM, padded to whole
@@ -192,11 +196,14 @@ class MosaicChunkCE(base.MatmulThenCE):
 
   def _scoring(self, x: base.ChunkInputs, head: base.HeadSpec) -> MosaicChunkCE:
     """This backend for the chunk: over padded logits (``_padded``), one
-    that scores the weight's columns only."""
-    if not self._padded(x, head):
-      return self
-    n_cols = matmul.vocab_size(x.weight, head.weight_layout)
-    return dataclasses.replace(self, weight_columns=n_cols)
+    that scores the weight's columns only; with a bound, one whose kernels
+    stop there."""
+    changes = {}
+    if self._padded(x, head):
+      changes["weight_columns"] = matmul.vocab_size(x.weight, head.weight_layout)
+    if x.bound is not None:
+      changes["bound"] = x.bound
+    return dataclasses.replace(self, **changes) if changes else self
 
   def chunk_logits(self, x: base.ChunkInputs, head: base.HeadSpec) -> jax.Array:
     """The chunk's logits, padded to whole 64-column tiles where ``_padded``
@@ -204,7 +211,12 @@ class MosaicChunkCE(base.MatmulThenCE):
     logits = None
     if self._padded(x, head):
       logits = matmul.mosaic_logits(
-        x.hidden, x.weight, head.weight_layout, head.logits_dtype, bias=x.bias
+        x.hidden,
+        x.weight,
+        head.weight_layout,
+        head.logits_dtype,
+        bias=x.bias,
+        bound=x.bound,
       )
     return super().chunk_logits(x, head) if logits is None else logits
 
@@ -229,7 +241,13 @@ class MosaicChunkCE(base.MatmulThenCE):
     epilogue = mosaic_stats.TileStats(head.options, n_cols)
     labels = base.relative_labels(x.labels, offset).astype(jnp.int32)
     fused = matmul.mosaic_logits(
-      x.hidden, x.weight, head.weight_layout, head.logits_dtype, epilogue, (labels,)
+      x.hidden,
+      x.weight,
+      head.weight_layout,
+      head.logits_dtype,
+      epilogue,
+      (labels,),
+      bound=x.bound,
     )
     if fused is None:
       return self.chunk_logits(x, head), None
@@ -277,19 +295,25 @@ class MosaicChunkCE(base.MatmulThenCE):
     kernel = functools.partial(
       _stats_kernel, options=options, n_cols=n_cols, weighted=bool(weights)
     )
-    run = lambda logits, labels, *weights: launch(
-      kernel,
-      "mst_ce_stats_mosaic",
-      grid,
-      [labels],
-      out_type,
-      [logits],
-      tiles=self.tiles,
-      interpret=self.interpret,
-      approx=mosaic_stats.approx_math(options),
-      columns=weights,
-    )
-    outputs = mosaic_gemm.unbatched(run)(logits, labels, *weights)
+    bound = () if self.bound is None else (self.bound,)
+    n_weights = len(weights)
+
+    def run(logits, labels, *args):  # the bound an argument: under custom_vmap
+      return launch(
+        kernel,
+        "mst_ce_stats_mosaic",
+        grid,
+        [labels],
+        out_type,
+        [logits],
+        tiles=self.tiles,
+        interpret=self.interpret,
+        approx=mosaic_stats.approx_math(options),
+        columns=args[:n_weights],
+        bound=(*args[n_weights:], None)[0],
+      )
+
+    outputs = mosaic_gemm.unbatched(run)(logits, labels, *weights, *bound)
     part_cols = grid.steps * self.tiles.block_v
     widths = mosaic_stats.part_widths(n_cols, part_cols)
     sums = None
@@ -355,6 +379,7 @@ class MosaicChunkCE(base.MatmulThenCE):
       interpret=self.interpret,
       approx=mosaic_stats.approx_math(options),
       columns=weights,
+      bound=self.bound,
     )
     if into is not None:  # into a group's buffer (XLA aliases it, as below)
       buffer, row = into

@@ -209,6 +209,7 @@ def launch(
   new=None,
   at_row=None,
   columns=(),
+  bound=None,
 ):
   """``kernel(..., program=)`` over ``grid``'s ``(row blocks, parts)``.
 
@@ -225,6 +226,10 @@ def launch(
   between device and shared memory). ``columns``: ``[V]`` vectors (class
   weights), which the kernel takes after the row vectors and walks beside
   the arrays' tiles (padded with zeros to whole parts of whole tiles).
+  ``bound`` (an int32 scalar, traced or not): on a GPU the programs of the
+  row blocks from it on do nothing, so their rows are left as they were
+  (outputs and a new array unspecified there); interpreted, all run (Pallas
+  interprets no program index inside a conditional).
   Returns the outputs, the new array, or None.
   """
   assert new is None or out_type is None, "a new array is written, not outputs"
@@ -242,6 +247,10 @@ def launch(
     shifted = lambda ref: dataclasses.replace(program, shift=ref)
     body = lambda shift_ref, *refs: kernel(*refs, program=shifted(shift_ref))
     rows = [shift, *rows]
+  if bound is not None and not interpret:  # a [1] int32 before the row vectors
+    at = 0 if written else len(arrays)
+    body = functools.partial(_below, body, at, program, tiles.block_rows)
+    rows = [jnp.asarray(bound, jnp.int32).reshape(1), *rows]
   if new is not None:
     out_type = jax.ShapeDtypeStruct((n_rows, n_cols), new)
   elif not written:
@@ -296,6 +305,16 @@ def launch(
     arrays[-1][...] = outputs[: arrays[-1].shape[0], :n_cols]
     return None
   return [o[:, :n_rows] for o in outputs]
+
+
+def _below(body, at: int, program: Program, block_rows: int, *refs) -> None:
+  """``body(*refs)`` without ``refs[at]``, a ``[1]`` bound, in the programs
+  of the row blocks that start before it."""
+  *refs, bound_ref = (*refs[:at], *refs[at + 1 :], refs[at])
+
+  @pl.when(program.index()[0] * block_rows < bound_ref[0])
+  def _():
+    body(*refs)
 
 
 def takes(logits: jax.Array) -> bool:
