@@ -100,13 +100,14 @@ def _walk(problem: Problem, config: GemmConfig, bound=None):
   or the contraction (``"k"``: its ``tile_k`` steps from ``bound`` on), so
   ``count`` or ``split_steps`` are known on the device only."""
   p, c = problem, config
-  m_rows, k = p.m, p.k
+  steps = lambda k: pl.cdiv(pl.cdiv(k, c.tile_k), c.k_splits)  # tile_k steps
+  m_rows, split_steps = p.m, steps(p.k)
+  most_steps = split_steps  # static: the operands' views are this long
   if p.bounded == "m":
     m_rows = jnp.minimum(bound, p.m)
   elif p.bounded == "k":
-    k = jnp.minimum(bound, p.k)
+    split_steps = steps(jnp.minimum(bound, p.k))
   grid = (pl.cdiv(m_rows, c.block_m), pl.cdiv(p.n, c.block_n))
-  split_steps = pl.cdiv(pl.cdiv(k, c.tile_k), c.k_splits)  # tile_k steps
   minor = 0 if c.grid_minor == "m" else 1
 
   def at(index):
@@ -114,8 +115,9 @@ def _walk(problem: Problem, config: GemmConfig, bound=None):
     m_index, n_index = plgpu.planar_snake(tile_index, grid, minor, c.grid_tile_width)
     rows = pl.ds(m_index * c.block_m, c.block_m)
     cols = pl.ds(n_index * c.block_n, c.block_n)
-    # The last part may run past K: TMA reads zeros there.
-    ks = pl.ds(part * split_steps * c.tile_k, split_steps * c.tile_k)
+    # The last part may run past K: TMA reads zeros there. Bounded, the
+    # pipeline takes the view's first split_steps steps only.
+    ks = pl.ds(part * split_steps * c.tile_k, most_steps * c.tile_k)
     return rows, cols, ks, part
 
   return grid[0] * grid[1] * c.k_splits, split_steps, at
