@@ -161,7 +161,11 @@ def test_the_default_on_hopper_is_the_mosaic_program(as_if_on_hopper, kwargs, ro
   logits = re.findall(r"mst_jax_mosaic_gemm_(\d+)x32000x320_bounded_m_rows\b", default)
   assert set(map(int, logits)) == {rows}
   assert default.count("custom_call @mosaic_gpu") == 4
-  assert default == text(impl="mosaic")
+  # The same kernels (jax 0.11 on serializes each Mosaic kernel with its
+  # call site's locations, and numbers the kernels' names).
+  names = lambda text: re.findall(r"mst_[a-z_0-9x]+", text)
+  kernels = lambda text: sorted(re.sub(r"(_\d+)+$", "", n) for n in names(text))
+  assert kernels(default) == kernels(text(impl="mosaic"))
   pallas = text(impl="pallas")
   assert "mosaic_gpu" not in pallas and "triton" in pallas
 
