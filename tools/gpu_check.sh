@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Checks and measurements on a GPU machine, from the repository root:
 #   [BENCH_ARGS=...] [HLO_VARIANTS="k=v k=v;..."] tools/gpu_check.sh STEP [STEP ...]
-# Steps: gpu_tests (every GPU test, one process), gpu_a, gpu_b, gpu_c (the GPU
+# Steps: compile (fresh-process compile times, tools/compile_time.py),
+# gpu_tests (every GPU test, one process), gpu_a, gpu_b, gpu_c (the GPU
 # tests in three parts, three xdist workers each; gpu_a runs the 131072-row test
 # alone first, since it takes 65 GiB), suite (CPU tests), kernels, bench, multi
 # (two GPUs), fit, long (examples/long_context.py), hlo (tools/hlo_report.py per
@@ -34,6 +35,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # peer packages (jax_cce) as wheels in .
 fi
 for what in "$@"; do
   case $what in
+    compile) step compile ${COMPILE_LIMIT:-400} python3 tools/compile_time.py llama naive_cast mst_jax \
+               --cases gemma llama_32k ;;
     gpu_tests) step gpu_tests ${TESTS_LIMIT:-240} python3 -m pytest -q -m gpu -rs ${TESTS_K:+-k "$TESTS_K"} tests ;;
     gpu_a) step gpu_peer 150 python3 -m pytest -q -m gpu -rfE tests/test_peer_bugs.py  # 65 GiB: alone
            step gpu_a 430 python3 -m pytest -q -m gpu -rfE -n 3 tests/test_mosaic_gemm.py tests/test_mosaic_head.py ;;
