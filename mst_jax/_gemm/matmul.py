@@ -116,6 +116,12 @@ def rows_below(x: jax.Array, bound: jax.Array | None, axis: int = 0) -> jax.Arra
   return jnp.where(index < bound, x, jnp.zeros_like(x))
 
 
+def _cut(bound: jax.Array | None, bounded: str) -> dict:
+  """The bound arguments of a product (``_dot``'s, ``mosaic_gemm.matmul``'s):
+  none without a bound."""
+  return {} if bound is None else dict(bound=bound, bounded=bounded)
+
+
 def _dot(
   lhs,
   rhs,
@@ -143,8 +149,7 @@ def _dot(
   (lc,), (rc,) = dims[0]
   kw = dict(out_shape=out_shape, zero_extend=lhs.shape[lc] != rhs.shape[rc])
   if gemm == "mosaic" and mosaic_gemm.takes(lhs, rhs, dims, dtype, accumulate, **kw):
-    if bound is not None:
-      kw.update(bound=bound, bounded=bounded)
+    kw.update(_cut(bound, bounded))
     return mosaic_gemm.matmul(lhs, rhs, dims, dtype, accumulate=accumulate, **kw)
   if bounded == "k":
     lhs, rhs = rows_below(lhs, bound, lc), rows_below(rhs, bound, rc)
@@ -232,7 +237,7 @@ def logits_matmul(
     return lax.optimization_barrier(logits)
   acc = at_least_float32(hidden.dtype)
   dtype = dtype or acc
-  cut = dict(bound=bound, bounded=None if bound is None else "m")
+  cut = _cut(bound, "m")
   if bias is None:
     return _dot(hidden, weight, _LOGITS_DIMS[layout], dtype, gemm, **cut)
   logits = _dot(hidden, weight, _LOGITS_DIMS[layout], acc, gemm, **cut)
@@ -295,7 +300,7 @@ def mosaic_logits(
   """
   dims = _LOGITS_DIMS[layout]
   out_shape = (hidden.shape[0], padded_width(vocab_size(weight, layout)))
-  cut = {} if bound is None else dict(bound=bound, bounded="m")
+  cut = _cut(bound, "m")
   if not mosaic_takes_logits(hidden, weight, layout, dtype, bias=bias):
     return None
   if row_epilogue is not None and not mosaic_gemm.fuses_row_epilogues():
@@ -356,7 +361,7 @@ def dhidden_matmul(
     width = vocab_size(weight, layout)
     total = over_columns(step, total, (dlogits, weight), width, tile)
     return rows_below(total, bound).astype(dtype)
-  cut = dict(bound=bound, bounded=None if bound is None else "m")
+  cut = _cut(bound, "m")
   rows = _dot(dlogits, weight, _DHIDDEN_DIMS[layout], dtype, gemm, **cut)
   return rows_below(rows, bound)
 
@@ -410,7 +415,7 @@ def dweight_matmul(
   if width != dlogits.shape[1]:
     d = hidden.shape[1]
     out_shape = (width, d) if layout == "vd" else (d, width)
-  cut = dict(bound=bound, bounded=None if bound is None else "k")
+  cut = _cut(bound, "k")
   return _dot(*operands, _CONTRACT_ROWS, dtype, gemm, accumulate, out_shape, **cut)
 
 
