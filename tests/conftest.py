@@ -109,14 +109,16 @@ def _lowers_the_hopper_program(item) -> bool:
 def _mark_slow(items) -> None:
   """Splits the suite into a quick default run and a ``slow`` rest.
 
-  Of each parametrized test, the quick run keeps the first parametrizations
-  (in collection order) that together take every value of every parameter;
-  the rest of its grid is marked ``slow``, as are ``SLOW_TESTS`` and the
-  tests that lower the Hopper program for CUDA. A test that runs the Mosaic
-  GPU kernels in interpret mode (``mosaic_on_cpu``: 5-17 s each) keeps only
-  its first parametrization. So ``pytest`` (``-m "not slow"``, the default)
-  exercises every axis, and ``pytest -m slow`` runs everything else: CI runs
-  both.
+  Of each parametrized test the quick run keeps its first parametrization
+  (in collection order); in a module that sets ``EVERY_VALUE_QUICKLY`` (the
+  public losses and their options) it keeps the first parametrizations that
+  together take every value of every parameter. The rest of each grid is
+  marked ``slow``, as are ``SLOW_TESTS`` and the tests that lower the Hopper
+  program for CUDA; a test that runs the Mosaic GPU kernels in interpret mode
+  (``mosaic_on_cpu``: 5-17 s each) keeps only its first parametrization. So
+  ``pytest`` (``-m "not slow"``, the default) runs every test and every
+  option of the public functions, and ``pytest -m slow`` runs everything
+  else: CI runs both.
   """
   seen: dict = {}
   for item in items:
@@ -131,13 +133,22 @@ def _mark_slow(items) -> None:
     covered = seen.setdefault(test, set())
     values = {(key, repr(value)) for key, value in callspec.params.items()}
     interpreted = "mosaic_on_cpu" in getattr(item, "fixturenames", ())
-    if values <= covered or (interpreted and not first):
+    every_value = getattr(item.module, "EVERY_VALUE_QUICKLY", False) and not interpreted
+    if not first and (values <= covered or not every_value):
       item.add_marker(pytest.mark.slow)
     covered |= values
 
 
+# Started first: xdist hands tests to its workers in collection order, and
+# the longest one (a minute on 2 cores) started last would leave a worker idle.
+FIRST_TESTS = {"test_multidevice_suite_on_8_cpu_devices"}
+
+
 def pytest_collection_modifyitems(config, items):
   _mark_slow(items)
+  items.sort(
+    key=lambda item: getattr(item, "originalname", item.name) not in FIRST_TESTS
+  )
   if ON_GPU:
     return
   skip = pytest.mark.skip(reason="needs a CUDA GPU")

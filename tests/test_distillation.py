@@ -36,6 +36,9 @@ import mst_jax
 from mst_jax import _plan
 from mst_jax._sweep import distill as _distill_sweep
 
+# The quick run takes every value of every parameter here (conftest._mark_slow).
+EVERY_VALUE_QUICKLY = True
+
 D_S, D_T, V = 24, 40, 203
 CHUNK = 8
 # ||out - ref|| <= rtol ||ref|| against the float64 oracle, by input dtype and

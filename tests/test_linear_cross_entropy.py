@@ -26,6 +26,9 @@ import mst_jax
 from mst_jax._sweep import row_chunks as _row_chunks
 from mst_jax._sweep.gradients import gradient_sweep
 
+# The quick run takes every value of every parameter here (conftest._mark_slow).
+EVERY_VALUE_QUICKLY = True
+
 SINGLE_OPTIONS = {
   "plain": {},
   "label_smoothing": dict(label_smoothing=0.2),

@@ -29,6 +29,9 @@ from conftest import (
 
 import mst_jax
 
+# The quick run takes every value of every parameter here (conftest._mark_slow).
+EVERY_VALUE_QUICKLY = True
+
 # Outputs: float32 math on float32 logits; bf16 inputs get float32 logits
 # here (the default bfloat16 logits are checked with their rounding below).
 _OUT_TOL = {"float32": 2e-5, "bfloat16": 2e-5}

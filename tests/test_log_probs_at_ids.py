@@ -16,6 +16,9 @@ from conftest import to64
 import mst_jax
 from mst_jax._losses import log_probs as log_probs_module
 
+# The quick run takes every value of every parameter here (conftest._mark_slow).
+EVERY_VALUE_QUICKLY = True
+
 IGNORE = -100
 # float32 math on float32 logits (bfloat16 inputs here get float32 logits);
 # relative to the float64 oracle's norm. A dropped term errs by about 1.

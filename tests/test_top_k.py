@@ -13,6 +13,9 @@ from conftest import to64
 
 import mst_jax
 
+# The quick run takes every value of every parameter here (conftest._mark_slow).
+EVERY_VALUE_QUICKLY = True
+
 # Relative to the float64 values' norm: float32 logits; bfloat16 ones (the
 # default for bfloat16 inputs) round each logit by up to 2**-9 of it.
 # bfloat16 gradients come back in bfloat16 (2**-9 each); a dropped term errs
