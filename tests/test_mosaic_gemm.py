@@ -24,6 +24,7 @@ from mst_jax._gemm.mosaic.config import (
   SMEM_BYTES,
   _fill,
   epilogue_slots,
+  fit_shared_memory,
   narrow_error,
   ragged_error,
 )
@@ -402,11 +403,14 @@ def test_a_bound_cuts_the_rows(rng, product, layout, bound, config):
   if product == "dweight":
     init = jnp.asarray(rng.standard_normal(ref.shape), jnp.float32)
     ref, bounded = ref + np.asarray(init, np.float64), "k"
+  out_dtype = "float32" if product == "dweight" else "bfloat16"
+  if config is not None:  # as the GEMM fits its own configs
+    config = fit_shared_memory(config, out_dtype, init is not None)
   out = mosaic_gemm.matmul(
     lhs,
     rhs,
     dims,
-    jnp.float32 if product == "dweight" else jnp.bfloat16,
+    jnp.dtype(out_dtype),
     accumulate=init,
     config=config,
     bound=jnp.int32(bound),
@@ -416,7 +420,6 @@ def test_a_bound_cuts_the_rows(rng, product, layout, bound, config):
   if bounded == "m":
     out, ref = out[:bound], ref[:bound]
   assert np.isfinite(out).all()
-  out_dtype = "float32" if product == "dweight" else "bfloat16"
   _check_rounding(out, ref, out_dtype, (product, layout, bound))
 
 
