@@ -32,12 +32,11 @@ def _cuda_plugin() -> bool:
 
 
 # The suite compiles thousands of small programs, and on the CPU LLVM's
-# optimization took most of that time: at -O0 they compile about 40% faster
-# (the quick part in 5.5 minutes instead of 7.3-7.8 on 2 cores, the slow part
-# in 18.8 instead of 21.4). The programs' HLO, buffers and memory are XLA's
-# and the same at any level; results agree to the tolerances below. Set
-# before the backend starts (has_gpu below); the 8-device child inherits it.
-# A level given in XLA_FLAGS is kept.
+# optimization took most of that time: at -O0 they compile about 40% faster,
+# and the whole suite ran about a sixth faster on 2 cores. The programs' HLO,
+# buffers and memory are XLA's and the same at any level; results agree to
+# the tolerances below. Set before the backend starts (has_gpu below); the
+# 8-device child inherits it. A level given in XLA_FLAGS is kept.
 if not _cuda_plugin() and "xla_backend_optimization_level" not in os.environ.get(
   "XLA_FLAGS", ""
 ):
