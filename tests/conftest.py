@@ -110,7 +110,7 @@ def _mark_slow(items) -> None:
 
   Of each parametrized test the quick run keeps its first parametrization
   (in collection order); in a module that sets ``EVERY_VALUE_QUICKLY`` (the
-  public losses and their options) it keeps the first parametrizations that
+  public functions' own tests) it keeps the first parametrizations that
   together take every value of every parameter. The rest of each grid is
   marked ``slow``, as are ``SLOW_TESTS`` and the tests that lower the Hopper
   program for CUDA; a test that runs the Mosaic GPU kernels in interpret mode
