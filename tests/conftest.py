@@ -19,6 +19,7 @@ from jax import lax
 import mst_jax
 from mst_jax import _kernels, _plan
 from mst_jax._gemm.mosaic import gemm as mosaic_gemm
+from mst_jax._gemm.mosaic.config import accumulator_limit
 from mst_jax._kernels.mosaic import ce as mosaic_ce
 from mst_jax._kernels.mosaic import distill as mosaic_distill
 from mst_jax._kernels.xla import XlaChunkCE
@@ -186,9 +187,14 @@ def loop_order(request):
 def as_if_on_hopper(monkeypatch):
   """Plans for a Hopper GPU on any host, for lowering to CUDA: what CI
   without a GPU can check of the GPU program (the Mosaic and Triton kernels'
-  Python lowering). Clears JAX's caches after, so no other test meets a
-  program traced under these patches."""
+  Python lowering). The program is jaxlib 0.11's whatever jaxlib runs the
+  test (tests/test_jax_versions.py checks what jaxlib 0.12 changes: the
+  tiles and the statistics' kernel). Clears JAX's caches after, so no other
+  test meets a program traced under these patches."""
   monkeypatch.setattr(mosaic_gemm, "unavailable_reason", lambda: None)
+  monkeypatch.setattr(mosaic_gemm, "fuses_row_epilogues", lambda: True)
+  limit = accumulator_limit("0.11.2")
+  monkeypatch.setattr(mosaic_gemm, "_accumulator", lambda: limit)
   monkeypatch.setattr(_kernels, "pallas_unavailable_reason", lambda platform: None)
   monkeypatch.setattr(_cross_entropy, "_platform", lambda layout: "gpu")
   yield
