@@ -1,6 +1,6 @@
 """Which path the default takes on which jax: the Mosaic GPU kernels on a
 Hopper GPU, with tiles whose accumulators fit the registers that jaxlib's PTX
-compilation leaves them (from jaxlib 0.12: cooperative 64 x 256 tiles, and
+compilation leaves them (from jaxlib 0.12: cooperative 128 x 128 tiles, and
 the statistics outside the logits GEMM), and XLA's per-chunk math (not
 Triton's) behind them (checked on any host by faking the device and the
 version)."""
@@ -57,7 +57,7 @@ def test_the_logits_gemm_fuses_the_statistics_before_jaxlib_0_12(
 ):
   """The Llama-3 head's logits: one ping-pong GEMM with the statistics
   epilogue (128 x 192 tiles) before jaxlib 0.12; from it, a cooperative GEMM
-  of 64 x 256 tiles and no epilogue (``mosaic_logits`` returns None, so the
+  of 128 x 128 tiles and no epilogue (``mosaic_logits`` returns None, so the
   statistics kernel reads the logits)."""
   from mst_jax._gemm import matmul
   from mst_jax._kernels.mosaic import stats as mosaic_stats
@@ -84,7 +84,7 @@ def test_the_logits_gemm_fuses_the_statistics_before_jaxlib_0_12(
     assert calls[0]["config"].split == "tiles"
     assert (plain.split, plain.tile_m, plain.tile_n) == ("tiles", 128, 192)
   else:
-    assert (plain.split, plain.tile_m, plain.tile_n) == ("m", 64, 256)
+    assert (plain.split, plain.tile_m, plain.tile_n) == ("m", 128, 128)
 
 
 def _shapes(rng: np.random.Generator, count: int):

@@ -325,15 +325,10 @@ def accumulator_limit(jaxlib_version: str) -> int:
 
 
 def fit_registers(config: GemmConfig, limit: int, pingpong: bool = False) -> GemmConfig:
-  """``config`` with tiles narrowed until a compute warpgroup's accumulator
-  holds at most ``limit`` elements.
+  """``config`` with tiles narrowed (``tile_n`` to a multiple of 64) until a
+  compute warpgroup's accumulator holds at most ``limit`` elements.
 
-  A cooperative tile becomes 64 rows by as many columns as fit (at most 256,
-  a multiple of 64): the block's two warpgroups share its operand tiles, and
-  a wide ``wgmma`` reads the least shared memory per product (the Gemma-2
-  head's step: 48.40 ms on 64 x 256 tiles, 49.47 ms on 128 x 128; H100, jax
-  0.12.0.1). A ping-pong
-  tile keeps its rows and narrows ``tile_n``; it becomes cooperative unless
+  A ping-pong config so narrowed becomes cooperative (``split="m"``) unless
   ``pingpong`` (a row epilogue needs it): with 128 x 128 tiles, ping-pong ran
   the Llama-3 head's ``dweight`` in 13.7 ms and its logits (with the
   statistics epilogue) in 21.4 ms, cooperative ``[256, 128]`` blocks in 12.2
@@ -341,22 +336,10 @@ def fit_registers(config: GemmConfig, limit: int, pingpong: bool = False) -> Gem
   """
   if config.tile_m * config.tile_n <= limit:
     return config
-  if pingpong:
-    tile_m, tile_n, split = config.tile_m, limit // config.tile_m // 64 * 64, "tiles"
-  else:
-    tile_m, tile_n = 64, min(256, limit // 64 // 64 * 64)
-    split = "m" if config.split == "tiles" else config.split
-  tile_n = max(64, tile_n)
-  epilogue_m = math.gcd(config.epilogue_m, tile_m)
+  tile_n = max(64, limit // config.tile_m // 64 * 64)
   epilogue_n = math.gcd(config.epilogue_n, tile_n)
-  return dataclasses.replace(
-    config,
-    tile_m=tile_m,
-    tile_n=tile_n,
-    epilogue_m=epilogue_m,
-    epilogue_n=epilogue_n,
-    split=split,
-  )
+  split = "m" if config.split == "tiles" and not pingpong else config.split
+  return dataclasses.replace(config, tile_n=tile_n, epilogue_n=epilogue_n, split=split)
 
 
 def default_config(
