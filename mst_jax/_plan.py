@@ -94,9 +94,9 @@ def plan_chunks(
   count forms its logits in one matmul and its ``dlogits`` overwrite them
   (``itemsize V`` bytes a row); a group with excluded rows goes in
   ``CHUNKS_PER_GROUP`` chunks, skipping those without a valid row, whose
-  logits take an eighth more. ``n_rows`` is split into as few groups as fit,
-  as evenly as multiples of the alignment allow: 32768 rows at most 8372 a
-  group make four of 8192, each in chunks of 1024.
+  logits take an eighth more. ``rows_in_budget`` splits ``n_rows`` into
+  groups: 32768 rows at most 8372 a group make four of 8192, each in chunks
+  of 1024.
 
   Other logits (``logits_dtype`` None, wider than ``dtype``, or another
   16-bit type; counted as float32): a chunk's
@@ -127,13 +127,7 @@ def plan_chunks(
   # holds): at small N, chunking must not cost more memory than it saves.
   if dlogits_in_place(logits_dtype, dtype):
     per_row = (itemsize * (1 + 1 / CHUNKS_PER_GROUP) + copy_bytes) * vocab_size
-    most = int(memory_budget // per_row)
-    if most >= n_rows:
-      group = n_rows
-    else:
-      group = _aligned_rows(most)
-      n_groups = -(-n_rows // group)
-      group = min(group, _aligned_rows(-(-n_rows // n_groups), up=True), n_rows)
+    group = rows_in_budget(n_rows, per_row, memory_budget)
     chunk = -(-group // CHUNKS_PER_GROUP)
     return (_round_up(chunk, 8) if chunk >= 8 else group), group
   memory_budget = min(memory_budget, max(n_rows * vocab_size * itemsize, 1))
@@ -145,11 +139,10 @@ def plan_chunks(
   return chunk, _fewest_rewrites_group(n_rows, chunk, max(chunk, group_most))
 
 
-def _aligned_rows(rows: int, *, up: bool = False) -> int:
-  """``rows`` rounded to a multiple of 128 (of 8 below 128), at least 8."""
+def _aligned_rows(rows: int) -> int:
+  """``rows`` rounded down to a multiple of 128 (of 8 below 128), at least 8."""
   align = _ROW_ALIGN if rows >= _ROW_ALIGN else 8
-  rounded = _round_up(rows, align) if up else rows // align * align
-  return max(align, rounded)
+  return max(align, rows // align * align)
 
 
 def _fewest_rewrites_group(n_rows: int, chunk: int, group_most: int) -> int:
@@ -194,33 +187,32 @@ def plan_vocab_blocked_rows(
   return int(min(n_rows, _aligned_rows(memory_budget // per_row)))
 
 
-# A distillation plan may compute this fraction of rows twice (the last
-# chunk ends at row N and overlaps the previous one) rather than add chunks.
+# A plan may compute this fraction of rows twice (the last block ends at row
+# N and overlaps the previous one) rather than add blocks.
 _MAX_OVERLAP = 1 / 32
 
 
-def plan_distill_rows(
-  n_rows: int, vocab_size: int, bytes_per_logit: int, budget: int
-) -> int:
-  """Rows per chunk of the distillation sweep whose temporaries
-  (``bytes_per_logit`` per logit) fit ``budget``.
+def rows_in_budget(n_rows: int, bytes_per_row: float, budget: int) -> int:
+  """Rows per block when a block's temporaries take ``bytes_per_row`` a row
+  and must fit ``budget``: the one rule for cross-entropy's groups (logits in
+  the compute dtype) and distillation's chunks.
 
-  Chunks are multiples of 128 rows (of 8, below 128), as few as fit, unless
+  Blocks are multiples of 128 rows (of 8, below 128), as few as fit, unless
   the last one (which ends at row ``N``) would overlap its predecessor by
-  more than ``_MAX_OVERLAP`` of the rows: then the fewest chunks (up to
-  twice as many) that overlap least. 8192 rows at most 1280 a chunk are 8
-  chunks of 1024, not 7 of 1280.
+  more than ``_MAX_OVERLAP`` of the rows: then the fewest blocks (up to
+  twice as many) that overlap least. 8192 rows at most 1280 a block are 8
+  blocks of 1024, not 7 of 1280.
   """
-  most = budget // (bytes_per_logit * vocab_size)
+  most = int(budget // bytes_per_row)
   if most >= n_rows:
     return n_rows
-  align = 128 if most >= 128 else 8
+  align = _ROW_ALIGN if most >= _ROW_ALIGN else 8
   most = max(most // align * align, min(8, n_rows))
   fewest = -(-n_rows // most)
 
-  def rows(n_chunks):
-    even = -(-n_rows // n_chunks)
-    return min(most, -(-even // align) * align, n_rows)
+  def rows(n_blocks):
+    even = -(-n_rows // n_blocks)
+    return min(most, _round_up(even, _ROW_ALIGN if even >= _ROW_ALIGN else 8), n_rows)
 
   counts = range(fewest, 2 * fewest + 1)
   good = [k for k in counts if k * rows(k) - n_rows <= n_rows * _MAX_OVERLAP]

@@ -368,14 +368,14 @@ def test_transposed_weights_give_the_given_ones_gradients(
   and ``dweight`` back in ``[D, V]``, against the float64 oracle; the
   copies come out of the memory budget."""
   planned = []  # (weight layout, memory budget) of each rows' plan
-  plan_rows = _plan.plan_distill_rows
+  plan_rows = _plan.rows_in_budget
 
-  def recording_plan_rows(n_rows, vocab, per_logit, budget):
+  def recording_plan_rows(n_rows, per_row, budget):
     planned.append(budget)
-    return plan_rows(n_rows, vocab, per_logit, budget)
+    return plan_rows(n_rows, per_row, budget)
 
   monkeypatch.setattr(_distill_sweep, "transposes_weights", lambda *args: True)
-  monkeypatch.setattr(_plan, "plan_distill_rows", recording_plan_rows)
+  monkeypatch.setattr(_plan, "rows_in_budget", recording_plan_rows)
   pair = make_pair(rng, (3, 13), layout="dv", mask="prefix")
   check(pair, "float32", reduction, weight_layout="dv", memory_budget=10**6, **options)
   copies = 4 * (2 * D_S * V + D_T * V)  # float32
@@ -760,12 +760,12 @@ def test_bad_input_raises_at_trace_time(rng, overrides, options, error, match):
 
 
 def test_plan_rows_splits_evenly():
-  plan = _plan.plan_distill_rows
+  plan = _plan.rows_in_budget
   budget = 9 << 28
-  assert plan(8192, 128256, 14, budget) == 1024  # 8 chunks, not 7 of 1280
-  assert plan(8192, 128256, 14, 1 << 40) == 8192
-  assert plan(37, 203, 14, 14 * 203 * 20) == 8
-  assert plan(37, 203, 14, 1) == 8
+  assert plan(8192, 14 * 128256, budget) == 1024  # 8 chunks, not 7 of 1280
+  assert plan(8192, 14 * 128256, 1 << 40) == 8192
+  assert plan(37, 14 * 203, 14 * 203 * 20) == 8
+  assert plan(37, 14 * 203, 1) == 8
 
 
 def test_temporaries_grow_with_the_chunk_not_with_tokens(rng):

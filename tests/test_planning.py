@@ -47,9 +47,13 @@ def test_in_place_plan_fits_budget_with_even_groups(n_rows, vocab, dtype, budget
     most = int(budget // (dtype.itemsize * vocab * 1.125))
     align = 128 if most >= 128 else 8
     largest = max(8, most // align * align)  # the largest aligned group that fits
-    n_groups = -(-n_rows // group)
-    assert n_groups == -(-n_rows // largest)  # no more groups than it needs
+    fewest, n_groups = -(-n_rows // largest), -(-n_rows // group)
+    assert group % (128 if group >= 128 else 8) == 0
     assert group < -(-n_rows // n_groups) + align  # even, up to the alignment
+    # As few groups as fit, unless up to twice as many overlap less.
+    assert fewest <= n_groups <= 2 * fewest
+    if n_groups > fewest:
+      assert n_groups * group - n_rows < fewest * largest - n_rows
 
 
 def test_plan_for_the_benchmark_heads():

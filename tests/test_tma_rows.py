@@ -284,6 +284,6 @@ def test_only_a_block_of_every_row_is_unaligned(n_rows, vocab, dim, budget, dtyp
   blocked = _plan.plan_vocab_blocked_rows(
     n_rows, dim, min(4096, vocab), dtype, memory_budget=budget
   )
-  distilled = _plan.plan_distill_rows(n_rows, vocab, 6, budget)
+  distilled = _plan.rows_in_budget(n_rows, 6 * vocab, budget)
   for rows in (chunk, group, blocked, distilled):
     assert rows % _plan.TMA_ROWS == 0 or rows == n_rows, (rows, n_rows)

@@ -5,7 +5,8 @@ front, chunks without a valid row skipped by ``lax.cond``); per chunk both
 heads' logits are formed (``_gemm.matmul.logits_matmul``, the teacher's under
 ``lax.stop_gradient``), the kernel of ``_kernels.select_distill`` (XLA's
 chunk, Triton's or Mosaic GPU's) scores them, and the student's ``dlogits``
-go into its ``dhidden`` rows, ``dweight`` and ``dbias``.
+go into its ``dhidden`` rows, ``dweight`` and ``dbias`` through
+cross-entropy's ``_sweep.gradients.gradient_sweep``.
 
 ``Plan`` is a ``_sweep.driver.SweepPlan``: the loss runs through the custom
 VJPs cross-entropy's does. ``reduced_loss`` (a scalar reduction) forms the
@@ -15,7 +16,8 @@ full-logits autodiff; ``row_losses`` (per-token losses, or
 of both heads again in the backward (``8 N D_s V + 4 N D_t V`` FLOPs in all).
 No cotangent ever reaches the teacher's arrays, so the program holds no
 matmul for a teacher gradient. ``resolve`` decides every default (chunk rows
-from a memory budget, logits and accumulator dtypes).
+from a memory budget by ``_plan.rows_in_budget``, logits and accumulator
+dtypes).
 """
 
 from __future__ import annotations
@@ -36,18 +38,13 @@ from mst_jax._kernels import (
   select_distill,
   select_gemm,
 )
+from mst_jax._kernels.base import AllColumns, write_into
 from mst_jax._math.ce import at_least_float32
 from mst_jax._math.distill import DistillOptions
 from mst_jax._plan import unit_weights
-from mst_jax._sweep.gradients import add_bias_gradient, row_products
-from mst_jax._sweep.rows import (
-  Differentiated,
-  compaction,
-  gradient_finish,
-  gradient_init,
-  stat_dtype,
-  sweep_chunks,
-)
+from mst_jax._sweep.gradients import Sweep, gradient_sweep
+from mst_jax._sweep.row_chunks import RowChunks
+from mst_jax._sweep.rows import Differentiated, compaction, stat_dtype, sweep_chunks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +81,11 @@ class Plan:
   compact: bool = True
   kernel: Any = None
   pad_logits: bool = False
+  columns: AllColumns = AllColumns()
+
+  @property
+  def layout(self) -> str:
+    return self.weight_layout
 
   @property
   def runs_kernels(self) -> bool:
@@ -136,42 +138,23 @@ class Heads(NamedTuple):
 # ---- The sweep: chunks of rows, both heads' logits per chunk. ----
 
 
-def _accumulate(plan: Plan, grads, chunk, h, dlogits, weight, scale):
-  """Adds a chunk's ``dlogits`` (of unit row weights: ``scale``) to
-  ``(dhidden, dweight, dbias)``."""
-  dhidden, dweight, dbias = grads
-  tile, gemm = plan.matmul_tile, plan.gemm
-  rows, dweight = row_products(
-    grads,
-    dlogits,
-    h,
-    weight,
-    plan.weight_layout,
-    scale,
-    tile=tile,
-    gemm=gemm,
-  )
-  if dhidden is not None:
-    dhidden = chunk.put(dhidden, rows)
-  if dbias is not None:
-    dbias = add_bias_gradient(dbias, dlogits, scale)
-  return dhidden, dweight, dbias
-
-
 def _chunk_sweep(plan: Plan, x: Heads, g_loss, diff: Differentiated, *, want_loss=True):
   """``(loss, grads)``: per-row losses ``[N]`` (None without ``want_loss``) and
   the gradients of ``sum(g_loss * loss)`` (None where ``diff`` says an input
-  is not differentiated, or without ``g_loss``)."""
+  is not differentiated, or without ``g_loss``).
+
+  Each chunk's student ``dlogits`` become gradients as cross-entropy's do
+  (``_sweep.gradients.gradient_sweep``), a chunk at a time."""
   gather, scatter, view = compaction(plan.compact, x.valid)
-  hidden, teacher_hidden = view(x.hidden), view(x.teacher_hidden)
-  labels, valid = gather(x.labels), gather(x.valid)
-  scale = None
-  if g_loss is None:
-    diff = Differentiated(False, False, False)
-  else:
-    (g_loss,), scale = unit_weights((gather(g_loss),), valid, x.hidden.dtype)
-  grads = gradient_init(plan, x._replace(hidden=hidden), diff)
-  want_grads = any(g is not None for g in grads)
+  rows = x._replace(
+    hidden=view(x.hidden),
+    teacher_hidden=view(x.teacher_hidden),
+    labels=gather(x.labels),
+    valid=gather(x.valid),
+  )
+  unit = scale = None
+  if g_loss is not None and any(diff):
+    (unit,), scale = unit_weights((gather(g_loss),), rows.valid, x.hidden.dtype)
   loss = jnp.zeros(x.labels.shape, stat_dtype(x.hidden)) if want_loss else None
   layout, tile, gemm = plan.weight_layout, plan.matmul_tile, plan.gemm
 
@@ -199,25 +182,29 @@ def _chunk_sweep(plan: Plan, x: Heads, g_loss, diff: Differentiated, *, want_los
     )
     return student, teacher
 
-  def update(carry, chunk):
-    loss, grads = carry
-    h = chunk.hidden(hidden)
-    student, teacher = logits(h, chunk.hidden(teacher_hidden))
-    g_rows = chunk.take(g_loss) if want_grads else None
-    inputs = (student, lax.stop_gradient(teacher), chunk.take(labels), chunk.valid)
+  def chunk_dlogits(loss, chunk, into):
+    h = chunk.hidden(rows.hidden)
+    student, teacher = logits(h, chunk.hidden(rows.teacher_hidden))
+    g_rows = None if unit is None else chunk.take(unit)
+    inputs = (student, lax.stop_gradient(teacher), chunk.take(rows.labels), chunk.valid)
     padded = dict(n_cols=matmul.vocab_size(x.weight, layout))
-    rows, dlogits = plan.kernel.chunk_loss(
+    row_loss, dlogits = plan.kernel.chunk_loss(
       *inputs, g_rows, plan.options, h.dtype, **(padded if plan.pad_logits else {})
     )
     if loss is not None:
-      loss = chunk.put(loss, rows.astype(loss.dtype))
-    if want_grads:
-      dlogits = dlogits.astype(h.dtype)
-      grads = _accumulate(plan, grads, chunk, h, dlogits, x.weight, scale)
-    return loss, grads
+      loss = chunk.put(loss, row_loss.astype(loss.dtype))
+    return loss, None if dlogits is None else write_into(into, dlogits.astype(h.dtype))
 
-  loss, grads = sweep_chunks(plan.rows_per_chunk, valid, update, (loss, grads))
-  return None if loss is None else scatter(loss), gradient_finish(grads, x, scale)
+  if unit is not None:
+    order = RowChunks(plan.rows_per_chunk, plan.rows_per_chunk, plan.compact)
+    loss, grads = gradient_sweep(
+      Sweep(order, plan, rows, chunk_dlogits, scale), diff, loss
+    )
+  else:
+    loss_only = lambda loss, chunk: chunk_dlogits(loss, chunk, None)[0]
+    loss = sweep_chunks(plan.rows_per_chunk, rows.valid, loss_only, loss)
+    grads = (None, None, None)
+  return None if loss is None else scatter(loss), grads
 
 
 # ---- Planning, at trace time. ----
@@ -271,7 +258,7 @@ def resolve(
   ):
     per_logit += np.dtype(dtype).itemsize
   chunk = perf.chunk_size and min(perf.chunk_size, n_rows)
-  chunk = chunk or _plan.plan_distill_rows(n_rows, vocab, per_logit, budget)
+  chunk = chunk or _plan.rows_in_budget(n_rows, per_logit * vocab, budget)
   # Rows appended only where one chunk holds all rows: it holds them too.
   appended = _plan.tma_row_padding(n_rows, (chunk,), gemm, dtype)
   chunk += appended

@@ -113,7 +113,7 @@ def accumulate(
   of ``dlogits`` (``row_products``).
   """
   dhidden, dweight, dbias = grads
-  tile, gemm, bound = config.head.matmul_tile, config.head.gemm, group.bound
+  tile, gemm, bound = config.matmul_tile, config.gemm, group.bound
   dh, dweight = row_products(
     grads, dlogits, h, weight, config.layout, scale, tile=tile, gemm=gemm, bound=bound
   )
@@ -295,7 +295,7 @@ def _whole_groups_in_place(sweep: Sweep, outputs, grads):
     )
     rows = None
     if want_rows:
-      tile, gemm = config.head.matmul_tile, config.head.gemm
+      tile, gemm = config.matmul_tile, config.gemm
       rows = matmul.dhidden_matmul(
         dlogits,
         weight,

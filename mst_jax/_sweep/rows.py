@@ -65,6 +65,14 @@ class SweepConfig:
   def layout(self) -> str:
     return self.head.weight_layout
 
+  @property
+  def matmul_tile(self) -> int | None:
+    return self.head.matmul_tile
+
+  @property
+  def gemm(self) -> str:
+    return self.head.gemm
+
   def announce(self, pass_name: str, first_row: jax.Array) -> None:
     if self.chunk_callback is not None:
       jax.debug.callback(self.chunk_callback, pass_name, first_row)
