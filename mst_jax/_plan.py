@@ -56,19 +56,6 @@ def matmul_tile(platform: str, vocab: int, dim: int, memory_budget: int) -> int 
   return MATMUL_TILE
 
 
-def skips_empty_chunks(cpu: bool) -> bool:
-  """Whether a row group with excluded rows runs only the window of its
-  chunks that hold valid rows (``RowChunks.windows``).
-
-  Shapes are static, so the program then holds the group's matmuls once per
-  chunk count. On XLA:CPU the group runs whole instead: at N=8192, D=1024,
-  V=32000 (float32, ``memory_budget=2**28``, 40% of rows excluded at random)
-  the step compiles in 0.55 s instead of 2.0 s (the naive head's: 0.31 s)
-  and takes 7% longer (3.31 s against 3.09 s; bfloat16: 3%).
-  """
-  return not cpu
-
-
 def dlogits_in_place(logits_dtype, dtype) -> bool:
   """Whether ``dlogits`` (in ``dtype``) can overwrite logits of ``logits_dtype``.
 
@@ -149,9 +136,8 @@ def _fewest_rewrites_group(n_rows: int, chunk: int, group_most: int) -> int:
   """The group size (whole chunks, or all rows) with the fewest dweight rewrites.
 
   A whole group rewrites ``dweight`` once; the clamped last group, which owns
-  only the rows the others left, is counted once per chunk it owns (chunk by
-  chunk, as with float32 logits of bfloat16; with the default logits it runs
-  its owned chunks as one window, once). Ties go to the larger group.
+  only the rows the others left, is counted once per chunk it owns (it runs
+  chunk by chunk). Ties go to the larger group.
   """
   candidates = [
     k * chunk for k in range(1, group_most // chunk + 1) if k * chunk <= n_rows

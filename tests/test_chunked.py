@@ -32,7 +32,6 @@ def _plan(
   callback=None,
   compact=True,
   rows_per_group=None,
-  windows=True,
   **options,
 ):
   config = SweepConfig(
@@ -44,11 +43,11 @@ def _plan(
     dbias_dtype=jnp.dtype(jnp.float32),
     chunk_callback=callback,
   )
-  order = RowChunks(rows_per_chunk, rows_per_group or rows_per_chunk, compact, windows)
+  order = RowChunks(rows_per_chunk, rows_per_group or rows_per_chunk, compact)
   return Plan(config, order)
 
 
-def _run_recorded(problem, grad_mode, compact, chunk=8, group=None, windows=True):
+def _run_recorded(problem, grad_mode, compact, chunk=8, group=None):
   """Loss and grads through the driver; returns them and the computed chunks."""
   computed = {"forward": [], "backward": [], "fused": []}
   plan = _plan(
@@ -57,7 +56,6 @@ def _run_recorded(problem, grad_mode, compact, chunk=8, group=None, windows=True
     lambda name, first_row: computed[name].append(int(first_row)),
     compact,
     group,
-    windows,
     z_loss=1e-3,
   )
 
@@ -75,17 +73,16 @@ def _run_recorded(problem, grad_mode, compact, chunk=8, group=None, windows=True
   return loss, grads, {k: sorted(v) for k, v in computed.items() if v}
 
 
-@pytest.mark.parametrize("windows", [True, False])
 @pytest.mark.parametrize("grad_mode", ["fused", "recompute"])
-def test_fully_masked_chunks_are_skipped(rng, grad_mode, windows):
+def test_fully_masked_chunks_are_skipped(rng, grad_mode):
   """Only chunks with a valid row run; compaction packs valid rows into few.
 
   60 rows in chunks of 8 (first rows 0, 8, ..., 48, then 52). Without
   compaction, the last chunk is clamped to rows 52..59 and owns 56..59 only,
   so its valid row 53 (owned by the chunk at 48) must not make it run. With
   compaction the four valid rows fill part of the first chunk. In groups of 24
-  rows (0, 24, then 36 clamped), chunks of 8 within them; without
-  ``windows`` a group with a valid row runs whole.
+  rows (0, 24, then 36 clamped), chunks of 8 within them, a group with a
+  valid row runs whole.
   """
   problem = make_problem(rng, (60,), mask="none", bias=True)
   valid = np.zeros(60, bool)
@@ -96,14 +93,12 @@ def test_fully_masked_chunks_are_skipped(rng, grad_mode, windows):
   expectations = [
     (False, None, [16, 40, 48]),
     (True, None, [0]),
-    # group 36..59 owns 48..59: its chunk at 52 runs
-    (False, 24, [16, 40, 52] if windows else [0, 24, 36]),
+    # group 36..59 owns 48..59 and holds row 53: it runs whole
+    (False, 24, [0, 24, 36]),
     (True, 24, [0]),
   ]
   for compact, group, first_rows in expectations:
-    loss, grads, computed = _run_recorded(
-      problem, grad_mode, compact, 8, group, windows
-    )
+    loss, grads, computed = _run_recorded(problem, grad_mode, compact, 8, group)
     if grad_mode == "recompute":  # the forward pass is not grouped
       assert computed["forward"] == ([16, 40, 48] if not compact else [0])
       computed.pop("forward")

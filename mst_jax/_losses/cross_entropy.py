@@ -428,9 +428,8 @@ def _loop_order(
   vocabulary one device holds, and the accumulators' dtype (None: in place).
 
   With the Mosaic GEMMs the row chunks are bounded (``RowChunks.bounded``):
-  a block with excluded rows runs its products to its last valid row, one
-  copy of each in the program; with XLA's, on a GPU, it runs a window of
-  its chunks (``_plan.skips_empty_chunks``)."""
+  a block with excluded rows runs its products to its last valid row; with
+  XLA's it runs whole (its excluded rows' ``dlogits`` are zero)."""
   bounded = gemm == "mosaic"
   vocab_devices = 1 if layout is None else layout.axis_size(layout.vocab_axis)
   n_rows = rows.hidden.shape[0] // _mesh.row_devices(layout)
@@ -465,8 +464,7 @@ def _loop_order(
     biased=rows.bias is not None,
     accum_dtype=perf.accum_dtype,
   )
-  windows = _plan.skips_empty_chunks(cpu) and not bounded
-  return RowChunks(chunk, group, windows=windows, bounded=bounded), accum
+  return RowChunks(chunk, group, bounded=bounded), accum
 
 
 def _budget(perf: PerfOptions, vocab_devices: int) -> int:

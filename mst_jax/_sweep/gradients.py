@@ -24,7 +24,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from mst_jax._gemm import matmul
 from mst_jax._plan import add_scaled, dlogits_in_place, product_dtype, rounded
@@ -134,7 +133,7 @@ class Sweep:
   ``buffer`` from ``row`` on, and the buffer returned).
   """
 
-  order: Any  # the RowChunks: rows_per_chunk, rows_per_group, windows, bounded
+  order: Any  # the RowChunks: rows_per_chunk, rows_per_group, bounded
   config: SweepConfig
   x: RowInputs
   chunk_dlogits: Callable
@@ -200,57 +199,6 @@ def _some_chunk_empty(every_chunk):
   return lambda group: jnp.any(group.valid) & ~every_chunk(group)
 
 
-def _window(group: Chunk, chunk_size: int, chunks: int, first_chunk) -> Chunk:
-  """The group's rows from chunk ``first_chunk`` on, ``chunks`` chunks of them
-  (static; fewer rows where the group ends first), as one chunk.
-
-  Moved back where it would pass the group's end. It is the group's only
-  child: its rows' ownership and validity are the group's.
-  """
-  size = min(chunks * chunk_size, group.size)
-  offset = jnp.minimum(first_chunk * chunk_size, group.size - size)
-  part = lambda rows: lax.dynamic_slice_in_dim(rows, offset, size)
-  owned = part(group.owned)
-  return Chunk(group.start + offset, offset, owned, owned, part(group.valid))
-
-
-def _by_window(whole, chunk_size: int, row_zeros):
-  """``whole`` on the rows from a group's first chunk holding a valid row to
-  its last: one matmul of each kind, so one ``dweight`` rounding.
-
-  ``whole(outputs, dweight, dbias, chunk) -> (outputs, rows, dweight,
-  dbias)``. The window's row count is one of the group's chunk counts
-  (shapes are static): one ``lax.cond`` per count, each running or passing
-  its operands through (a ``lax.switch`` over the counts made XLA copy the
-  carried ``dweight``). With valid rows compacted, no chunk without one is
-  formed. Its ``dhidden`` rows come back in ``row_zeros(group)`` (a group's
-  rows, or None: no ``dhidden``), zero elsewhere.
-  """
-
-  def run(outputs, dweight, dbias, group):
-    held = _held(group, chunk_size)
-    first = jnp.argmax(held)
-    chunks = held.shape[0] - jnp.argmax(held[::-1]) - first
-    rows = row_zeros(group)
-
-    def on_window(count):
-      def run(outputs, rows, dweight, dbias):
-        window = _window(group, chunk_size, count, first)
-        outputs, new, dweight, dbias = whole(outputs, dweight, dbias, window)
-        if rows is not None:
-          rows = lax.dynamic_update_slice_in_dim(rows, new, window.offset, 0)
-        return outputs, rows, dweight, dbias
-
-      return run
-
-    carry = (outputs, rows, dweight, dbias)
-    for count in range(1, held.shape[0] + 1):
-      carry = lax.cond(chunks == count, on_window(count), lambda *c: c, *carry)
-    return carry
-
-  return run
-
-
 def _per_chunk(sweep: Sweep, outputs, grads):
   """Chosen when a group is one chunk: every chunk does its own matmuls."""
   return sweep.each(sweep.order.rows_per_chunk, sweep.chunk_update, (outputs, grads))
@@ -259,25 +207,15 @@ def _per_chunk(sweep: Sweep, outputs, grads):
 def _whole_groups_in_place(sweep: Sweep, outputs, grads):
   """Chosen for logits in the compute dtype, groups of several chunks.
 
-  A group whose rows all count forms its logits in one matmul, its
-  ``dlogits`` overwrite them, and the ``dhidden`` and ``dweight`` matmuls run
-  over the whole group (``dweight`` is read and written once per group). So
-  does a group whose every chunk holds a valid row (``_every_chunk``; its
-  excluded rows' ``dlogits`` are zero). A group with a chunk of no valid row
-  (compacted, at most the one where the valid rows end) runs the same way
-  on a window of its chunks, from the first holding a valid row to the last
-  (``_by_window``): one ``dweight`` rounding per group either way. The two
-  kinds run in two loops: a ``lax.cond`` between them inside one loop made
-  XLA copy the carried ``dweight``. Without ``order.windows`` every group with
-  a valid row runs whole (excluded rows' ``dlogits`` are zero): one copy of
-  the matmuls in the program. With ``order.bounded`` (the Mosaic GEMMs)
-  every group with a valid row runs whole, to its ``bound``
-  (``_sweep.rows.with_bound``): the products skip the rows past its last
-  valid one on the device, one copy of them in the program. Each group's
+  Every group with a valid row forms its logits in one matmul, its
+  ``dlogits`` overwrite them (excluded rows' are zero), and the ``dhidden``
+  and ``dweight`` matmuls run over the whole group: ``dweight`` is read and
+  written once per group, and the program holds one copy of each matmul.
+  With ``order.bounded`` (the Mosaic GEMMs) the products stop at the group's
+  last valid row on the device (``_sweep.rows.with_bound``). Each group's
   ``dhidden`` rows come back as ``[group, D]`` and are written outside.
   """
   config, hidden, weight = sweep.config, sweep.hidden, sweep.weight
-  group_size, chunk_size = sweep.order.rows_per_group, sweep.order.rows_per_chunk
   layout, dh_dtype, scale = config.layout, hidden.dtype, sweep.scale
   want_rows = grads[0] is not None
 
@@ -320,26 +258,8 @@ def _whole_groups_in_place(sweep: Sweep, outputs, grads):
 
     return run
 
-  def row_zeros(group):
-    return jnp.zeros((group.size, hidden.shape[1]), dh_dtype) if want_rows else None
-
-  if sweep.order.bounded or not sweep.order.windows:
-    return sweep.each(group_size, group_update(whole), (outputs, grads))
-  every_chunk = _every_chunk(chunk_size)
-  carry = sweep_chunks(
-    group_size,
-    sweep.valid,
-    group_update(whole),
-    (outputs, grads),
-    visit=every_chunk,
-  )
-  return sweep_chunks(
-    group_size,
-    sweep.valid,
-    group_update(_by_window(whole, chunk_size, row_zeros)),
-    carry,
-    visit=_some_chunk_empty(every_chunk),
-  )
+  group_size = sweep.order.rows_per_group
+  return sweep.each(group_size, group_update(whole), (outputs, grads))
 
 
 def _group_buffer(sweep: Sweep, outputs, grads):
@@ -352,8 +272,9 @@ def _group_buffer(sweep: Sweep, outputs, grads):
   whose rows all count then does its ``dhidden`` and ``dweight`` matmuls
   once, as does one whose every chunk holds a valid row. Groups with a chunk
   of no valid row go chunk by chunk (a ``dweight`` rounding per chunk where
-  ``dweight`` is in place; ``_by_window`` is not used here). The two kinds
-  run in two loops, as in ``_whole_groups_in_place``.
+  ``dweight`` is in place): the buffer's rows of a skipped chunk would hold
+  the previous group's. The two kinds run in two loops (a ``lax.cond``
+  between them inside one loop made XLA copy the carried ``dweight``).
   """
   order, hidden, weight = sweep.order, sweep.hidden, sweep.weight
   group_size, chunk_size = order.rows_per_group, order.rows_per_chunk

@@ -53,19 +53,14 @@ class RowChunks:
     rows_per_group: rows whose ``dhidden`` and ``dweight`` matmuls run at once
       when all of them count (``_plan.plan_chunks``), ``<= N``.
     compact: move valid rows to the front before chunking.
-    windows: a group with excluded rows runs its matmuls on the window of its
-      chunks that hold valid rows, so the program holds them once per chunk
-      count; False: it runs whole, one copy (``_plan.skips_empty_chunks``).
-    bounded: each block of rows runs whole, its products and kernels to one
-      past its last valid row, a bound known on the device
-      (``_sweep.rows.with_bound``; the Mosaic GEMMs): one copy of them,
-      windows or not.
+    bounded: each block of rows runs its products and kernels to one past
+      its last valid row, a bound known on the device
+      (``_sweep.rows.with_bound``; the Mosaic GEMMs).
   """
 
   rows_per_chunk: int
   rows_per_group: int
   compact: bool = True
-  windows: bool = True
   bounded: bool = False
 
   def _all_rows(self, valid):
