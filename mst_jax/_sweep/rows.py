@@ -498,11 +498,16 @@ def sweep_chunks(
   Walks the rows of ``valid`` (all rows, or those of ``group``) in chunks
   (``chunk_of``; ``bounded``: ``with_bound``). A chunk without a valid row
   (or, with ``visit``, one where ``visit(chunk)`` is false) is skipped by
-  ``lax.cond`` on a device-side predicate (the carry passes through).
+  ``lax.cond`` on a device-side predicate (the carry passes through). One
+  chunk of all the rows, unbounded, runs unconditionally (its excluded rows
+  count for nothing): around a cond at the top of the program XLA copied
+  the carried ``[V, D]`` ``dweight`` into a temporary of its own.
   """
-  visit = visit or (lambda chunk: jnp.any(chunk.valid))
   bound = with_bound if bounded else lambda chunk: chunk
   chunk_at = lambda index: bound(chunk_of(size, valid, index, group))
+  if size >= valid.shape[0] and visit is None and not bounded:
+    return update(_manual_axes.like(carry, valid), chunk_at(0))
+  visit = visit or (lambda chunk: jnp.any(chunk.valid))
   skipped = lambda carry, chunk: carry
 
   def body(carry, index):
