@@ -157,6 +157,67 @@ def test_a_bias_plans_its_float32_product_into_the_budget(n_rows, vocab, budget)
   )
 
 
+@pytest.mark.parametrize("n_rows", [8192, 32768])
+@pytest.mark.parametrize("budget", [2**29, 2**30, _plan.DEFAULT_MEMORY_BUDGET])
+def test_dlogits_apart_from_the_logits_fit_the_budget(n_rows, budget):
+  """Where a group's dlogits are written beside its logits (XLA's
+  cross-entropy on a GPU), both fit the budget with the chunk's share; float32
+  logits of bfloat16 inputs write dlogits apart anyway and plan the same."""
+  plan = functools.partial(
+    _plan.plan_with_accumulator,
+    n_rows,
+    128256,
+    4096,
+    BF16,
+    BF16,
+    memory_budget=budget,
+    logits_dtype=BF16,
+  )
+  chunk, group, accum = plan(dlogits_apart=True)
+  _, plain_group, _ = plan()
+  assert group < plain_group or group == n_rows
+  accumulator = 0 if accum is None else 2 * 128256 * 4096  # beyond the output
+  assert accumulator + (2 * group + chunk) * 2 * 128256 <= budget
+  f32 = dict(logits_dtype=np.dtype(np.float32))
+  assert plan(dlogits_apart=True, **f32) == plan(**f32)
+
+
+@pytest.mark.parametrize(
+  "platform, impl, apart",
+  [("gpu", "xla", True), ("gpu", "pallas", False), ("cpu", "xla", False)],
+)
+def test_xlas_cross_entropy_off_the_cpu_plans_dlogits_apart(
+  monkeypatch, platform, impl, apart
+):
+  """The planner counts a group's dlogits beside its logits for XLA's
+  cross-entropy off the CPU only (the Triton kernels write them in place; on
+  the CPU its float32 copy is counted instead)."""
+  import jax
+  import jax.numpy as jnp
+
+  import mst_jax
+  from mst_jax import _kernels
+  from mst_jax._losses import cross_entropy
+
+  asked, loop_order = [], cross_entropy._loop_order
+
+  def recording(*args, **kwargs):
+    asked.append(kwargs["dlogits_apart"])
+    return loop_order(*args, **kwargs)
+
+  monkeypatch.setattr(cross_entropy, "_loop_order", recording)
+  monkeypatch.setattr(cross_entropy, "_platform", lambda layout: platform)
+  monkeypatch.setattr(_kernels, "pallas_unavailable_reason", lambda platform: None)
+  hidden = jax.ShapeDtypeStruct((40, 16), jnp.bfloat16)
+  weight = jax.ShapeDtypeStruct((100, 16), jnp.bfloat16)
+  labels = jax.ShapeDtypeStruct((40,), jnp.int32)
+  loss = lambda h, w, y: mst_jax.linear_cross_entropy(h, w, y, impl=impl)
+  jax.clear_caches()  # traced again under the patches, and not kept after
+  jax.eval_shape(loss, hidden, weight, labels)
+  jax.clear_caches()
+  assert asked == [apart]
+
+
 @pytest.mark.parametrize("budget", [2**28, _plan.DEFAULT_MEMORY_BUDGET])
 @pytest.mark.parametrize("vocab, dim", [(128256, 4096), (151552, 64), (32000, 1024)])
 def test_cpu_matmuls_are_tiled_where_whole_weight_copies_outgrow_the_budget(

@@ -318,8 +318,11 @@ def resolve(
     rows, perf = rows._replace(weight=rows.weight.T), transposed
     head = dataclasses.replace(head, weight_layout="vd")
     layout = layout and dataclasses.replace(layout, weight_layout="vd")
+  cpu = platform == "cpu"
+  # XLA's cross-entropy off the CPU writes a group's dlogits beside its logits.
+  apart = isinstance(backend, _kernels.XlaChunkCE) and not cpu
   order, accum = _loop_order(
-    rows, perf, logits_dtype, layout, cpu=platform == "cpu", gemm=head.gemm
+    rows, perf, logits_dtype, layout, cpu=cpu, gemm=head.gemm, dlogits_apart=apart
   )
   pad = _plan.tma_row_padding(
     n_rows // devices, _blocks(order), head.gemm, rows.hidden.dtype
@@ -422,7 +425,14 @@ def _not_on_triton(class_weights) -> str | None:
 
 
 def _loop_order(
-  rows: Rows, perf: PerfOptions, logits_dtype, layout, *, cpu: bool, gemm: str
+  rows: Rows,
+  perf: PerfOptions,
+  logits_dtype,
+  layout,
+  *,
+  cpu: bool,
+  gemm: str,
+  dlogits_apart: bool = False,
 ):
   """``(order, accum_dtype)``: the loop order planned for the rows and the
   vocabulary one device holds, and the accumulators' dtype (None: in place).
@@ -462,6 +472,7 @@ def _loop_order(
     logits_dtype=logits_dtype,
     cpu=cpu,
     biased=rows.bias is not None,
+    dlogits_apart=dlogits_apart,
     accum_dtype=perf.accum_dtype,
   )
   return RowChunks(chunk, group, bounded=bounded), accum
