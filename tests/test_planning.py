@@ -130,13 +130,21 @@ def test_llama_head_at_32768_tokens_takes_a_float32_accumulator():
   assert plan(cpu=True)[2] is None
 
 
+@pytest.mark.parametrize(
+  "beside, per_logit", [("biased", _plan.BIAS_BYTES), ("dlogits_apart", 2)]
+)
 @pytest.mark.parametrize("n_rows", [8192, 32768])
 @pytest.mark.parametrize("vocab", [50257, 128256])
-@pytest.mark.parametrize("budget", [2**28, _plan.DEFAULT_MEMORY_BUDGET])
-def test_a_bias_plans_its_float32_product_into_the_budget(n_rows, vocab, budget):
-  """With a bias, a group's 16-bit logits are rounded from a float32
-  product held beside them: the group's logits and that product fit the
-  budget (without a bias, the logits alone may take all of it)."""
+@pytest.mark.parametrize("budget", [2**28, 2**30, _plan.DEFAULT_MEMORY_BUDGET])
+def test_what_a_group_holds_beside_its_logits_fits_the_budget(
+  beside, per_logit, n_rows, vocab, budget
+):
+  """A bias's float32 product (16-bit logits are rounded from it), or
+  ``dlogits`` written beside the logits (XLA's cross-entropy on a GPU): a
+  group's logits and that, a chunk's logits and a float32 accumulator's
+  bytes beyond the output fit the budget (without either, the logits alone
+  may take all of it). float32 logits of bfloat16 inputs plan the same with
+  or without: the product is the logits, and their dlogits are apart anyway."""
   plan = functools.partial(
     _plan.plan_with_accumulator,
     n_rows,
@@ -147,39 +155,13 @@ def test_a_bias_plans_its_float32_product_into_the_budget(n_rows, vocab, budget)
     memory_budget=budget,
     logits_dtype=BF16,
   )
-  chunk, group, _ = plan(biased=True)
+  chunk, group, accum = plan(**{beside: True})
   _, plain_group, _ = plan()
   assert group < plain_group or group == n_rows
-  assert (group * (2 + _plan.BIAS_BYTES) + chunk * 2) * vocab <= budget
-  # float32 logits are the product itself: nothing more to hold.
-  assert plan(biased=True, logits_dtype=np.dtype(np.float32)) == plan(
-    logits_dtype=np.dtype(np.float32)
-  )
-
-
-@pytest.mark.parametrize("n_rows", [8192, 32768])
-@pytest.mark.parametrize("budget", [2**29, 2**30, _plan.DEFAULT_MEMORY_BUDGET])
-def test_dlogits_apart_from_the_logits_fit_the_budget(n_rows, budget):
-  """Where a group's dlogits are written beside its logits (XLA's
-  cross-entropy on a GPU), both fit the budget with the chunk's share; float32
-  logits of bfloat16 inputs write dlogits apart anyway and plan the same."""
-  plan = functools.partial(
-    _plan.plan_with_accumulator,
-    n_rows,
-    128256,
-    4096,
-    BF16,
-    BF16,
-    memory_budget=budget,
-    logits_dtype=BF16,
-  )
-  chunk, group, accum = plan(dlogits_apart=True)
-  _, plain_group, _ = plan()
-  assert group < plain_group or group == n_rows
-  accumulator = 0 if accum is None else 2 * 128256 * 4096  # beyond the output
-  assert accumulator + (2 * group + chunk) * 2 * 128256 <= budget
+  accumulator = 0 if accum is None else 2 * vocab * 1600
+  assert accumulator + (group * (2 + per_logit) + chunk * 2) * vocab <= budget
   f32 = dict(logits_dtype=np.dtype(np.float32))
-  assert plan(dlogits_apart=True, **f32) == plan(**f32)
+  assert plan(**{beside: True}, **f32) == plan(**f32)
 
 
 @pytest.mark.parametrize(
