@@ -222,9 +222,9 @@ def scales_gradients(dtype) -> bool:
 
 def unit_weights(weights: tuple, valid, dtype):
   """``(unit, scale)``: per-row weights of a gradient (cotangents, a mean's
-  ``1 / n``) over ``scale``, a float32 scalar on the device, their largest
-  magnitude at a ``valid`` row, for gradients in a ``dtype`` that
-  ``scales_gradients``; else ``(weights, None)``.
+  ``1 / n``; ``[N]`` or ``[N, K]``) over ``scale``, a float32 scalar on the
+  device, their largest magnitude at a ``valid`` row, for gradients in a
+  ``dtype`` that ``scales_gradients``; else ``(weights, None)``.
 
   ``dlogits`` of unit weights keep float16's precision; ``scale`` multiplies
   their products in float32 before each rounding to float16 (``rounded``,
@@ -233,7 +233,8 @@ def unit_weights(weights: tuple, valid, dtype):
   """
   if not scales_gradients(dtype):
     return weights, None
-  largest = [jnp.max(jnp.where(valid, jnp.abs(w), 0)) for w in weights]
+  rows = lambda w: valid.reshape(valid.shape + (1,) * (w.ndim - valid.ndim))
+  largest = [jnp.max(jnp.where(rows(w), jnp.abs(w), 0)) for w in weights]
   largest = functools.reduce(jnp.maximum, largest).astype(jnp.float32)
   scale = jnp.where(largest > 0, largest, 1.0)  # a NaN stays in its rows
   return tuple(w / scale for w in weights), scale

@@ -14,7 +14,6 @@ import pytest
 from conftest import to64
 
 import mst_jax
-from mst_jax._losses import log_probs as log_probs_module
 
 # The quick run takes every value of every parameter here (conftest._mark_slow).
 EVERY_VALUE_QUICKLY = True
@@ -101,6 +100,8 @@ CASES = [
   ("float32", 5, True, "vd", True, {"chunk_size": 8, "logit_scale": 0.7}),
   ("float32", 7, False, "dv", True, {"grad_mode": "recompute", "impl": "pallas"}),
   ("bfloat16", 6, True, "vd", True, {"logits_dtype": jnp.float32}),
+  ("float32", 4, False, "vd", True, {"vocab_block_size": 64}),
+  ("float32", 3, True, "dv", False, {"grad_mode": "recompute", "chunk_size": 8}),
 ]
 
 
@@ -144,27 +145,84 @@ def test_log_probs_at_ids_match_the_oracle(
     assert _rel(g, ref) < GRAD_TOL[dtype], (name, _rel(g, ref))
 
 
-def test_ids_gathered_in_blocks_match_one_block(rng, monkeypatch):
-  """Positions whose gathered weight rows pass the block size go in blocks
-  (the backward gathers again); their values and gradients are the same.
-  Shapes of their own: the block size is read at trace time."""
-  arrays, ids, where = ids_problem(rng, (2, 13), 17, 211, 4, "float32", "vd", True)
+@pytest.mark.parametrize("options", [{}, {"grad_mode": "recompute", "chunk_size": 5}])
+def test_a_repeated_id_adds_its_cotangents(rng, options):
+  """An id given twice at a position gets both cotangents (the backward adds
+  them at the same column of ``dlogits``): the same values and gradients as
+  the id once with their sum."""
+  arrays, ids, where = ids_problem(rng, (2, 7), 12, 53, 2, "float32", "vd", True)
+  ids = jnp.where(ids < 0, 3, ids)  # every id counted
+  twice = jnp.concatenate([ids[..., :1], ids], axis=-1)  # [a, a, b]
+  g = jnp.asarray(rng.standard_normal(twice.shape), jnp.float32)
+  once_g = jnp.stack([g[..., 0] + g[..., 1], g[..., 2]], axis=-1)
   args = (arrays["hidden"], arrays["weight"], arrays["bias"])
 
-  def run():
-    def total(h, w, b):
-      return jnp.sum(mst_jax.linear_log_probs(h, w, ids, b, where=where) ** 2)
+  def total(labels, cot, *a):
+    lp = mst_jax.linear_log_probs(*a[:2], labels, a[2], where=where, **options)
+    return jnp.sum(lp * cot), lp
 
-    return jax.value_and_grad(total, argnums=(0, 1, 2))(*args)
-
-  whole = run()
-  monkeypatch.setattr(log_probs_module, "_GATHER_BYTES", 3 * 4 * 17 * 4)  # 3 rows
-  jax.clear_caches()
-  blocked = run()
-  # Blocks of rows are other dots: float32 roundings apart.
-  for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(blocked), strict=True):
+  step = jax.value_and_grad(total, argnums=(2, 3, 4), has_aux=True)
+  (t2, lp2), g2 = step(twice, g, *args)
+  (t1, lp1), g1 = step(ids, once_g, *args)
+  np.testing.assert_allclose(np.asarray(lp2[..., 1:]), np.asarray(lp1), rtol=1e-6)
+  np.testing.assert_allclose(
+    np.asarray(lp2[..., 0]), np.asarray(lp1[..., 0]), rtol=1e-6
+  )
+  scale = float(jnp.sum(jnp.abs(lp2 * g)))  # the sum may cancel to near 0
+  assert abs(float(t2) - float(t1)) <= 1e-6 * scale
+  for a, b in zip(g2, g1, strict=True):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b)
+
+
+def test_the_logits_are_formed_once_whatever_k(rng):
+  """The program's matmuls do not grow with K: the ids' logits come from the
+  chunks' logits, not from products with their weight rows."""
+  arrays, ids, where = ids_problem(rng, (2, 9), 16, 97, 8, "float32", "vd", False)
+  args = (arrays["hidden"], arrays["weight"])
+
+  def dots(labels):
+    total = lambda h, w: jnp.sum(mst_jax.linear_log_probs(h, w, labels, where=where))
+    text = jax.jit(jax.grad(total, argnums=(0, 1))).lower(*args).as_text()
+    return text.count("dot_general")
+
+  assert dots(ids[..., :1]) == dots(ids)
+
+
+# bfloat16 logits (the Hopper program's): each rounded to 2**-9 relative.
+BF16_LOGITS_TOL = {"out": 1e-2, "grad": 5e-2}
+
+
+@pytest.mark.parametrize(
+  "options",
+  [{}, {"grad_mode": "recompute", "chunk_size": 64}, {"vocab_block_size": 384}],
+  ids=str,
+)
+def test_ids_on_the_mosaic_kernels(rng, mosaic_on_cpu, options):
+  """The Hopper program on a CPU (the GEMM as an XLA product, the kernels in
+  interpret mode): the ids' logits come from padded logits of a ragged
+  vocabulary, their cotangents go into the kernels' dlogits."""
+  arrays, ids, where = ids_problem(rng, (2, 70), 128, 1001, 5, "bfloat16", "vd", True)
+  cotangents = (rng.standard_normal(ids.shape), rng.standard_normal(ids.shape[:-1]))
+  ref_lp, ref_h, ref_grads = ids_oracle(arrays, ids, where, cotangents, shift=False)
+  args = (arrays["hidden"], arrays["weight"], arrays["bias"])
+
+  def total(*a):
+    lp, h = mst_jax.linear_log_probs(
+      a[0], a[1], ids, a[2], where=where, return_entropy=True, impl="mosaic", **options
+    )
+    g_lp, g_h = (jnp.asarray(c, lp.dtype) for c in cotangents)
+    return jnp.sum(lp * g_lp) + jnp.sum(h * g_h), (lp, h)
+
+  (_, (lp, h)), grads = jax.jit(jax.value_and_grad(total, (0, 1, 2), has_aux=True))(
+    *args
+  )
+  assert _rel(lp, ref_lp) < BF16_LOGITS_TOL["out"], _rel(lp, ref_lp)
+  assert _rel(h, ref_h) < BF16_LOGITS_TOL["out"], _rel(h, ref_h)
+  for g, ref in zip(grads, ref_grads, strict=True):
+    assert _rel(g, ref) < BF16_LOGITS_TOL["grad"], _rel(g, ref)
+  padded = 256 if "vocab_block_size" in options else 1024  # 1001 = 2 * 384 + 233
+  assert padded in mosaic_on_cpu  # the logits GEMM wrote padded logits
 
 
 def test_an_id_out_of_range_is_nan_alone(rng):

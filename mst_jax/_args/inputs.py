@@ -64,6 +64,8 @@ class Rows(NamedTuple):
     target_weight: float32 ``[N]``, each row's label's class weight (0 where
       the label is outside ``[0, V)``), with class weights; else None.
     mean_weight: float32 ``[N]``, the mean class weight, likewise.
+    ids: int32 ``[N, K]`` ids in ``[0, V)`` whose logits the sweep also gives
+      (``linear_log_probs`` at several ids a position), or None.
   """
 
   hidden: jax.Array
@@ -77,16 +79,18 @@ class Rows(NamedTuple):
   class_weights: jax.Array | None = None
   target_weight: jax.Array | None = None
   mean_weight: jax.Array | None = None
+  ids: jax.Array | None = None
 
   @property
   def arrays(self) -> tuple:
     """``(hidden, weight, bias, labels, valid)``, then ``(class_weights,
-    target_weight, mean_weight)`` when there are class weights: the
-    ``_sweep.rows.RowInputs`` fields."""
+    target_weight, mean_weight)`` when there are class weights, and ``ids``
+    when there are ids: the ``_sweep.rows.RowInputs`` fields."""
     arrays = (self.hidden, self.weight, self.bias, self.labels, self.valid)
-    if self.target_weight is None:
+    if self.target_weight is None and self.ids is None:
       return arrays
-    return (*arrays, self.class_weights, self.target_weight, self.mean_weight)
+    arrays = (*arrays, self.class_weights, self.target_weight, self.mean_weight)
+    return arrays if self.ids is None else (*arrays, self.ids)
 
   def for_chunks(self, label_smoothing: float) -> Rows:
     """These rows for the chunked paths. Without label smoothing a class
@@ -396,6 +400,7 @@ def with_rows_appended(rows: Rows, count: int, *, groups: int = 1) -> Rows:
     token_weights=append(rows.token_weights),
     target_weight=append(rows.target_weight),
     mean_weight=append(rows.mean_weight),
+    ids=append(rows.ids),
   )
 
 

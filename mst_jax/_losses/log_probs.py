@@ -12,8 +12,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax import lax
 
 from mst_jax._args import inputs as _inputs
 from mst_jax._args import options as _options
@@ -77,11 +75,11 @@ def linear_log_probs(
   Several ids per position (``labels`` of shape ``hidden.shape[:-1] + (K,)``,
   e.g. a teacher's stored top-k, or candidate tokens) give ``[..., K]``
   log-probs, ``log_softmax(s)`` at each id: the logits are formed once per
-  chunk whatever K is (the log-sum-exp of one id per position, the others'
-  scores from their weight rows), gradients flow through all of them, and
-  ``ignore_index`` entries give 0.0. ``where`` and ``return_entropy`` stay per
-  position; ``mesh`` splits the log-sum-exp pass as with one id (arrays typed
-  with Explicit mesh axes are not taken yet).
+  chunk whatever K is (they give the log-sum-exp and, read at the ids, the
+  ids' scores), gradients flow through all of them, and ``ignore_index``
+  entries give 0.0. ``where`` and ``return_entropy`` stay per position;
+  ``mesh`` splits the sweep as with one id (arrays typed with Explicit mesh
+  axes are not taken yet).
 
   Precision: with bfloat16 inputs the logits are bfloat16 by default (as in
   a bfloat16 ``Dense`` head), so a log-prob is off by up to about 1e-2 (a
@@ -156,28 +154,22 @@ def _per_position(rows, options, perf, weight_layout, layout, entropy: bool):
   return log_probs, entropy.reshape(rows.batch_shape)
 
 
-# The gathered weight rows of a block of positions' ids (``[rows, K, D]``)
-# stay under this many bytes.
-_GATHER_BYTES = 64 << 20
-
-
 def _at_ids(
   hidden, weight, ids, bias, where, options, perf, weight_layout, entropy, mesh_axes
 ):
   """Log-probs at K ids per position (``ids [..., K]``).
 
-  ``log_softmax(s)[id] = log_prob(anchor) + s[id] - s[anchor]``: the chunked
-  loss gives each position's log-prob at one of its ids (the anchor: its
-  first valid one) and the entropy; the other ids' scores are dot products
-  with their weight rows (``_scores_at``), so the logits are formed once.
+  ``log_softmax(s)[id] = s[id] - lse``: the chunked sweep gives each
+  position's lse and entropy and, from the same chunk of logits, the logits
+  at its ids (``_sweep.rows.RowInputs.ids``); their cotangents are added to
+  that chunk's ``dlogits``. The logits are formed once, whatever K is.
   """
   hidden, weight = jnp.asarray(hidden), jnp.asarray(weight)
   if _inputs.explicit_mesh(hidden, weight, ids, bias) is not None:
     raise NotImplementedError(
       "linear_log_probs at several ids per position (labels [..., K]) does not"
-      " take arrays sharded over a mesh with Explicit axes yet (gathering the"
-      " ids' weight rows needs an output sharding); pass mesh= with batch_axis"
-      " and vocab_axis and unsharded arrays, or one id per position."
+      " take arrays sharded over a mesh with Explicit axes yet; pass mesh= with"
+      " batch_axis and vocab_axis and unsharded arrays, or one id per position."
     )
   vocab_size = weight.shape[matmul.vocab_axis(weight_layout)]
   if not jnp.issubdtype(ids.dtype, jnp.integer):
@@ -203,59 +195,27 @@ def _at_ids(
     )
   in_range = (ids >= 0) & (ids < vocab_size)
   usable = valid & in_range
-  first = jnp.argmax(usable, axis=-1)[..., None]
-  anchor = jnp.take_along_axis(jnp.clip(ids, 0, vocab_size - 1), first, axis=-1)
-  anchored = jnp.any(usable, axis=-1)
   options = dataclasses.replace(options, shift=False)
+  # A position's label is one of its usable ids (its loss is not used).
+  first = jnp.argmax(usable, axis=-1)[..., None]
+  label = jnp.take_along_axis(jnp.clip(ids, 0, vocab_size - 1), first, axis=-1)
   rows = _inputs.prepare(
-    hidden, weight, anchor[..., 0], bias, anchored, options, weight_layout
+    hidden,
+    weight,
+    label[..., 0],
+    bias,
+    jnp.any(usable, axis=-1),
+    options,
+    weight_layout,
   )
+  k = ids.shape[-1]
+  rows = rows._replace(ids=jnp.clip(ids, 0, vocab_size - 1).reshape(-1, k))
   layout = _mesh.layout_for(*mesh_axes, weight_layout, rows)
-  out = _per_position(rows, options, perf, weight_layout, layout, entropy)
-  anchor_log_probs, entropy = out if entropy else (out, None)
-  log_probs = jnp.broadcast_to(anchor_log_probs[..., None], ids.shape)
-  if ids.shape[-1] > 1:  # the other ids: their scores less the anchor's
-    logits_dtype = _options.resolve_logits_dtype(perf.logits_dtype, rows.hidden.dtype)
-    scores = _scores_at(
-      rows, jnp.clip(ids, 0, vocab_size - 1).reshape(-1, ids.shape[-1]),
-      weight_layout, logits_dtype, options.ce,
-    ).reshape(ids.shape)  # fmt: skip
-    others = scores - jnp.take_along_axis(scores, first, axis=-1)
-    log_probs = log_probs + others.astype(log_probs.dtype)
+  _, lse, _, ent, at_ids = _cross_entropy.per_row_outputs(
+    rows, options, perf, weight_layout, layout, None, entropy=entropy
+  )
+  log_probs = ce_math.scores(at_ids, options.ce) - lse[:, None]
+  log_probs = log_probs.reshape(ids.shape)
   log_probs = jnp.where(usable, log_probs, 0.0)
   log_probs = jnp.where(valid & ~in_range, jnp.nan, log_probs)
-  return log_probs if entropy is None else (log_probs, entropy)
-
-
-def _scores_at(rows, ids, weight_layout: str, logits_dtype, ce_options) -> jax.Array:
-  """``s`` at ``ids [N, K]`` (in range), float32 or wider: each id's logit
-  ``hidden . weight[id] (+ bias[id])`` rounded to ``logits_dtype`` as the
-  chunked loss's, then scaled and softcapped. In blocks of positions whose
-  gathered weight rows fit ``_GATHER_BYTES``; the backward gathers them again.
-  """
-  hidden, weight, bias = rows.hidden, rows.weight, rows.bias
-  n_rows, k = ids.shape
-  dim = hidden.shape[1]
-  acc = ce_math.at_least_float32(hidden.dtype)
-  axis = matmul.vocab_axis(weight_layout)
-
-  def block(h, i):  # [rows, D], [rows, K]
-    w = jnp.take(weight, i, axis=axis)  # "vd": [rows, K, D]; "dv": [D, rows, K]
-    spec = "rd,rkd->rk" if weight_layout == "vd" else "rd,drk->rk"
-    logit = jnp.einsum(spec, h, w, preferred_element_type=acc)
-    if bias is not None:
-      logit = logit + bias[i].astype(acc)
-    return ce_math.scores(
-      ce_math.upcast(logit.astype(logits_dtype)).astype(acc), ce_options
-    )
-
-  per_row = k * dim * np.dtype(weight.dtype).itemsize
-  size = int(max(1, min(n_rows, _GATHER_BYTES // per_row)))
-  if size >= n_rows:
-    return block(hidden, ids)
-  blocks = -(-n_rows // size)
-  pad = blocks * size - n_rows
-  h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(blocks, size, dim)
-  i = jnp.pad(ids, ((0, pad), (0, 0))).reshape(blocks, size, k)
-  out = lax.map(lambda x: jax.checkpoint(block)(*x), (h, i))
-  return out.reshape(blocks * size, k)[:n_rows]
+  return log_probs if not entropy else (log_probs, ent.reshape(ids.shape[:-1]))

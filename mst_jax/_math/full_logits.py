@@ -45,11 +45,15 @@ def row_losses(
   labels: jax.Array,
   valid: jax.Array,
   class_weights: jax.Array | None = None,
-  *unused_class_rows,
+  target_weight: jax.Array | None = None,
+  mean_weight: jax.Array | None = None,
+  ids: jax.Array | None = None,
+  *,
   options: CEOptions,
   weight_layout: str,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-  """Per-row ``(loss, lse, correct, entropy)`` from the full logits.
+) -> tuple[jax.Array, ...]:
+  """Per-row ``(loss, lse, correct, entropy)`` from the full logits, and
+  with ``ids`` the logits at them.
 
   Args:
     hidden: ``[N, D]``.
@@ -58,8 +62,10 @@ def row_losses(
     labels: int32 ``[N]``.
     valid: bool ``[N]``.
     class_weights: ``[V]`` or None (torch's ``weight``).
-    *unused_class_rows: the per-row class factors the chunked paths take
-      (``Rows.arrays``); the reference derives its own from ``class_weights``.
+    target_weight, mean_weight: the per-row class factors the chunked paths
+      take (``Rows.arrays``); the reference derives its own from
+      ``class_weights``.
+    ids: int32 ``[N, K]`` in ``[0, V)``, or None.
     options: the loss options.
     weight_layout: ``"vd"`` or ``"dv"``.
 
@@ -68,12 +74,18 @@ def row_losses(
     whose label is outside ``[0, V)``; 0 at invalid rows), ``[N]`` lse (0 at
     invalid rows), ``[N]`` bool, whether the argmax is the label, and ``[N]``
     entropy of the softmax (with ``options.entropy``, else zeros; 0 at
-    invalid rows).
+    invalid rows); with ``ids``, ``[N, K]`` logits at them (0 at invalid
+    rows).
   """
+  del target_weight, mean_weight
   logits = full_logits(hidden, weight, bias, valid, weight_layout)
-  return losses_from_logits(
+  outputs = losses_from_logits(
     logits, labels, valid, options=options, class_weights=class_weights
   )
+  if ids is None:
+    return outputs
+  at_ids = jnp.take_along_axis(logits, ids, axis=1)
+  return (*outputs, jnp.where(valid[:, None], at_ids, 0))
 
 
 def losses_from_logits(

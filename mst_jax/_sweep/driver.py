@@ -187,11 +187,12 @@ class Plan(NamedTuple):
   """Cross-entropy's ``SweepPlan``: a loop order and its configuration.
 
   The arrays are ``RowInputs``' ``(hidden, weight, bias, labels, valid,
-  *classes)``; the outputs per-row ``(loss, lse, correct, entropy)``: float32
-  (float64 for float64 inputs), float32, bool and float32 (zeros unless the
-  options ask for the entropy); ``loss``, ``lse`` and ``entropy`` are
+  *classes, ids)``; the outputs per-row ``(loss, lse, correct, entropy)``:
+  float32 (float64 for float64 inputs), float32, bool and float32 (zeros
+  unless the options ask for the entropy), then with ids the ``[N, K]``
+  logits at them; ``loss``, ``lse``, ``entropy`` and the logits at ids are
   differentiable through ``row_losses``, the loss alone through
-  ``reduced_loss``.
+  ``reduced_loss`` (which takes no ids).
 
   ``keep_logits``: ``row_losses``' forward keeps the logits of all rows (per
   device, one ``[rows, columns]`` buffer of the compute dtype, which the
@@ -222,16 +223,17 @@ class Plan(NamedTuple):
     return self.forward(x), None
 
   def saved(self, outputs: Outputs) -> tuple:
-    _, lse, _, entropy = outputs
+    _, lse, _, entropy, *_ = outputs
     return lse, entropy
 
   def backward(self, x: RowInputs, saved, cotangents, diff, kept) -> Grads:
     lse, entropy = saved
-    g_loss, g_lse, _, g_entropy = cotangents
+    g_loss, g_lse, _, g_entropy, *g_at_ids = cotangents
     g_loss, g_lse, g_entropy = (
       _instantiate(g, lse) for g in (g_loss, g_lse, g_entropy)
     )
-    cot = RowCotangents(lse, g_loss, g_lse, entropy, g_entropy)
+    g_at_ids = None if not g_at_ids or _zero(g_at_ids[0]) else g_at_ids[0]
+    cot = RowCotangents(lse, g_loss, g_lse, entropy, g_entropy, g_at_ids)
     if self.keep_logits:
       return self.order.backward_kept(self.config, x, cot, diff, kept)
     return self.order.backward(self.config, x, cot, diff)
@@ -240,7 +242,7 @@ class Plan(NamedTuple):
     return self.order.fused(self.config, x, row_scale, diff)
 
   def loss_cotangent(self, cotangents):
-    g_loss, g_lse, _, g_entropy = cotangents
+    g_loss, g_lse, _, g_entropy = cotangents  # no ids: fused is for a scalar loss
     if not (_zero(g_lse) and _zero(g_entropy)):
       raise NotImplementedError(
         "The per-token lse (aux.lse, aux.z_loss) is not differentiable with"

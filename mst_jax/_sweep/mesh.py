@@ -194,6 +194,7 @@ class Layout:
       class_weights=self.bias,
       target_weight=self.rows,
       mean_weight=self.rows,
+      ids=self.rows,
     )
     n_fields = len(field_specs)
     return self.map_devices(
@@ -236,9 +237,14 @@ class Sharded:
   inner: LoopOrder
   layout: Layout
 
+  def _row_specs(self, x) -> tuple:
+    """The per-row outputs' shards: ``(loss, lse, correct, entropy)``, and
+    the logits at ``x.ids`` when there are ids."""
+    return (self.layout.rows,) * (4 if x.ids is None else 5)
+
   def forward(self, config, x):
     forward = functools.partial(self.inner.forward, config)
-    return self.layout.per_device(forward, x, (), (self.layout.rows,) * 4)
+    return self.layout.per_device(forward, x, (), self._row_specs(x))
 
   def backward(self, config, x, cot, diff):
     def body(x, *cot):
@@ -249,7 +255,7 @@ class Sharded:
 
   def forward_keeping(self, config, x):
     forward = functools.partial(self.inner.forward_keeping, config)
-    out_specs = ((self.layout.rows,) * 4, self.layout.logits)
+    out_specs = (self._row_specs(x), self.layout.logits)
     return self.layout.per_device(forward, x, (), out_specs)
 
   def backward_kept(self, config, x, cot, diff, logits):

@@ -69,22 +69,22 @@ class RowChunks:
     return with_bound(chunk) if self.bounded else chunk
 
   def forward(self, config, x):
-    """Per-row ``(loss, lse, correct, entropy)``."""
+    """Per-row ``(loss, lse, correct, entropy)``, and the logits at
+    ``x.ids`` when there are ids."""
     x, _, scatter = x.compacted(self.compact)
 
     def update(outputs, chunk):
       config.announce("forward", chunk.start)
-      rows = x.chunk(chunk)
-      stats = config.whole_row_stats(rows)
-      return tuple(
-        map(
-          chunk.put,
-          outputs,
-          config.row_outputs(stats, rows.labels, chunk.valid, rows.classes),
+      if x.ids is None:
+        rows = x.chunk(chunk)
+        new = config.row_outputs(
+          config.whole_row_stats(rows), rows.labels, chunk.valid, rows.classes
         )
-      )
+      else:
+        new, _ = _outputs_and_logits(config, x, chunk)
+      return tuple(map(chunk.put, outputs, new))
 
-    init = output_init(x.hidden.shape[0], stat_dtype(x.hidden))
+    init = output_init(x.hidden.shape[0], stat_dtype(x.hidden), x.ids)
     outputs = sweep_chunks(
       self.rows_per_chunk, x.valid, update, init, bounded=self.bounded
     )
@@ -95,10 +95,7 @@ class RowChunks:
     ``backward_kept`` forms ``dlogits`` over instead of recomputing them."""
     chunk = self._all_rows(x.valid)
     config.announce("forward", chunk.start)
-    rows = x.chunk(chunk)
-    logits, stats = config.logits_and_row_stats(rows)
-    outputs = config.row_outputs(stats, rows.labels, chunk.valid, rows.classes)
-    return outputs, logits
+    return _outputs_and_logits(config, x, chunk)
 
   def backward_kept(self, config, x, cot, diff, logits):
     """``backward`` from ``forward_keeping``'s logits (in place where the
@@ -115,6 +112,7 @@ class RowChunks:
       offset=config.columns.offset(),
       logits=logits,
     )
+    dlogits = _with_ids(config, dlogits, x, cot, chunk)
     grads = gradient_init(config, x, diff)
     grads = accumulate(
       config, grads, chunk, rows.hidden, dlogits, x.weight, scale=scale
@@ -124,7 +122,8 @@ class RowChunks:
   def backward(self, config, x, cot, diff):
     """``(dhidden, dweight, dbias)`` by recomputing each chunk's logits."""
     x, gather, _ = x.compacted(self.compact)  # recomputed: cheaper than saved
-    cot, scale = RowCotangents(*map(gather, cot)).unit(x.valid, x.hidden.dtype)
+    cot = RowCotangents(*(None if c is None else gather(c) for c in cot))
+    cot, scale = cot.unit(x.valid, x.hidden.dtype)
     offset = config.columns.offset()
 
     def chunk_dlogits(outputs, chunk, into):
@@ -136,6 +135,7 @@ class RowChunks:
       dlogits = config.backend.chunk_backward(
         rows, coefficients, config.head, x.hidden.dtype, offset=offset
       )
+      dlogits = _with_ids(config, dlogits, x, cot, chunk)
       return outputs, write_into(into, dlogits)
 
     # grad-of-grad recomputes the chunk instead of saving its logits.
@@ -173,3 +173,23 @@ class RowChunks:
     init = output_init(x.hidden.shape[0], stat_dtype(x.hidden))
     (loss, *per_row), grads = gradient_sweep(sweep, diff, init)
     return (jnp.sum(loss * row_scale), *map(scatter, per_row)), grads
+
+
+def _outputs_and_logits(config, x, chunk):
+  """``(outputs, logits)`` of a chunk: its per-row outputs, with the logits
+  at ``x.ids`` when there are ids, and the logits they came from."""
+  rows = x.chunk(chunk)
+  logits, stats = config.logits_and_row_stats(rows)
+  outputs = config.row_outputs(stats, rows.labels, chunk.valid, rows.classes)
+  if x.ids is not None:
+    outputs = (*outputs, config.row_logits_at(logits, chunk.take(x.ids), chunk.valid))
+  return outputs, logits
+
+
+def _with_ids(config, dlogits, x, cot, chunk):
+  """A chunk's ``dlogits`` with the cotangents of its logits at ``x.ids``
+  added (``SweepConfig.add_at``), where they are given."""
+  if cot.g_at_ids is None:
+    return dlogits
+  g = jnp.where(chunk.valid[:, None], chunk.take(cot.g_at_ids), 0)
+  return config.add_at(dlogits, chunk.take(x.ids), g)

@@ -113,6 +113,38 @@ class SweepConfig:
       classes=classes,
     )
 
+  def row_logits_at(self, logits: jax.Array, ids: jax.Array, valid: jax.Array):
+    """A chunk's ``[rows, K]`` logits at ``ids`` (``logits_at`` over all of
+    this device's columns, summed over the shards), 0 in excluded rows."""
+    at = self.columns.sum_partial(self.logits_at(logits, ids))
+    return jnp.where(valid[:, None], at, 0)
+
+  def logits_at(self, logits: jax.Array, ids: jax.Array, start=0) -> jax.Array:
+    """float32 (or wider) ``[rows, K]``: ``logits`` at ``ids [rows, K]``
+    (vocabulary ids), 0 at ids outside them. ``logits``' first column is
+    column ``start`` of this device's (a vocabulary block's); the parts of
+    several blocks or shards add up (``Columns.sum_partial``)."""
+    local, here = self._local_ids(ids, logits.shape[1], start)
+    at = jnp.take_along_axis(logits, local, axis=1)
+    return jnp.where(here, ce_math.upcast(at), 0)
+
+  def add_at(self, dlogits: jax.Array, ids: jax.Array, g: jax.Array, start=0):
+    """``dlogits`` with ``g [rows, K]`` added at ``ids``: the transpose of
+    ``logits_at``."""
+    local, here = self._local_ids(ids, dlogits.shape[1], start)
+    rows = jnp.arange(ids.shape[0])[:, None]
+    g = jnp.where(here, g, 0).astype(dlogits.dtype)
+    return dlogits.at[rows, local].add(g, mode="promise_in_bounds")
+
+  def _local_ids(self, ids: jax.Array, width: int, start):
+    """``(columns, here)``: ``ids`` as columns (clipped) of logits ``width``
+    wide from column ``start`` of this device's, and where they are one of
+    those columns (not padding, not another device's)."""
+    held = self.columns.shard_size if self.columns.split else self.head.vocab_size
+    local = ids - (self.columns.offset() + start)
+    here = (local >= 0) & (local < jnp.minimum(width, held - start))
+    return jnp.clip(local, 0, width - 1), here
+
   def whole_row_stats(self, x: ChunkInputs) -> ce_math.RowStats:
     """A chunk's statistics over the whole vocabulary, combined across shards."""
     stats = self.backend.chunk_forward(x, self.head, offset=self.columns.offset())
@@ -143,6 +175,8 @@ class RowInputs(NamedTuple):
     target_weight: float32 ``[N]``, the weight of each row's label; or None
       without class weights (then ``mean_weight`` is None too).
     mean_weight: float32 ``[N]``, the mean class weight (in every row).
+    ids: int32 ``[N, K]`` vocabulary ids whose logits the forward also
+      gives (``SweepConfig.logits_at``), or None.
   """
 
   hidden: Any
@@ -153,6 +187,7 @@ class RowInputs(NamedTuple):
   class_weights: jax.Array | None = None
   target_weight: jax.Array | None = None
   mean_weight: jax.Array | None = None
+  ids: jax.Array | None = None
 
   @property
   def classes(self) -> ce_math.ClassRows | None:
@@ -162,7 +197,7 @@ class RowInputs(NamedTuple):
 
   def _per_row(self, take) -> dict:
     """The per-row fields other than ``hidden``, through ``take``."""
-    names = ("labels", "valid", "target_weight", "mean_weight")
+    names = ("labels", "valid", "target_weight", "mean_weight", "ids")
     return {
       n: None if getattr(self, n) is None else take(getattr(self, n)) for n in names
     }
@@ -200,6 +235,8 @@ class RowCotangents(NamedTuple):
     entropy: the forward's saved entropy (zeros without
       ``CEOptions.entropy``).
     g_entropy: the cotangent of each row's entropy.
+    g_at_ids: ``[N, K]``, the cotangent of the logits at ``RowInputs.ids``,
+      or None.
   """
 
   lse: jax.Array
@@ -207,6 +244,7 @@ class RowCotangents(NamedTuple):
   g_lse: jax.Array
   entropy: jax.Array
   g_entropy: jax.Array
+  g_at_ids: jax.Array | None = None
 
   @classmethod
   def of_loss(cls, lse: jax.Array, g_loss: jax.Array) -> RowCotangents:
@@ -216,13 +254,14 @@ class RowCotangents(NamedTuple):
 
   def take(self, chunk: Chunk) -> RowCotangents:
     """A chunk's rows of each."""
-    return RowCotangents(*map(chunk.take, self))
+    return RowCotangents(*(None if c is None else chunk.take(c) for c in self))
 
   def unit(self, valid: jax.Array, dtype) -> tuple[RowCotangents, jax.Array | None]:
-    """``(cotangents, scale)``: the three as ``_plan.unit_weights``."""
-    cot = (self.g_loss, self.g_lse, self.g_entropy)
-    (g_loss, g_lse, g_entropy), scale = _plan.unit_weights(cot, valid, dtype)
-    return self._replace(g_loss=g_loss, g_lse=g_lse, g_entropy=g_entropy), scale
+    """``(cotangents, scale)``: the cotangents as ``_plan.unit_weights``."""
+    names = ("g_loss", "g_lse", "g_entropy", "g_at_ids")
+    given = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+    unit, scale = _plan.unit_weights(tuple(given.values()), valid, dtype)
+    return self._replace(**dict(zip(given, unit, strict=True))), scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -478,7 +517,7 @@ def with_bound(chunk: Chunk) -> Chunk:
 
 Update = Callable[[Any, Chunk], Any]
 # Per-row (loss, lse, correct, entropy), each [N].
-Outputs = tuple[jax.Array, jax.Array, jax.Array, jax.Array]
+Outputs = tuple[jax.Array, ...]  # and, with ids, [N, K] logits at them
 # (dhidden, dweight, dbias); None where an input is not differentiated.
 Grads = tuple[Any, jax.Array | None, jax.Array | None]
 
@@ -523,13 +562,16 @@ def sweep_chunks(
 # ---- Outputs and gradient accumulators. ----
 
 
-def output_init(n_rows: int, dtype: jnp.dtype):
-  """Per-row ``(loss, lse, correct, entropy)`` buffers; excluded rows stay zero."""
+def output_init(n_rows: int, dtype: jnp.dtype, ids: jax.Array | None = None):
+  """Per-row ``(loss, lse, correct, entropy)`` buffers, and ``[N, K]`` logits
+  at ``ids`` when there are ids; excluded rows stay zero."""
+  at_ids = () if ids is None else (jnp.zeros(ids.shape, dtype),)
   return (
     jnp.zeros((n_rows,), dtype),
     jnp.zeros((n_rows,), dtype),
     jnp.zeros((n_rows,), bool),
     jnp.zeros((n_rows,), dtype),
+    *at_ids,
   )
 
 

@@ -107,8 +107,9 @@ class VocabBlocks:
       tie=config.head.matmul_tile is not None,
     )
 
-  def _row_stats(self, config: SweepConfig, x: ChunkInputs) -> ce_math.RowStats:
-    """Whole-row statistics of a chunk's logits, merged block by block.
+  def _row_stats(self, config: SweepConfig, x: ChunkInputs, ids=None):
+    """``(stats, at_ids)``: whole-row statistics of a chunk's logits, merged
+    block by block, and its logits at ``ids [rows, K]`` (None without ids).
 
     On a vocab-parallel shard the blocks of this shard are merged first and
     the shards combined once, so the collectives run once per row chunk, not
@@ -132,12 +133,19 @@ class VocabBlocks:
     x = x._replace(labels=local)
 
     def block_stats(block, start, size):
-      stats = config.backend.chunk_forward(block, config.head, offset=start)
-      return stats, (local >= start) & (local < start + size)
+      here = (local >= start) & (local < start + size)
+      if ids is None:
+        return config.backend.chunk_forward(block, config.head, offset=start), here, 0
+      logits, stats = config.backend.logits_and_stats(block, config.head, start)
+      if stats is None:
+        stats = config.backend.chunk_forward(
+          block, config.head, offset=start, logits=logits
+        )
+      return stats, here, config.logits_at(logits, ids, start)
 
     def step(carry, block, start, size):
-      running, covered = carry
-      stats, here = block_stats(block, start, size)
+      running, covered, at_ids = carry
+      stats, here, at = block_stats(block, start, size)
       parts = jax.tree.map(lambda a, b: jnp.stack([a, b]), running, stats)
       merged = merge(
         parts,
@@ -145,11 +153,13 @@ class VocabBlocks:
         jnp.stack([jnp.int32(0), start])[:, None],  # running: argmax already global
         jnp.stack([covered, jnp.asarray(size, covered.dtype)])[:, None],
       )
-      return merged, covered + size
+      return merged, covered + size, at_ids + at
 
     _, first_size = self._widths(config, x.weight)
     zero = jnp.int32(0)
-    first, here = block_stats(_block(config, x, zero, first_size), zero, first_size)
+    first, here, at_ids = block_stats(
+      _block(config, x, zero, first_size), zero, first_size
+    )
     one = lambda x: x[None]
     running = merge(
       jax.tree.map(one, first),
@@ -158,14 +168,24 @@ class VocabBlocks:
       jnp.ones((1, 1), first.mean_logit.dtype),
     )
     covered = jnp.asarray(first_size, first.mean_logit.dtype)
-    running, _ = self._over_blocks(config, x, step, (running, covered), skip_first=True)
-    return config.columns.combine(running, labels)
+    carry = (running, covered, at_ids)
+    running, _, at_ids = self._over_blocks(config, x, step, carry, skip_first=True)
+    at_ids = None if ids is None else config.columns.sum_partial(at_ids)
+    return config.columns.combine(running, labels), at_ids
 
   def _chunk_gradients(
-    self, config: SweepConfig, grads: Grads, chunk: Chunk, x: ChunkInputs, rows, scale
+    self,
+    config: SweepConfig,
+    grads: Grads,
+    chunk: Chunk,
+    x: ChunkInputs,
+    rows,
+    scale,
+    at_ids=None,
   ) -> Grads:
     """Adds one row chunk's contribution to ``(dhidden, dweight, dbias)``
-    (``rows`` of unit row weights: ``scale`` applied as each is rounded)."""
+    (``rows`` of unit row weights: ``scale`` applied as each is rounded;
+    ``at_ids``: ``(ids, g)``, cotangents of its logits at ids, or None)."""
     dhidden, dweight, dbias = grads
     layout, axis = config.layout, matmul.vocab_axis(config.layout)
     acc, gemm = stat_dtype(x.hidden), config.head.gemm
@@ -182,6 +202,8 @@ class VocabBlocks:
       dlogits = config.backend.chunk_backward(
         block, rows, config.head, x.hidden.dtype, offset=start
       )
+      if at_ids is not None:
+        dlogits = config.add_at(dlogits, *at_ids, start)
       if dh is not None:
         dh = dh + matmul.dhidden_matmul(dlogits, block.weight, layout, acc, gemm=gemm)
       if dw is not None:
@@ -207,21 +229,20 @@ class VocabBlocks:
     return dhidden, dweight, dbias
 
   def forward(self, config, x):
-    """Per-row ``(loss, lse, correct, entropy)``."""
+    """Per-row ``(loss, lse, correct, entropy)``, and the logits at
+    ``x.ids`` when there are ids."""
 
     def update(outputs, chunk):
       config.announce("forward", chunk.start)
       rows = x.chunk(chunk)
-      stats = self._row_stats(config, rows)
-      return tuple(
-        map(
-          chunk.put,
-          outputs,
-          config.row_outputs(stats, rows.labels, chunk.valid, rows.classes),
-        )
-      )
+      ids = None if x.ids is None else chunk.take(x.ids)
+      stats, at_ids = self._row_stats(config, rows, ids)
+      new = config.row_outputs(stats, rows.labels, chunk.valid, rows.classes)
+      if ids is not None:
+        new = (*new, jnp.where(chunk.valid[:, None], at_ids, 0))
+      return tuple(map(chunk.put, outputs, new))
 
-    init = output_init(x.hidden.shape[0], stat_dtype(x.hidden))
+    init = output_init(x.hidden.shape[0], stat_dtype(x.hidden), x.ids)
     return sweep_chunks(self.rows_per_chunk, x.valid, update, init)
 
   def backward(self, config, x, cot, diff):
@@ -234,7 +255,13 @@ class VocabBlocks:
       coefficients = config.backward_rows(
         cot.take(chunk), rows.labels, chunk.valid, rows.classes
       )
-      return self._chunk_gradients(config, grads, chunk, rows, coefficients, scale)
+      at_ids = None
+      if cot.g_at_ids is not None:
+        g = jnp.where(chunk.valid[:, None], chunk.take(cot.g_at_ids), 0)
+        at_ids = (chunk.take(x.ids), g)
+      return self._chunk_gradients(
+        config, grads, chunk, rows, coefficients, scale, at_ids
+      )
 
     grads = gradient_init(config, x, diff)
     grads = sweep_chunks(self.rows_per_chunk, x.valid, update, grads)
@@ -248,7 +275,7 @@ class VocabBlocks:
       outputs, grads = carry
       config.announce("fused", chunk.start)
       rows = x.chunk(chunk)
-      stats = self._row_stats(config, rows)
+      stats, _ = self._row_stats(config, rows)
       out = config.row_outputs(stats, rows.labels, chunk.valid, rows.classes)
       g_loss = jnp.where(chunk.valid, chunk.take(unit), 0.0)
       cot = RowCotangents.of_loss(stats.lse, g_loss)
