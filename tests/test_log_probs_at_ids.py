@@ -104,6 +104,7 @@ CASES = [
   # float16: gradients of unit cotangents, the ids' among them, scaled back
   ("float16", 4, False, "vd", True, {"logits_dtype": jnp.float32}),
   ("float32", 3, True, "dv", False, {"grad_mode": "recompute", "chunk_size": 8}),
+  ("float32", 3, False, "vd", True, {"impl": "reference"}),  # the full logits
 ]
 
 
