@@ -196,20 +196,12 @@ def _at_ids(
   in_range = (ids >= 0) & (ids < vocab_size)
   usable = valid & in_range
   options = dataclasses.replace(options, shift=False)
-  # A position's label is one of its usable ids (its loss is not used).
-  first = jnp.argmax(usable, axis=-1)[..., None]
-  label = jnp.take_along_axis(jnp.clip(ids, 0, vocab_size - 1), first, axis=-1)
+  in_vocab = jnp.clip(ids, 0, vocab_size - 1)
+  # Any id in the vocabulary will do as the sweep's label: its loss is not used.
   rows = _inputs.prepare(
-    hidden,
-    weight,
-    label[..., 0],
-    bias,
-    jnp.any(usable, axis=-1),
-    options,
-    weight_layout,
+    hidden, weight, in_vocab[..., 0], bias, jnp.any(usable, -1), options, weight_layout
   )
-  k = ids.shape[-1]
-  rows = rows._replace(ids=jnp.clip(ids, 0, vocab_size - 1).reshape(-1, k))
+  rows = rows._replace(ids=in_vocab.reshape(-1, ids.shape[-1]))
   layout = _mesh.layout_for(*mesh_axes, weight_layout, rows)
   _, lse, _, ent, at_ids = _cross_entropy.per_row_outputs(
     rows, options, perf, weight_layout, layout, None, entropy=entropy
