@@ -151,14 +151,18 @@ class SweepConfig:
     return self.columns.combine(stats, x.labels)
 
   def logits_and_row_stats(self, x: ChunkInputs) -> tuple[jax.Array, ce_math.RowStats]:
-    """A chunk's logits and their ``whole_row_stats``: from the logits GEMM's
-    epilogue where the backend computes them there, else read back from the
-    logits."""
-    offset = self.columns.offset()
+    """A chunk's logits and their ``whole_row_stats``."""
+    logits, stats = self.logits_and_stats(x, self.columns.offset())
+    return logits, self.columns.combine(stats, x.labels)
+
+  def logits_and_stats(self, x: ChunkInputs, offset):
+    """Logits (whose first column is ``offset``) and their statistics: from
+    the logits GEMM's epilogue where the backend computes them there, else
+    read back from the logits."""
     logits, stats = self.backend.logits_and_stats(x, self.head, offset)
     if stats is None:
       stats = self.backend.chunk_forward(x, self.head, offset=offset, logits=logits)
-    return logits, self.columns.combine(stats, x.labels)
+    return logits, stats
 
 
 class RowInputs(NamedTuple):

@@ -136,11 +136,7 @@ class VocabBlocks:
       here = (local >= start) & (local < start + size)
       if ids is None:
         return config.backend.chunk_forward(block, config.head, offset=start), here, 0
-      logits, stats = config.backend.logits_and_stats(block, config.head, start)
-      if stats is None:
-        stats = config.backend.chunk_forward(
-          block, config.head, offset=start, logits=logits
-        )
+      logits, stats = config.logits_and_stats(block, start)
       return stats, here, config.logits_at(logits, ids, start)
 
     def step(carry, block, start, size):
