@@ -543,8 +543,9 @@ def sweep_chunks(
   (or, with ``visit``, one where ``visit(chunk)`` is false) is skipped by
   ``lax.cond`` on a device-side predicate (the carry passes through). One
   chunk of all the rows, unbounded, runs unconditionally (its excluded rows
-  count for nothing): around a cond at the top of the program XLA copied
-  the carried ``[V, D]`` ``dweight`` into a temporary of its own.
+  count for nothing): the cond would carry ``[V, D]`` ``dweight`` at the top
+  of the program, where XLA may copy it (with one such group, XLA's GEMMs
+  held a 1 GiB weight-sized temporary at the Llama-3 head).
   """
   bound = with_bound if bounded else lambda chunk: chunk
   chunk_at = lambda index: bound(chunk_of(size, valid, index, group))
