@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import to64
+from conftest import GPU_LOSS_RTOL, to64
 
 import mst_jax
 
@@ -35,6 +35,23 @@ def _scores64(hidden, weight, bias, weight_layout, logit_scale, logit_softcap):
 def _log_softmax64(s):
   m = s.max(-1, keepdims=True)
   return s - m - np.log(np.exp(s - m).sum(-1, keepdims=True))
+
+
+def _check_selection(scores, log_probs, ids, tol):
+  """``(log_probs, ids)`` against float64 ``scores``: the log-probs are the
+  float64 ones at the ids, largest first, the ids distinct and a top k: no id
+  left out scores above the kth taken, beyond the logits' rounding."""
+  k = ids.shape[-1]
+  ids64 = np.asarray(ids)
+  want = np.take_along_axis(_log_softmax64(scores), ids64, -1)
+  got = np.asarray(log_probs, np.float64)
+  assert np.linalg.norm(got - want) <= tol * np.linalg.norm(want)
+  assert np.all(np.diff(got, axis=-1) <= 0)
+  assert all(len(set(r)) == k for r in ids64.reshape(-1, k))
+  kth = np.take_along_axis(scores, ids64, -1).min(-1)
+  rest = scores.copy()
+  np.put_along_axis(rest, ids64, -np.inf, -1)
+  assert np.all(rest.max(-1) <= kth + tol * np.abs(scores).max() * 4)
 
 
 CASES = [
@@ -65,20 +82,8 @@ def test_top_k_matches_float64_logits(
   key = dtype + ("_f32_logits" if logits_dtype else "")
 
   scores = _scores64(hidden, weight, b, weight_layout, **head)
-  lsm = _log_softmax64(scores)
+  _check_selection(scores, log_probs, ids, OUT_TOL[key])
   ids64 = np.asarray(ids)
-  want = np.take_along_axis(lsm, ids64, -1)
-  got = np.asarray(log_probs, np.float64)
-  assert np.linalg.norm(got - want) <= OUT_TOL[key] * np.linalg.norm(want)
-  # Largest first, distinct, and a top k of the float64 scores: no id left
-  # out scores above the kth taken, beyond the logits' rounding.
-  assert np.all(np.diff(got, axis=-1) <= 0)
-  assert all(len(set(r)) == k for r in ids64.reshape(-1, k))
-  kth = np.take_along_axis(scores, ids64, -1).min(-1)
-  rest = scores.copy()
-  np.put_along_axis(rest, ids64, -np.inf, -1)
-  slack = OUT_TOL[key] * np.abs(scores).max() * 4
-  assert np.all(rest.max(-1) <= kth + slack)
 
   cot = rng.standard_normal(ids.shape)
   names = ["hidden", "weight", "bias"][: 3 if bias else 2]
@@ -122,3 +127,46 @@ def test_top_k_errors(rng):
     mst_jax.linear_top_k(hidden, weight.T, 2)
   with pytest.raises(TypeError, match="weight_layot"):
     mst_jax.linear_top_k(hidden, weight, 2, weight_layot="dv")
+
+
+@pytest.mark.parametrize("vocab,k", [(1537, 64), (1030, 17), (700, 128)])
+def test_blocks_then_candidates_are_lax_top_k(rng, vocab, k):
+  """The GPU's two-stage selection gives ``lax.top_k``'s values and ids,
+  ties (repeated scores, -inf from a masking bias) included."""
+  from mst_jax._losses import top_k
+
+  scores = rng.standard_normal((37, vocab)).astype(np.float32)
+  scores[:, rng.integers(0, vocab, 40)] = np.float32(rng.standard_normal())
+  scores[:5] = np.round(scores[:5])  # many ties in these rows
+  scores[5, : vocab - k // 2] = -np.inf  # fewer than k finite scores
+  scores = jnp.asarray(scores)
+  want_values, want_ids = jax.lax.top_k(scores, k)
+  values, ids = top_k._largest(scores, k, blocked=True)
+  np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
+  np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+
+
+def test_the_gpu_selects_in_blocks_past_k_16():
+  from mst_jax._losses import top_k
+
+  assert top_k._blocked("gpu", 64, 128256)
+  assert not top_k._blocked("gpu", 16, 128256)  # lax.top_k's own fast path
+  assert not top_k._blocked("gpu", 64, 500)  # one block
+  assert not top_k._blocked("cpu", 64, 128256)
+
+
+@pytest.mark.gpu
+def test_top_k_64_on_the_gpu(rng):
+  """At k = 64 a GPU selects in blocks; the ids are still a top k of the
+  float64 scores and the log-probs the float64 ones (bfloat16 inputs, float32
+  logits: exact products, unlike a float32 matmul in TF32)."""
+  if jax.default_backend() != "gpu":
+    pytest.skip("needs a GPU")
+  n, dim, vocab, k = 301, 64, 5003, 64
+  hidden = jnp.asarray(rng.standard_normal((n, dim)), jnp.bfloat16)
+  weight = jnp.asarray(rng.standard_normal((vocab, dim)) / np.sqrt(dim), jnp.bfloat16)
+  log_probs, ids = mst_jax.linear_top_k(
+    hidden, weight, k, chunk_size=128, logits_dtype=jnp.float32
+  )
+  scores = _scores64(hidden, weight, None, "vd", None, None)
+  _check_selection(scores, log_probs, ids, GPU_LOSS_RTOL["bfloat16"])
