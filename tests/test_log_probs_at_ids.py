@@ -189,7 +189,30 @@ def test_the_logits_are_formed_once_whatever_k(rng):
     text = jax.jit(jax.grad(total, argnums=(0, 1))).lower(*args).as_text()
     return text.count("dot_general")
 
-  assert dots(ids[..., :1]) == dots(ids)
+  assert dots(ids[..., :2]) == dots(ids)
+
+
+def test_one_id_a_position_is_a_label(rng):
+  """``labels [..., 1]`` takes the one-label program: the same log-probs,
+  entropy and gradients, bit for bit, with a trailing axis."""
+  arrays, ids, where = ids_problem(rng, (2, 9), 16, 97, 1, "float32", "vd", True)
+  args = (arrays["hidden"], arrays["weight"], arrays["bias"])
+  g = jnp.asarray(rng.standard_normal(ids.shape[:-1]), jnp.float32)
+
+  def step(labels):
+    def total(h, w, b):
+      lp, ent = mst_jax.linear_log_probs(
+        h, w, labels, b, where=where, shift=True, return_entropy=True
+      )
+      return jnp.sum(lp.reshape(g.shape) * g) + jnp.sum(ent), (lp, ent)
+
+    return jax.jit(jax.value_and_grad(total, argnums=(0, 1, 2), has_aux=True))(*args)
+
+  (t1, (lp1, ent1)), g1 = step(ids)
+  (t0, (lp0, ent0)), g0 = step(ids[..., 0])
+  assert lp1.shape == ids.shape and ent1.shape == ids.shape[:-1]
+  for a, b in [(t1, t0), (lp1[..., 0], lp0), (ent1, ent0), *zip(g1, g0, strict=True)]:
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 # bfloat16 logits (the Hopper program's): each rounded to 2**-9 relative.

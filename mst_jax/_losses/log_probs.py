@@ -79,7 +79,7 @@ def linear_log_probs(
   ids' scores), gradients flow through all of them, and ``ignore_index``
   entries give 0.0. ``where`` and ``return_entropy`` stay per position;
   ``mesh`` splits the sweep as with one id (arrays typed with Explicit mesh
-  axes are not taken yet).
+  axes are not taken yet). K = 1 runs as one label a position.
 
   Precision: with bfloat16 inputs the logits are bfloat16 by default (as in
   a bfloat16 ``Dense`` head), so a log-prob is off by up to about 1e-2 (a
@@ -130,15 +130,22 @@ def linear_log_probs(
     )
   options, perf = _options.from_arguments({**locals(), **LOG_PROBS_FIXED})
   labels = jnp.asarray(labels)
+  one_id = False
   if labels.ndim == jnp.ndim(hidden) and labels.ndim >= 2:  # [..., K] ids
-    mesh_axes = (mesh, batch_axis, vocab_axis)
-    return _at_ids(
-      hidden, weight, labels, bias, where, options, perf, weight_layout,
-      return_entropy, mesh_axes,
-    )  # fmt: skip
+    one_id = labels.shape == (*jnp.shape(hidden)[:-1], 1)
+    if not one_id:
+      mesh_axes = (mesh, batch_axis, vocab_axis)
+      return _at_ids(
+        hidden, weight, labels, bias, where, options, perf, weight_layout,
+        return_entropy, mesh_axes,
+      )  # fmt: skip
+    labels = labels[..., 0]  # one id a position: a label
   rows = _inputs.prepare(hidden, weight, labels, bias, where, options, weight_layout)
   layout = _mesh.layout_for(mesh, batch_axis, vocab_axis, weight_layout, rows)
-  return _per_position(rows, options, perf, weight_layout, layout, return_entropy)
+  out = _per_position(rows, options, perf, weight_layout, layout, return_entropy)
+  if not one_id:
+    return out
+  return (out[0][..., None], out[1]) if return_entropy else out[..., None]
 
 
 def _per_position(rows, options, perf, weight_layout, layout, entropy: bool):
