@@ -44,7 +44,7 @@ for what in "$@"; do
              tests/test_distillation.py tests/test_backends.py tests/test_autodiff_patterns.py ;;
     gpu_c) step gpu_c 330 python3 -m pytest -q -m gpu -rfE -n 3 tests/test_mosaic_ce.py tests/test_mosaic_stats.py \
              tests/test_class_weights.py tests/test_log_probs.py tests/test_reliability.py tests/test_tma_rows.py \
-             tests/test_token_weights.py tests/test_vocab_blocked.py ;;
+             tests/test_token_weights.py tests/test_vocab_blocked.py tests/test_top_k.py ;;
     suite) step suite 300 python3 -m pytest -q -x -m "not gpu" tests/test_linear_cross_entropy.py tests/test_chunked.py ;;
     kernels) step kernels 300 python3 -m mst_jax.bench --kernels --reps 20 --blocks ${BLOCKS:-1x2048x4} ;;
     bench) step bench ${BENCH_LIMIT:-400} python3 -m mst_jax.bench --out "$OUT/bench" $BENCH_ARGS
