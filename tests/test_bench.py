@@ -326,6 +326,15 @@ def test_timing_adds_rounds_while_they_disagree():
   assert len(measure.time_rounds(steps, 1, 3, 4, clock=clock)["a"]) == 3
 
 
+def test_each_round_starts_one_name_later():
+  order = []
+  steps = {name: (lambda name=name: order.append(name)) for name in "abc"}
+  times = measure.time_rounds(steps, 2, 4, 4, clock=lambda: 0.0)
+  assert all(len(t) == 4 for t in times.values())
+  rounds = ["".join(order[i : i + 6 : 2]) for i in range(0, 24, 6)]
+  assert rounds == ["abc", "bca", "cab", "abc"]
+
+
 def test_plot_has_both_legends_shapes_in_the_title_and_plain_ticks(tmp_path):
   matplotlib = pytest.importorskip("matplotlib")
   matplotlib.use("Agg")

@@ -120,12 +120,18 @@ def time_rounds(
   """Seconds of each synchronised step, per name and round.
 
   Every round runs each step ``reps`` times, name after name, so the
-  names share the host's slow spells. After ``rounds`` rounds it adds rounds
-  (up to ``most_rounds``) while any name's rounds disagree (``rounds_agree``).
+  names share the host's slow spells; each round starts one name later, so
+  no name always runs first or after the same one (a GPU at its power limit
+  runs a step faster after a lighter one). After ``rounds`` rounds it adds
+  rounds (up to ``most_rounds``) while any name's rounds disagree
+  (``rounds_agree``).
   """
   times = {name: [] for name in steps}
+  names = list(steps)
   while True:
-    for name, step in steps.items():
+    start_at = len(times[names[0]]) % len(names)
+    for name in names[start_at:] + names[:start_at]:
+      step = steps[name]
       this_round = []
       for _ in range(reps):
         start = clock()

@@ -16,8 +16,9 @@ a narrow head with Qwen-2's vocabulary (N=4096, D=64, V=151936, float32),
 whose 2.3 GiB of logits outgrow the default memory budget.
 
 Time: the median over rounds of each round's fastest step. A round runs every
-implementation of a case in turn, --reps steps each; there are at least
---rounds rounds, and more while they disagree by over 10%.
+implementation of a case in turn (each round starting one later), --reps
+steps each; there are at least --rounds rounds, and more while they disagree
+by over 10%.
 Memory (GPU): the step's peak device memory beyond its inputs and gradients,
 in a fresh process per implementation that loads the step from a compilation
 cache all of the run's processes share (so compilation is not counted); on a

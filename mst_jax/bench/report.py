@@ -17,7 +17,8 @@ BASELINE_NOTE = (
 )
 STATISTIC_NOTE = (
   "time ms: the median over rounds of each round's fastest step. A round times"
-  " every implementation of the case in turn ({reps} each); there are at least"
+  " every implementation of the case in turn ({reps} each), each round starting"
+  " one later; there are at least"
   " {rounds}, and more (up to {max_rounds} rounds) while the rounds disagree by"
   " over 10%. spread: the slowest round's fastest step over the fastest round's."
   " compile s: jit(...).lower(...).compile() of the step in the timing process"
