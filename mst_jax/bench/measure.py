@@ -121,10 +121,9 @@ def time_rounds(
 
   Every round runs each step ``reps`` times, name after name, so the
   names share the host's slow spells; each round starts one name later, so
-  no name always runs first or after the same one (a GPU at its power limit
-  runs a step faster after a lighter one). After ``rounds`` rounds it adds
-  rounds (up to ``most_rounds``) while any name's rounds disagree
-  (``rounds_agree``).
+  no name always runs first or after the same one (on a GPU at its power
+  limit the order may matter). After ``rounds`` rounds it adds rounds (up to
+  ``most_rounds``) while any name's rounds disagree (``rounds_agree``).
   """
   times = {name: [] for name in steps}
   names = list(steps)
