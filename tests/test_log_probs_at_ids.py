@@ -25,14 +25,14 @@ OUT_TOL = {"float32": 2e-5, "bfloat16": 2e-5, "float16": 2e-5}
 GRAD_TOL = {"float32": 2e-4, "bfloat16": 2e-2, "float16": 5e-3}
 
 
-def ids_problem(rng, batch, dim, vocab, k, dtype, weight_layout, bias):
+def ids_problem(rng, batch, dim, vocab, k, dtype, weight_layout, bias, ignore=IGNORE):
   hidden = rng.standard_normal((*batch, dim))
   weight = rng.standard_normal((vocab, dim)) * 1.5 / np.sqrt(dim)
   if weight_layout == "dv":
     weight = weight.T
   ids = rng.integers(0, vocab, (*batch, k))
-  ids[rng.random(ids.shape) < 0.25] = IGNORE  # ignored ids here and there
-  ids.reshape(-1, k)[1] = IGNORE  # a position with none counted
+  ids[rng.random(ids.shape) < 0.25] = ignore  # ignored ids here and there
+  ids.reshape(-1, k)[1] = ignore  # a position with none counted
   where = rng.random(batch) > 0.2
   arrays = dict(
     hidden=jnp.asarray(hidden, dtype),
@@ -49,20 +49,20 @@ def _shifted(x, fill):
   return np.concatenate([x[:, 1:], last], axis=1)
 
 
-def ids_oracle(arrays, ids, where, cotangents, *, shift, **head):
+def ids_oracle(arrays, ids, where, cotangents, *, shift, ignore=IGNORE, **head):
   """float64 ``(log_probs [..., K], entropy, grads)``: column k from the
   oracle with ``ids[..., k]`` as the labels; the gradient of
   ``sum(g_lp * log_probs) + sum(g_h * entropy)``."""
   g_lp, g_h = cotangents
   ids, where = np.asarray(ids), np.asarray(where)
-  shifted_ids = _shifted(ids, IGNORE) if shift else ids
+  shifted_ids = _shifted(ids, ignore) if shift else ids
   shifted_where = _shifted(where, False) if shift else where
-  counted = np.any(shifted_ids != IGNORE, axis=-1) & shifted_where
-  # Entropy at the positions with a counted id: any in-range label will do.
-  entropy_labels = np.where(counted, 0, IGNORE)
+  counted = np.any(shifted_ids != ignore, axis=-1) & shifted_where
+  # Entropy at the positions with a counted id: any other in-range label will do.
+  entropy_labels = np.where(counted, int(ignore == 0), ignore)
   if shift:  # the oracle shifts labels and where itself: undo it for these
     entropy_labels = np.concatenate(
-      [np.full_like(entropy_labels[:, :1], IGNORE), entropy_labels[:, :-1]], axis=1
+      [np.full_like(entropy_labels[:, :1], ignore), entropy_labels[:, :-1]], axis=1
     )
   names = [n for n in ("hidden", "weight", "bias") if arrays[n] is not None]
 
@@ -70,7 +70,7 @@ def ids_oracle(arrays, ids, where, cotangents, *, shift, **head):
     kw = dict(zip(names, args, strict=True))
     call = lambda labels, **extra: oracle64.log_probs(
       kw["hidden"], kw["weight"], jnp.asarray(labels), kw.get("bias"),
-      where=jnp.asarray(where), shift=shift, **head, **extra,
+      ignore_index=ignore, where=jnp.asarray(where), shift=shift, **head, **extra,
     )  # fmt: skip
     columns = [call(ids[..., k]) for k in range(ids.shape[-1])]
     _, entropy = call(entropy_labels, return_entropy=True)
@@ -96,7 +96,9 @@ def _rel(out, ref):
 CASES = [
   # dtype, K, shift, weight_layout, bias, extra options
   ("float32", 6, False, "vd", True, {}),
-  ("float32", 1, True, "dv", False, {"logit_softcap": 4.0}),
+  ("float32", 2, True, "dv", False, {"logit_softcap": 4.0}),
+  # an ignore_index inside the vocabulary, first at some positions
+  ("float32", 3, True, "vd", True, {"ignore_index": 0}),
   ("float32", 5, True, "vd", True, {"chunk_size": 8, "logit_scale": 0.7}),
   ("float32", 7, False, "dv", True, {"grad_mode": "recompute", "impl": "pallas"}),
   ("bfloat16", 6, True, "vd", True, {"logits_dtype": jnp.float32}),
@@ -112,13 +114,17 @@ CASES = [
 def test_log_probs_at_ids_match_the_oracle(
   rng, dtype, k, shift, weight_layout, bias, options
 ):
-  arrays, ids, where = ids_problem(rng, (3, 11), 24, 301, k, dtype, weight_layout, bias)
+  ignore = options.get("ignore_index", IGNORE)
+  arrays, ids, where = ids_problem(
+    rng, (3, 11), 24, 301, k, dtype, weight_layout, bias, ignore
+  )
   lp_shape, h_shape = ids.shape, ids.shape[:-1]
   cotangents = (rng.standard_normal(lp_shape), rng.standard_normal(h_shape))
   head = {n: options[n] for n in ("logit_scale", "logit_softcap") if n in options}
   ref_lp, ref_h, ref_grads = ids_oracle(
-    arrays, ids, where, cotangents, shift=shift, weight_layout=weight_layout, **head
-  )
+    arrays, ids, where, cotangents, shift=shift, weight_layout=weight_layout,
+    ignore=ignore, **head,
+  )  # fmt: skip
   names = [n for n in ("hidden", "weight", "bias") if arrays[n] is not None]
 
   def outputs(*args):
@@ -139,7 +145,7 @@ def test_log_probs_at_ids_match_the_oracle(
   assert not np.isnan(np.asarray(lp)).any()
   assert _rel(lp, ref_lp) < OUT_TOL[dtype], _rel(lp, ref_lp)
   assert _rel(h, ref_h) < OUT_TOL[dtype], _rel(h, ref_h)
-  ignored = np.asarray(ids) == IGNORE
+  ignored = np.asarray(ids) == ignore
   if shift:
     ignored = _shifted(ignored, True)
   assert np.all(np.asarray(lp)[ignored] == 0.0)
@@ -189,7 +195,7 @@ def test_the_logits_are_formed_once_whatever_k(rng):
     text = jax.jit(jax.grad(total, argnums=(0, 1))).lower(*args).as_text()
     return text.count("dot_general")
 
-  assert dots(ids[..., :2]) == dots(ids)
+  assert dots(ids[..., :2]) == dots(ids) == dots(jnp.maximum(ids[..., 0], 0))
 
 
 def test_one_id_a_position_is_a_label(rng):
@@ -252,24 +258,22 @@ def test_ids_on_the_mosaic_kernels(rng, mosaic_on_cpu, options):
 
 
 def test_an_id_out_of_range_is_nan_alone(rng):
+  """An id outside the vocabulary gives NaN, the other ids their values; a
+  position whose ids all lie outside keeps its entropy, as with one label."""
   arrays, ids, _ = ids_problem(rng, (2, 5), 8, 41, 3, "float32", "vd", False)
   ids = np.asarray(ids).copy()
   ids[0, 2] = [3, 41, IGNORE]  # in range, out of range, ignored
-  lp = mst_jax.linear_log_probs(arrays["hidden"], arrays["weight"], jnp.asarray(ids))
+  ids[1, 4] = [41, 97, 41]  # none in range
+  lp, h = mst_jax.linear_log_probs(
+    arrays["hidden"], arrays["weight"], jnp.asarray(ids), return_entropy=True
+  )
   lp = np.asarray(lp)
   assert np.isnan(lp[0, 2, 1]) and lp[0, 2, 2] == 0.0 and np.isfinite(lp[0, 2, 0])
-  assert np.isfinite(np.delete(lp.reshape(-1), 2 * 3 + 1)).all()
-
-
-def test_ids_per_position_errors(rng):
-  arrays, ids, where = ids_problem(rng, (2, 5), 8, 41, 3, "float32", "vd", False)
-  hidden, weight = arrays["hidden"], arrays["weight"]
-  with pytest.raises(ValueError, match="leading shape"):
-    mst_jax.linear_log_probs(hidden, weight, ids[:, :4])
-  with pytest.raises(ValueError, match="where shape"):
-    mst_jax.linear_log_probs(hidden, weight, ids, where=jnp.ones((2, 5, 3), bool))
-  with pytest.raises(TypeError, match="integer"):
-    mst_jax.linear_log_probs(hidden, weight, ids.astype(jnp.float32))
-  mesh = jax.make_mesh((1,), ("data",))
-  with pytest.raises(ValueError, match="batch_axis, vocab_axis or both"):
-    mst_jax.linear_log_probs(hidden, weight, ids, mesh=mesh)
+  assert np.isnan(lp[1, 4]).all()
+  counted = np.any(ids != IGNORE, axis=-1)
+  with jax.enable_x64(True):
+    _, ref_h = oracle64.log_probs(
+      jnp.asarray(to64(arrays["hidden"])), jnp.asarray(to64(arrays["weight"])),
+      jnp.asarray(np.where(counted, 0, IGNORE)), return_entropy=True,
+    )  # fmt: skip
+  assert _rel(h, np.asarray(ref_h)) < OUT_TOL["float32"], _rel(h, np.asarray(ref_h))

@@ -204,9 +204,13 @@ def _at_ids(
   usable = valid & in_range
   options = dataclasses.replace(options, shift=False)
   in_vocab = jnp.clip(ids, 0, vocab_size - 1)
-  # Any id in the vocabulary will do as the sweep's label: its loss is not used.
+  # The sweep's label, an id in the vocabulary, is not ignore_index (but with
+  # V = 1), so where= alone picks the positions: those holding an id that is
+  # not ignored. Its loss is not used.
+  label_id = int(options.ignore_index == 0 and vocab_size > 1)
+  label = jnp.full(ids.shape[:-1], label_id, jnp.int32)
   rows = _inputs.prepare(
-    hidden, weight, in_vocab[..., 0], bias, jnp.any(usable, -1), options, weight_layout
+    hidden, weight, label, bias, jnp.any(valid, -1), options, weight_layout
   )
   rows = rows._replace(ids=in_vocab.reshape(-1, ids.shape[-1]))
   layout = _mesh.layout_for(*mesh_axes, weight_layout, rows)
