@@ -339,8 +339,8 @@ def plan_with_accumulator(
   ``CPU_COPY_BYTES`` per logit), and count the whole accumulator.
   ``biased``: 16-bit logits hold a bias's float32 product beside them
   (``BIAS_BYTES`` per logit). ``dlogits_apart``: a group's ``dlogits`` are
-  written beside its logits, not over them (XLA's cross-entropy on a GPU:
-  two 407 MiB buffers for a group of 1664 Llama-3 rows, H100, jax 0.11.2).
+  written beside its logits, not over them (XLA's cross-entropy on a GPU,
+  where cuBLAS's logits leave no buffer to share).
   """
   copy_bytes = (CPU_COPY_BYTES if cpu else 0) + (
     bias_bytes(logits_dtype) if biased else 0

@@ -84,8 +84,9 @@ class Rows(NamedTuple):
   @property
   def arrays(self) -> tuple:
     """``(hidden, weight, bias, labels, valid)``, then ``(class_weights,
-    target_weight, mean_weight)`` when there are class weights, and ``ids``
-    when there are ids: the ``_sweep.rows.RowInputs`` fields."""
+    target_weight, mean_weight)`` (None without class weights) when there
+    are class weights or ids, and ``ids`` when there are ids: the
+    ``_sweep.rows.RowInputs`` fields."""
     arrays = (self.hidden, self.weight, self.bias, self.labels, self.valid)
     if self.target_weight is None and self.ids is None:
       return arrays

@@ -241,7 +241,8 @@ def per_row_outputs(
   rows, options, perf, weight_layout, layout, weights, *, entropy=False
 ):
   """Per-row ``(loss, lse, correct, entropy)`` (the loss reduced with
-  ``weights`` already when the gradient is formed in the forward)."""
+  ``weights`` already when the gradient is formed in the forward), then the
+  logits at ``rows.ids`` (``[N, K]``) when the rows have ids."""
   n_rows, perf = rows.hidden.shape[0], _options.for_manual_axes(perf, rows.hidden)
   if perf.impl == "reference" or n_rows == 0:
     if layout is not None and n_rows:

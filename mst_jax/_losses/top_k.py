@@ -37,9 +37,9 @@ STATIC_ARGNAMES = (
 # them: this many bytes a logit, besides the logits themselves.
 _WORK_BYTES = 8
 
-# Past k = 16 a GPU's lax.top_k sorts whole rows. A top k of each block of
-# this many columns, then one of those candidates, took 0.74x its time at
-# k = 64 (8192 x 128256 float32 scores, H100); on a CPU it took 14x longer.
+# Past k = 16 a GPU's lax.top_k sorts whole rows: a top k of each block of
+# this many columns, then one of those candidates, is faster there, and
+# slower on a CPU (docs/benchmarks.md, "RL heads").
 _BLOCK = 512
 
 

@@ -4,8 +4,9 @@ Rows are walked in chunks (``_sweep.rows.sweep_chunks``, valid rows compacted to
 the front). Each chunk's ``[rows, V]`` logits are formed by the backend (in
 ``HeadSpec.logits_dtype``), reduced, and dropped:
 
-* ``forward``: per-row ``(loss, lse, correct, entropy)``; the recompute
-  backward keeps only the lse and the entropy.
+* ``forward``: per-row ``(loss, lse, correct, entropy)``, and the logits at
+  the rows' ids when there are ids; the recompute backward keeps only the
+  lse and the entropy.
 * ``backward``: recomputes each chunk's logits, forms ``dlogits`` from the
   saved lse, writes the chunk's ``dhidden`` rows and accumulates ``dweight``
   and ``dbias``: 8 N·D·V FLOPs with the forward.

@@ -544,8 +544,8 @@ def sweep_chunks(
   ``lax.cond`` on a device-side predicate (the carry passes through). One
   chunk of all the rows, unbounded, runs unconditionally (its excluded rows
   count for nothing): the cond would carry ``[V, D]`` ``dweight`` at the top
-  of the program, where XLA may copy it (with one such group, XLA's GEMMs
-  held a 1 GiB weight-sized temporary at the Llama-3 head).
+  of the program, where XLA may copy it (a weight-sized temporary beyond the
+  budget).
   """
   bound = with_bound if bounded else lambda chunk: chunk
   chunk_at = lambda index: bound(chunk_of(size, valid, index, group))
