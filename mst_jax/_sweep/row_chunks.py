@@ -33,7 +33,6 @@ from mst_jax._kernels.base import write_into
 from mst_jax._plan import unit_weights
 from mst_jax._sweep.gradients import Sweep, accumulate, gradient_sweep
 from mst_jax._sweep.rows import (
-  RowCotangents,
   chunk_of,
   gradient_finish,
   gradient_init,
@@ -123,8 +122,7 @@ class RowChunks:
   def backward(self, config, x, cot, diff):
     """``(dhidden, dweight, dbias)`` by recomputing each chunk's logits."""
     x, gather, _ = x.compacted(self.compact)  # recomputed: cheaper than saved
-    cot = RowCotangents(*(None if c is None else gather(c) for c in cot))
-    cot, scale = cot.unit(x.valid, x.hidden.dtype)
+    cot, scale = cot.map(gather).unit(x.valid, x.hidden.dtype)
     offset = config.columns.offset()
 
     def chunk_dlogits(outputs, chunk, into):
@@ -190,7 +188,5 @@ def _outputs_and_logits(config, x, chunk):
 def _with_ids(config, dlogits, x, cot, chunk):
   """A chunk's ``dlogits`` with the cotangents of its logits at ``x.ids``
   added (``SweepConfig.add_at``), where they are given."""
-  if cot.g_at_ids is None:
-    return dlogits
-  g = jnp.where(chunk.valid[:, None], chunk.take(cot.g_at_ids), 0)
-  return config.add_at(dlogits, chunk.take(x.ids), g)
+  g = cot.at_ids_of(chunk)
+  return dlogits if g is None else config.add_at(dlogits, chunk.take(x.ids), g)

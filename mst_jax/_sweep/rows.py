@@ -256,9 +256,19 @@ class RowCotangents(NamedTuple):
     zero = jnp.zeros_like(lse)
     return cls(lse, g_loss, zero, zero, zero)
 
+  def map(self, fn) -> RowCotangents:
+    """Each through ``fn`` (None stays None)."""
+    return RowCotangents(*(None if c is None else fn(c) for c in self))
+
   def take(self, chunk: Chunk) -> RowCotangents:
     """A chunk's rows of each."""
-    return RowCotangents(*(None if c is None else chunk.take(c) for c in self))
+    return self.map(chunk.take)
+
+  def at_ids_of(self, chunk: Chunk) -> jax.Array | None:
+    """A chunk's rows of ``g_at_ids``, 0 in its excluded rows; or None."""
+    if self.g_at_ids is None:
+      return None
+    return jnp.where(chunk.valid[:, None], chunk.take(self.g_at_ids), 0)
 
   def unit(self, valid: jax.Array, dtype) -> tuple[RowCotangents, jax.Array | None]:
     """``(cotangents, scale)``: the cotangents as ``_plan.unit_weights``."""

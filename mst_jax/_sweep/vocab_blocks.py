@@ -251,10 +251,8 @@ class VocabBlocks:
       coefficients = config.backward_rows(
         cot.take(chunk), rows.labels, chunk.valid, rows.classes
       )
-      at_ids = None
-      if cot.g_at_ids is not None:
-        g = jnp.where(chunk.valid[:, None], chunk.take(cot.g_at_ids), 0)
-        at_ids = (chunk.take(x.ids), g)
+      g = cot.at_ids_of(chunk)
+      at_ids = None if g is None else (chunk.take(x.ids), g)
       return self._chunk_gradients(
         config, grads, chunk, rows, coefficients, scale, at_ids
       )
